@@ -1,0 +1,60 @@
+/* tunable.h - every tunable of meshrun, declared once with its environment
+ * variable and default.
+ *
+ * A tunable is read from the environment the first time it is asked for and
+ * cached for the life of the process.  Command-line flags that override one
+ * call mr_tunable_override() before any reader runs.  To add a tunable, add a
+ * row here; `meshrun env` lists them all. */
+#ifndef MR_TUNABLE_H
+#define MR_TUNABLE_H
+
+#include <stdint.h>
+
+/* XX(id, env name, default, description).  Integers and strings share the
+ * table; a reader asks for the form it wants. */
+#define MR_TUNABLE_MAP(XX)                                                   \
+  XX(LOG_LEVEL, "MESHRUN_LOG_LEVEL", "info",                                 \
+     "log level: error, warn, info, debug")                                  \
+  XX(THREADS, "MESHRUN_THREADS", "1", "compute threads per CPU rank")        \
+  XX(HEARTBEAT_MS, "MESHRUN_HEARTBEAT_MS", "100",                            \
+     "interval between a worker's heartbeats, ms")                           \
+  XX(MAX_FRAME_BYTES, "MESHRUN_MAX_FRAME_BYTES", "268435456",                \
+     "largest RPC frame accepted, bytes")                                    \
+  XX(AUTH_TIMEOUT_MS, "MESHRUN_AUTH_TIMEOUT_MS", "5000",                     \
+     "time a new connection has to authenticate, ms")                        \
+  XX(CONNECT_TIMEOUT_MS, "MESHRUN_CONNECT_TIMEOUT_MS", "30000",              \
+     "time a spawned worker has to register, ms")                            \
+  XX(STOP_GRACE_MS, "MESHRUN_STOP_GRACE_MS", "3000",                         \
+     "time workers get to stop before SIGKILL, ms")                          \
+  XX(RESTART_BACKOFF_MS, "MESHRUN_RESTART_BACKOFF_MS", "0",                  \
+     "pause before a group restart, ms (doubles per restart)")               \
+  XX(SELFCHECK_STEP_MS, "MESHRUN_SELFCHECK_STEP_MS", "20",                   \
+     "length of one self-check step, ms")                                    \
+  XX(SELFCHECK_STEPS, "MESHRUN_SELFCHECK_STEPS", "5",                        \
+     "steps of the self-check job")                                          \
+  XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \
+     "lines of a failed rank's log shown on exit")
+
+enum mr_tunable_id {
+#define XX(id, env, def, desc) MR_TUNABLE_##id,
+  MR_TUNABLE_MAP(XX)
+#undef XX
+  MR_TUNABLE_COUNT
+};
+
+/* The tunable's value as a string.  Borrowed, valid for the process life. */
+const char *mr_tunable_str(enum mr_tunable_id id);
+
+/* The tunable's value as an integer; a value that does not parse logs a
+ * warning naming the variable and falls back to the default. */
+int64_t mr_tunable_int(enum mr_tunable_id id);
+
+/* Replaces the value (e.g. from a command-line flag).  Copies value. */
+void mr_tunable_override(enum mr_tunable_id id, const char *value);
+
+/* Table access for listing: name, env, default, description of row i. */
+const char *mr_tunable_env(enum mr_tunable_id id);
+const char *mr_tunable_default(enum mr_tunable_id id);
+const char *mr_tunable_desc(enum mr_tunable_id id);
+
+#endif
