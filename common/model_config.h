@@ -1,0 +1,53 @@
+/* model_config.h - a transformer's shape, read from a Hugging Face
+ * config.json (LlamaForCausalLM or GPT2LMHeadModel).
+ *
+ * Field names follow transformers.  Unknown keys of a config are ignored, as
+ * transformers ignores them; missing keys take transformers' defaults; wrong
+ * types and impossible values (heads that do not divide the hidden size) are
+ * errors naming the file and the key. */
+#ifndef MR_MODEL_CONFIG_H
+#define MR_MODEL_CONFIG_H
+
+#include <stdint.h>
+
+struct cJSON;
+
+enum mr_model_family {
+  MR_MODEL_LLAMA = 0, // LlamaForCausalLM: RMSNorm, RoPE, GQA, SwiGLU
+  MR_MODEL_GPT2 = 1,  // GPT2LMHeadModel: LayerNorm, learned positions, GELU
+};
+
+struct mr_model_config {
+  enum mr_model_family family;
+  int64_t vocab_size;
+  int64_t hidden_size;          // GPT-2: n_embd
+  int64_t intermediate_size;    // GPT-2: 4 * n_embd unless n_inner
+  int64_t num_hidden_layers;    // GPT-2: n_layer
+  int64_t num_attention_heads;  // GPT-2: n_head
+  int64_t num_key_value_heads;  // GPT-2: = num_attention_heads
+  int64_t max_position_embeddings; // GPT-2: n_positions
+  double rms_norm_eps;          // LLaMA
+  double layer_norm_epsilon;    // GPT-2
+  double rope_theta;            // LLaMA
+  double initializer_range;
+  int tie_word_embeddings;      // LLaMA default 0; GPT-2 always 1
+};
+
+/* Parses a config object; `where` names it in errors (a file path, or
+ * "job.json: model").  Returns 0 or MR_EJOB with mr_error_message set. */
+int mr_model_config_parse(const struct cJSON *obj, const char *where,
+                          struct mr_model_config *out);
+
+/* Reads and parses a config.json file. */
+int mr_model_config_load(const char *path, struct mr_model_config *out);
+
+/* Writes the config as Hugging Face config.json text (malloc'd). */
+char *mr_model_config_to_json(const struct mr_model_config *cfg);
+
+/* Head dimension: hidden_size / num_attention_heads. */
+int64_t mr_model_head_dim(const struct mr_model_config *cfg);
+
+/* Number of parameters (embedding counted once when tied). */
+int64_t mr_model_param_count(const struct mr_model_config *cfg);
+
+#endif
