@@ -17,7 +17,7 @@
 #define MR_COORDINATOR_H
 
 #include "common/job.h"
-#include "launcher/discovery.h"
+#include "common/discovery.h"
 
 struct mr_launch_opts {
   int nproc;                    // ranks to run

@@ -10,7 +10,7 @@
 #include "common/tunable.h"
 #include "launcher/cli.h"
 #include "launcher/coordinator.h"
-#include "launcher/discovery.h"
+#include "common/discovery.h"
 
 static void usage(FILE *f) {
   fprintf(f,

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/discovery.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/rpc.h"
@@ -86,22 +87,34 @@ int mr_client_connect(struct mr_client *c, const char *address,
                                   (int)mr_tunable_int(MR_TUNABLE_AUTH_TIMEOUT_MS)));
   char host[256] = "";
   gethostname(host, sizeof host - 1);
-  Meshrun__Device dev = MESHRUN__DEVICE__INIT;
-  dev.kind = "cpu";
-  dev.name = "cpu";
-  Meshrun__Device *devs[] = {&dev};
+  struct mr_devices found;
+  MR_TRY(mr_discover_devices(&found));
+  Meshrun__Device *devs = calloc((size_t)found.n, sizeof *devs);
+  Meshrun__Device **dev_ptrs = calloc((size_t)found.n, sizeof *dev_ptrs);
+  for (int i = 0; devs != NULL && dev_ptrs != NULL && i < found.n; i++) {
+    meshrun__device__init(&devs[i]);
+    devs[i].kind = found.dev[i].kind;
+    devs[i].index = found.dev[i].index;
+    devs[i].name = found.dev[i].name;
+    devs[i].memory_bytes = found.dev[i].memory_bytes;
+    dev_ptrs[i] = &devs[i];
+  }
   Meshrun__Hello hello = MESHRUN__HELLO__INIT;
   hello.protocol_version = MR_PROTOCOL_VERSION;
   hello.host = host;
   hello.pid = (uint32_t)getpid();
-  hello.n_devices = 1;
-  hello.devices = devs;
+  hello.n_devices = devs != NULL && dev_ptrs != NULL ? (size_t)found.n : 0;
+  hello.devices = dev_ptrs;
   hello.requested_rank = requested_rank;
   hello.restart = (uint32_t)restart;
   Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
   env.msg_case = MESHRUN__ENVELOPE__MSG_HELLO;
   env.hello = &hello;
-  MR_TRY(mr_client_send(c, &env));
+  int sent = mr_client_send(c, &env);
+  free(dev_ptrs);
+  free(devs);
+  mr_devices_close(&found);
+  MR_TRY(sent);
   Meshrun__Envelope *w;
   int rc = expect(c, MESHRUN__ENVELOPE__MSG_WELCOME, &w);
   if (rc == MR_ECLOSED)

@@ -1,5 +1,5 @@
 /* discovery.c - devices: CUDA through a dlopen'ed driver, else CPU cores. */
-#include "launcher/discovery.h"
+#include "common/discovery.h"
 
 #include <dlfcn.h>
 #include <sched.h>
