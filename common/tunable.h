@@ -32,6 +32,8 @@
      "length of one self-check step, ms")                                    \
   XX(SELFCHECK_STEPS, "MESHRUN_SELFCHECK_STEPS", "5",                        \
      "steps of the self-check job")                                          \
+  XX(TEST_STALL, "MESHRUN_TEST_STALL", "",                                  \
+     "test hook: \"RANK:STEP\" stalls that rank at that step")             \
   XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \
      "lines of a failed rank's log shown on exit")
 

@@ -347,6 +347,60 @@ static void on_connection(uv_stream_t *server, int status) {
   mr_conn_accept(server, is_tcp, co->token, &cb, ++co->next_conn_id);
 }
 
+/* Appends, for every open rendezvous, the ranks that have not joined it. */
+static void describe_rendezvous(const struct coordinator *co, char *buf, size_t n) {
+  size_t used = strlen(buf);
+  for (const struct rendezvous *r = co->rdv; r != NULL && used < n; r = r->next) {
+    int w = snprintf(buf + used, n - used, "\n  rendezvous \"%s\": %d of %d arrived; missing:",
+                     r->key, r->have, co->opts->nproc);
+    if (w < 0)
+      return;
+    used += (size_t)w;
+    for (int i = 0; i < co->opts->nproc && used < n; i++)
+      if (r->blobs[i].data == NULL) {
+        w = snprintf(buf + used, n - used, " rank %d", i);
+        if (w < 0)
+          return;
+        used += (size_t)w;
+      }
+  }
+}
+
+/* No rank has completed an instruction for the hang timeout: say what
+ * each one is doing and who the others wait for, then fail the group. */
+static void check_hang(struct coordinator *co, int64_t now) {
+  if (co->opts->hang_timeout_s <= 0)
+    return;
+  int64_t limit = (int64_t)(co->opts->hang_timeout_s * 1000.0);
+  int64_t newest = 0;
+  int live = 0;
+  for (int i = 0; i < co->opts->nproc; i++) {
+    const struct mr_rank *r = &co->ranks.r[i];
+    if (r->exited || r->conn == NULL || r->done)
+      continue;
+    live++;
+    if (r->progress_ms > newest)
+      newest = r->progress_ms;
+  }
+  if (live == 0 || now - newest <= limit)
+    return;
+  char where[4096];
+  mr_ranks_describe_positions(&co->ranks, where, sizeof where);
+  describe_rendezvous(co, where, sizeof where);
+  /* the culprit: a rank that waits on nothing while others wait */
+  int culprit = -1;
+  for (int i = 0; i < co->opts->nproc && culprit < 0; i++) {
+    const struct mr_rank *r = &co->ranks.r[i];
+    if (!r->exited && !r->done && r->waiting_on < 0)
+      culprit = i;
+  }
+  char who[96] = "";
+  if (culprit >= 0)
+    snprintf(who, sizeof who, "; rank %d is stuck outside communication", culprit);
+  group_fail(co, culprit, "hang: no rank made progress for %.1f s%s:%s",
+             (double)(now - newest) / 1000.0, who, where);
+}
+
 /* ---- the group ----------------------------------------------------------- */
 
 static void on_rank_exit(void *ctx, int rank, int64_t status, int signal);
@@ -461,6 +515,9 @@ static void on_tick(uv_timer_t *t) {
         return;
       }
     }
+    check_hang(co, now);
+    if (co->phase != PHASE_RUNNING)
+      return;
     if (all_done && mr_ranks_all_closed(&co->ranks)) {
       if (co->opts->selfcheck)
         printf("meshrun: self-check passed: %d ranks registered, authenticated, "

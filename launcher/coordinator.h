@@ -24,6 +24,7 @@ struct mr_launch_opts {
   int max_restarts;             // group restarts allowed
   const char *log_dir;          // per-rank logs, coordinator.json, metrics
   double heartbeat_timeout_s;   // silence that fails a rank
+  double hang_timeout_s;        // no rank progressing this long: a hang
   const char *bind;             // TCP listen address, "HOST:PORT"
   const char *worker_bin;       // path of meshrun-worker
   int threads;                  // compute threads per rank

@@ -25,6 +25,8 @@ static void usage(FILE *f) {
           "  --log-dir DIR          per-rank logs and metrics (default runs/JOBNAME)\n"
           "  --metrics FILE         per-step metrics, JSON lines (default LOG_DIR/metrics.jsonl)\n"
           "  --heartbeat-timeout S  silence after which a rank is failed (default 30)\n"
+          "  --hang-timeout S       no rank progressing this long is a hang: diagnose,\n"
+          "                         then restart (default 300; 0 turns it off)\n"
           "  --bind HOST:PORT       TCP address for remote workers (default 127.0.0.1:0)\n"
           "  --selfcheck            run the built-in end-to-end check instead of the job\n");
 }
@@ -48,11 +50,12 @@ int mr_cmd_launch(int argc, char **argv) {
       {"metrics", required_argument, NULL, 'm'},
       {"heartbeat-timeout", required_argument, NULL, 'h'},
       {"bind", required_argument, NULL, 'b'},
+      {"hang-timeout", required_argument, NULL, 'H'},
       {"selfcheck", no_argument, NULL, 's'},
       {"help", no_argument, NULL, '?'},
       {NULL, 0, NULL, 0}};
   long nproc = 0, threads = 0, restarts = 0;
-  double hb = 30.0;
+  double hb = 30.0, hang = 300.0;
   const char *log_dir = NULL, *metrics = NULL, *bind = "127.0.0.1:0";
   int selfcheck = 0;
   optind = 1;
@@ -84,6 +87,10 @@ int mr_cmd_launch(int argc, char **argv) {
       break;
     case 'b':
       bind = optarg;
+      break;
+    case 'H':
+      if (mr_cli_num("launch", "--hang-timeout", optarg, 0, 1e7, &hang) < 0)
+        return 2;
       break;
     case 's':
       selfcheck = 1;
@@ -157,6 +164,7 @@ int mr_cmd_launch(int argc, char **argv) {
       .max_restarts = (int)restarts,
       .log_dir = log_dir,
       .heartbeat_timeout_s = hb,
+      .hang_timeout_s = hang,
       .bind = bind,
       .worker_bin = worker,
       .threads = (int)threads,

@@ -236,7 +236,8 @@ static int spawn_one(struct mr_ranks *s, int i, const struct mr_spawn_env *e) {
   r->term_signal = 0;
   r->pid = r->proc.pid;
   r->conn = NULL;
-  r->spawn_ms = r->last_seen_ms = mr_now_ms();
+  r->spawn_ms = r->last_seen_ms = r->progress_ms = mr_now_ms();
+  r->last_done = 0;
   r->step = 0;
   r->waiting_on = -1;
   uv_read_start((uv_stream_t *)&r->out, on_alloc, on_output);
@@ -297,6 +298,8 @@ int mr_ranks_all_closed(const struct mr_ranks *s) {
 
 void mr_ranks_heartbeat(struct mr_ranks *s, int rank, const Meshrun__Heartbeat *hb) {
   struct mr_rank *r = &s->r[rank];
+  if (hb->step != r->step || hb->last_done != r->last_done)
+    r->progress_ms = mr_now_ms();
   r->step = hb->step;
   r->last_done = hb->last_done;
   r->waiting_on = hb->waiting_on;
@@ -304,6 +307,30 @@ void mr_ranks_heartbeat(struct mr_ranks *s, int rank, const Meshrun__Heartbeat *
            hb->waiting_detail != NULL ? hb->waiting_detail : "");
   if (hb->memory_bytes > r->peak_memory)
     r->peak_memory = hb->memory_bytes;
+}
+
+void mr_ranks_describe_positions(const struct mr_ranks *s, char *buf, size_t n) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (int i = 0; i < s->n && used < n; i++) {
+    const struct mr_rank *r = &s->r[i];
+    int w;
+    if (r->exited)
+      w = snprintf(buf + used, n - used, "\n  rank %d: exited", i);
+    else if (r->waiting_on >= 0)
+      w = snprintf(buf + used, n - used,
+                   "\n  rank %d: step %lld, completed #%lld, waits on #%lld: %s", i,
+                   (long long)r->step, (long long)r->last_done, (long long)r->waiting_on,
+                   r->waiting_detail[0] ? r->waiting_detail : "?");
+    else
+      w = snprintf(buf + used, n - used,
+                   "\n  rank %d: step %lld, completed #%lld, waits on nothing: "
+                   "busy or stuck in its own work (instruction #%lld)",
+                   i, (long long)r->step, (long long)r->last_done, (long long)r->last_done + 1);
+    if (w < 0)
+      break;
+    used += (size_t)w;
+  }
 }
 
 static void format_duration(double s, char *buf, size_t n) {

@@ -45,6 +45,7 @@ struct mr_rank {
   int tail_n, tail_pos;
   int64_t last_done, waiting_on; // from heartbeats: instruction ids
   char waiting_detail[160];
+  int64_t progress_ms;     // when step or last_done last changed
 };
 
 struct mr_spawn_env {
@@ -103,6 +104,10 @@ void mr_ranks_close_conns(struct mr_ranks *s);
 /* True when no rank process is running / when every handle is closed. */
 int mr_ranks_all_exited(const struct mr_ranks *s);
 int mr_ranks_all_closed(const struct mr_ranks *s);
+
+/* Describes, on one line per rank, where every rank is: what it completed
+ * and what it waits on.  Writes into buf (NUL-terminated). */
+void mr_ranks_describe_positions(const struct mr_ranks *s, char *buf, size_t n);
 
 /* Records a heartbeat's position. */
 void mr_ranks_heartbeat(struct mr_ranks *s, int rank, const Meshrun__Heartbeat *hb);

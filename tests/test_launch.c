@@ -324,6 +324,26 @@ START_TEST(test_launch_bad_clients_refused_job_still_finishes) {
 }
 END_TEST
 
+START_TEST(test_launch_hang_diagnosed_naming_rank_and_operation) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct mr_tproc p;
+  static char stall[] = "MESHRUN_TEST_STALL=2:3";
+  putenv(stall);
+  char *flags[] = {"--hang-timeout", "0.5", NULL};
+  launch(&p, dir, 3, "20", flags);
+  int code = mr_t_wait(&p, 20);
+  ck_assert_int_eq(code, 1);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(strstr(err, "hang: no rank made progress") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "rank 2 is stuck outside communication") != NULL, "%s", err);
+  ck_assert(strstr(err, "rank 0: step 3, completed #5, waits on #6: rendezvous \"selfcheck/step-3\"") != NULL);
+  ck_assert(strstr(err, "rank 1: step 3") != NULL);
+  ck_assert(strstr(err, "rendezvous \"selfcheck/step-3\": 2 of 3 arrived; missing: rank 2") != NULL);
+  free(err);
+}
+END_TEST
+
 static Suite *launch_suite(void) {
   Suite *s = suite_create("launch");
   TCase *tc = tcase_create("e2e");
@@ -335,6 +355,7 @@ static Suite *launch_suite(void) {
   tcase_add_test(tc, test_launch_no_orphans_after_launcher_sigkill);
   tcase_add_test(tc, test_launch_sigterm_stops_every_worker);
   tcase_add_test(tc, test_launch_bad_clients_refused_job_still_finishes);
+  tcase_add_test(tc, test_launch_hang_diagnosed_naming_rank_and_operation);
   suite_add_tcase(s, tc);
   return s;
 }

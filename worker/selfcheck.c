@@ -16,6 +16,16 @@ static void sleep_ms(int64_t ms) {
     ;
 }
 
+/* MESHRUN_TEST_STALL="RANK:STEP" makes that rank stop working at that step
+ * while its heartbeats go on: a hang, for testing the diagnosis. */
+static int stall_here(const struct mr_client *c, int64_t step) {
+  const char *spec = mr_tunable_str(MR_TUNABLE_TEST_STALL);
+  int rank;
+  long long at;
+  return spec[0] != '\0' && sscanf(spec, "%d:%lld", &rank, &at) == 2 && rank == c->rank &&
+         at == step;
+}
+
 int mr_selfcheck_run(struct mr_client *c) {
   struct mr_reporter rep;
   mr_client_reporter(c, &rep);
@@ -30,7 +40,18 @@ int mr_selfcheck_run(struct mr_client *c) {
                             (long long)s);
       sleep_ms(left < 10 ? left : 10);
     }
-    rep.progress(rep.ctx, s, s, -1, "");
+    while (stall_here(c, s) && !rep.stop_requested(rep.ctx))
+      sleep_ms(10);
+    /* every step ends in a barrier through the coordinator */
+    char key[48], detail[96];
+    snprintf(key, sizeof key, "selfcheck/step-%lld", (long long)s);
+    snprintf(detail, sizeof detail, "rendezvous \"%s\" through the coordinator", key);
+    rep.progress(rep.ctx, s, 2 * s - 1, 2 * s, detail);
+    ProtobufCBinaryData *b = NULL;
+    MR_TRY(mr_client_rendezvous(c, key, "", 0, &b,
+                                (int)mr_tunable_int(MR_TUNABLE_CONNECT_TIMEOUT_MS) * 100));
+    mr_client_free_blobs(b, c->world_size);
+    rep.progress(rep.ctx, s, 2 * s, -1, "");
     struct mr_step_report r = {.step = s, .loss = 0, .loss_scale = 1,
                                .step_time_s = (double)step_ms / 1000.0};
     rep.step(rep.ctx, &r);
