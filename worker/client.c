@@ -304,7 +304,22 @@ int mr_client_rendezvous(struct mr_client *c, const char *key, const void *blob,
       free(r);
       return rc;
     }
-    if (pthread_cond_timedwait(&c->rdv_cond, &c->rdv_lock, &deadline) == ETIMEDOUT) {
+    if (atomic_load(&c->stop_requested)) {
+      pthread_mutex_unlock(&c->rdv_lock);
+      return mr_error_set(MR_ECANCELED, "stopped while in rendezvous \"%s\"", key);
+    }
+    /* wake up now and then to notice a stop request */
+    struct timespec slice;
+    clock_gettime(CLOCK_REALTIME, &slice);
+    slice.tv_nsec += 20 * 1000000L;
+    if (slice.tv_nsec >= 1000000000L) {
+      slice.tv_sec++;
+      slice.tv_nsec -= 1000000000L;
+    }
+    int past = slice.tv_sec > deadline.tv_sec ||
+               (slice.tv_sec == deadline.tv_sec && slice.tv_nsec >= deadline.tv_nsec);
+    if (pthread_cond_timedwait(&c->rdv_cond, &c->rdv_lock, past ? &deadline : &slice) ==
+            ETIMEDOUT && past) {
       pthread_mutex_unlock(&c->rdv_lock);
       return mr_error_set(MR_ETIMEDOUT, "rendezvous \"%s\" timed out after %.1f s", key,
                           timeout_ms / 1000.0);
