@@ -1,4 +1,5 @@
 /* main.c - the `meshrun` command: dispatches to a subcommand. */
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -30,6 +31,8 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
+  /* a worker that dies mid-write must not take the launcher with it */
+  signal(SIGPIPE, SIG_IGN);
   const char *cmd = argv[1];
   if (strcmp(cmd, "launch") == 0)
     return mr_cmd_launch(argc - 1, argv + 1);
