@@ -7,9 +7,13 @@
 #include "common/error.h"
 #include "worker/backend/cpu/kernels.h"
 
-/* Blocks start at multiples of this many rows or columns, to keep OpenBLAS
- * on its full-width micro-kernels. */
-#define GEMM_ALIGN 16
+/* Row blocks start at multiples of 24 rows: OpenBLAS (Haswell/Zen kernels)
+ * walks the rows of a row-major C in panels of 24, so a block boundary on a
+ * panel boundary leaves every element's arithmetic as in one whole call,
+ * and the result is bitwise the same for any thread count (tested).  A
+ * column split does not have that property, so C is only ever split by
+ * rows, and a product with fewer than 2 panels of rows runs on one thread. */
+#define GEMM_ALIGN 24
 
 struct gemm_job {
   bool ta, tb, by_rows;
@@ -82,16 +86,17 @@ static int gemm_bias(struct mr_pool *pool, bool ta, bool tb, int M, int N,
   if (M == 0 || N == 0)
     return 0;
   struct gemm_job j = {
-      .ta = ta, .tb = tb, .by_rows = M >= N, .M = M, .N = N, .K = K,
+      .ta = ta, .tb = tb, .by_rows = true, .M = M, .N = N, .K = K,
       .alpha = alpha, .beta = beta, .A = A, .B = B, .lda = lda, .ldb = ldb,
       .ldc = ldc, .C = C, .bias = bias};
-  int split = j.by_rows ? M : N;
-  int units = (split + GEMM_ALIGN - 1) / GEMM_ALIGN;
+  int units = M / GEMM_ALIGN;
   int nt = mr_pool_threads(pool);
   /* Below ~1 MFLOP a second thread costs more than it saves. */
   if ((double)M * N * K < 1e6)
     nt = 1;
   j.ntasks = nt < units ? nt : units;
+  if (j.ntasks < 1)
+    j.ntasks = 1;
   return mr_pool_run(pool, j.ntasks, gemm_task, &j);
 }
 
