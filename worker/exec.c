@@ -1,6 +1,8 @@
 /* exec.c - buffer planning and the op loop. */
 #include "worker/exec.h"
 
+#include <cblas.h>
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,6 +59,8 @@ int mr_exec_init(struct mr_exec *x, const struct mr_graph *g, int threads,
   x->cpu.amp = amp;
   x->cpu.threads = threads;
   mr_cpu_kernels_register();
+  /* our threads split the work; OpenBLAS's own would fight them for cores */
+  openblas_set_num_threads(1);
   for (int i = 0; i < g->n_ops; i++)
     if (!mr_op_kernel(g->ops[i].kind, MR_BACKEND_CPU))
       return mr_error_set(MR_ENOTSUP, "op %s has no CPU kernel",
@@ -162,6 +166,14 @@ int mr_exec_run(struct mr_exec *x, int from, int to) {
     if (x->op_seconds)
       x->op_seconds[i] += now() - t0;
   }
+  return 0;
+}
+
+int mr_exec_profile(struct mr_exec *x, int on) {
+  free(x->op_seconds);
+  x->op_seconds = NULL;
+  if (on && !(x->op_seconds = calloc((size_t)x->g->n_ops, sizeof(double))))
+    return MR_ENOMEM;
   return 0;
 }
 

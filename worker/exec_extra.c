@@ -287,7 +287,8 @@ static int k_layernorm_bwd(void *ctx, const struct mr_graph *g,
   return 0;
 }
 
-/* rotate-half RoPE as in transformers' LLaMA: pairs (i, i + D/2) */
+/* rotate-half RoPE as in transformers' LLaMA: pairs (i, i + D/2), angle
+ * pos * theta^(-2i/D), pos = row mod T */
 static int k_rope(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                   void *const *b) {
   const float *x = b[0];
@@ -296,18 +297,25 @@ static int k_rope(void *ctx, const struct mr_graph *g, const struct mr_op *op,
   int64_t t = (int64_t)op->attr[0], h = (int64_t)op->attr[1], d = hd / h;
   double theta = op->attr[2], sign = op->attr[3] < 0 ? -1.0 : 1.0;
   int64_t half = d / 2;
-  for (int64_t r = 0; r < n; r++) {
-    double pos = (double)(r % t);
+  float *tab = scratch(ctx, (size_t)(2 * t * half));
+  if (!tab)
+    return MR_ENOMEM;
+  for (int64_t p = 0; p < t; p++)
     for (int64_t i = 0; i < half; i++) {
       float inv = (float)(1.0 / pow(theta, (double)(2 * i) / (double)d));
-      double ang = pos * inv;
-      float cs = (float)cos(ang), sn = (float)(sign * sin(ang));
-      for (int64_t k = 0; k < h; k++) {
-        const float *xr = x + r * hd + k * d;
-        float *yr = y + r * hd + k * d;
-        float a = xr[i], bb = xr[i + half];
-        yr[i] = a * cs - bb * sn;
-        yr[i + half] = bb * cs + a * sn;
+      double ang = (double)p * inv;
+      tab[(p * half + i) * 2] = (float)cos(ang);
+      tab[(p * half + i) * 2 + 1] = (float)(sign * sin(ang));
+    }
+  for (int64_t r = 0; r < n; r++) {
+    const float *cs = tab + (r % t) * half * 2;
+    for (int64_t k = 0; k < h; k++) {
+      const float *xr = x + r * hd + k * d;
+      float *yr = y + r * hd + k * d;
+      for (int64_t i = 0; i < half; i++) {
+        float a = xr[i], bb = xr[i + half], c = cs[2 * i], sn = cs[2 * i + 1];
+        yr[i] = a * c - bb * sn;
+        yr[i + half] = bb * c + a * sn;
       }
     }
   }

@@ -219,6 +219,8 @@ int mr_trainer_save(const struct mr_trainer *t, const char *path) {
   return mr_weights_save(&t->model, &t->exec, path);
 }
 
+struct mr_exec *mr_trainer_exec(struct mr_trainer *t) { return &t->exec; }
+
 double mr_trainer_step_flops(const struct mr_trainer *t) { return t->step_flops; }
 
 static void write_metrics(FILE *f, const struct mr_step_report *r) {

@@ -46,6 +46,9 @@ int mr_trainer_save(const struct mr_trainer *t, const char *path);
 /* Model FLOPs of one step (forward and backward as executed). */
 double mr_trainer_step_flops(const struct mr_trainer *t);
 
+/* The executor, for profiling (borrowed). */
+struct mr_exec *mr_trainer_exec(struct mr_trainer *t);
+
 void mr_trainer_free(struct mr_trainer *t);
 
 /* Trains job on this rank for train.steps steps: reports each step to
