@@ -12,8 +12,13 @@
 #include "common/auth.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/job.h"
+#include "common/tunable.h"
+#include "worker/bootstrap_rpc.h"
 #include "worker/client.h"
+#include "worker/comm/comm.h"
 #include "worker/selfcheck.h"
+#include "worker/train.h"
 
 static struct mr_client client;
 
@@ -57,6 +62,78 @@ static int read_token(uint8_t token[MR_TOKEN_BYTES]) {
   return rc;
 }
 
+/* A training plan: the job travels in the plan as its canonical text, with
+ * every path already resolved by the launcher. */
+static int run_training(struct mr_client *c) {
+  const Meshrun__Plan *plan = c->plan;
+  char *text = malloc(plan->body.len + 1);
+  if (text == NULL)
+    return MR_ENOMEM;
+  memcpy(text, plan->body.data, plan->body.len);
+  text[plan->body.len] = '\0';
+  struct mr_job job;
+  int rc = mr_job_parse(text, "the plan's job", "/", &job);
+  free(text);
+  MR_TRY(rc);
+  const char *log_dir = getenv("MESHRUN_LOG_DIR");
+  if (log_dir == NULL || log_dir[0] == '\0')
+    log_dir = ".";
+  char weights[4096];
+  snprintf(weights, sizeof weights, "%s/model.safetensors", log_dir);
+  /* what this runtime executes today: data parallelism over every rank */
+  const struct mr_strategy_hint *h = &job.strategy;
+  if ((h->tp > 1) || (h->pp > 1) || (h->dp > 0 && h->dp != c->world_size) ||
+      h->zero_stage > 0 || h->sequence_parallel == 1) {
+    mr_job_close(&job);
+    return mr_error_set(MR_ENOTSUP,
+                        "this worker runs data parallelism over all %d ranks only "
+                        "(no tensor/pipeline/sequence parallelism or ZeRO yet)",
+                        c->world_size);
+  }
+  struct mr_comm *comm = NULL;
+  struct mr_comm_group *world = NULL;
+  if (c->world_size > 1) {
+    struct mr_bootstrap_rpc boot;
+    mr_bootstrap_rpc_init(&boot, c);
+    rc = mr_comm_cpu_ops()->open(&boot.bs, &comm);
+    int *ranks = calloc((size_t)c->world_size, sizeof *ranks);
+    for (int i = 0; rc == 0 && ranks != NULL && i < c->world_size; i++)
+      ranks[i] = i;
+    if (rc == 0)
+      rc = ranks != NULL ? comm->ops->group_new(comm, "data", ranks, c->world_size, &world)
+                         : MR_ENOMEM;
+    free(ranks);
+    if (rc < 0) {
+      if (comm != NULL)
+        comm->ops->close(comm);
+      mr_job_close(&job);
+      return rc;
+    }
+  }
+  struct mr_reporter rep;
+  mr_client_reporter(c, &rep);
+  struct mr_run_env env = {
+      .rank = c->rank,
+      .world_size = c->world_size,
+      .local_rank = c->local_rank,
+      .threads = (int)mr_tunable_int(MR_TUNABLE_THREADS),
+      .log_dir = log_dir,
+      .metrics_path = NULL, /* the coordinator writes the job's metrics file */
+      .weights_out = c->rank == 0 ? weights : NULL,
+      .reporter = &rep,
+      .dp_group = world,
+  };
+  rc = mr_train_run(&job, &env);
+  if (comm != NULL)
+    comm->ops->close(comm);
+  if (rc == 0 && rep.stop_requested(rep.ctx))
+    rc = mr_error_set(MR_ECANCELED, "stopped by the coordinator");
+  if (rc == 0)
+    rc = mr_client_report_done(c, job.train.steps, NULL, 0);
+  mr_job_close(&job);
+  return rc;
+}
+
 static int run(void) {
   const char *coord = getenv("MESHRUN_COORD");
   if (coord == NULL || coord[0] == '\0')
@@ -79,6 +156,9 @@ static int run(void) {
   case MESHRUN__PLAN__KIND__SELFCHECK:
     rc = mr_selfcheck_run(&client);
     break;
+  case MESHRUN__PLAN__KIND__TRAIN:
+    rc = run_training(&client);
+    break;
   default:
     rc = mr_error_set(MR_ENOTSUP, "this worker cannot run plans of kind %d",
                       (int)client.plan->kind);
@@ -90,8 +170,11 @@ static int run(void) {
 }
 
 int main(int argc, char **argv) {
-  (void)argc;
-  (void)argv;
+  if (argc > 1) {
+    fprintf(stderr, "meshrun-worker: unknown command \"%s\" (workers are started by "
+                    "meshrun launch)\n", argv[1]);
+    return 2;
+  }
   bind_to_launcher();
   if (getenv("MESHRUN_LAUNCHER_PID") != NULL)
     mr_log_set_prefix(""); /* the launcher prefixes our lines with [rank N] */

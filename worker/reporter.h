@@ -38,6 +38,8 @@ struct mr_reporter {
   int (*checkpoint_requested)(void *ctx);
 };
 
+struct mr_comm_group;
+
 /* Where a job runs: given to the job by the worker runtime. */
 struct mr_run_env {
   int rank;
@@ -48,6 +50,7 @@ struct mr_run_env {
   const char *metrics_path;     // JSON lines, one per step; NULL: none
   const char *weights_out;      // final weights (safetensors); NULL: none
   struct mr_reporter *reporter; // never NULL
+  struct mr_comm_group *dp_group; // data-parallel group; NULL: one rank
 };
 
 #endif

@@ -16,6 +16,7 @@
 #include "common/tokens.h"
 #include "common/tunable.h"
 #include "worker/exec.h"
+#include "worker/grad_sync.h"
 #include "worker/optim.h"
 #include "worker/weights.h"
 
@@ -33,6 +34,10 @@ struct mr_trainer {
   int have_val;
   int64_t inject_step;
   double step_flops;
+  /* data parallelism: this rank computes rows [dp_rank * batch, +batch) of
+   * every global batch; sync averages the gradients (NULL: one rank) */
+  int dp_rank, dp_size;
+  struct mr_grad_sync *sync;
 };
 
 static double now(void) {
@@ -53,6 +58,7 @@ void mr_trainer_free(struct mr_trainer *t) {
   free(t->m);
   free(t->v);
   free(t->params);
+  mr_grad_sync_free(t->sync);
   mr_exec_close(&t->exec);
   mr_model_close(&t->model);
   mr_tokens_close(&t->train);
@@ -62,13 +68,25 @@ void mr_trainer_free(struct mr_trainer *t) {
 
 int mr_trainer_new(const struct mr_job *job, int threads,
                    struct mr_trainer **out) {
+  return mr_trainer_new_dp(job, threads, NULL, out);
+}
+
+int mr_trainer_new_dp(const struct mr_job *job, int threads, struct mr_comm_group *dp,
+                      struct mr_trainer **out) {
+  const struct mr_train_config *tc = &job->train;
+  int dp_size = dp != NULL ? dp->comm->ops->group_size(dp) : 1;
+  if (tc->global_batch % dp_size != 0)
+    return mr_error_set(MR_EINVAL,
+                        "train.global_batch (%lld) must be a multiple of the data-parallel "
+                        "degree (%d)", (long long)tc->global_batch, dp_size);
   struct mr_trainer *t = calloc(1, sizeof *t);
   if (!t)
     return MR_ENOMEM;
   int rc;
   t->job = job;
-  const struct mr_train_config *tc = &job->train;
-  MR_TRY_GOTO(rc, mr_model_build(&job->model, tc->global_batch, tc->seq_len,
+  t->dp_size = dp_size;
+  t->dp_rank = dp != NULL ? dp->comm->ops->group_rank(dp) : 0;
+  MR_TRY_GOTO(rc, mr_model_build(&job->model, tc->global_batch / dp_size, tc->seq_len,
                                  &t->model), fail);
   struct mr_graph *g = &t->model.graph;
   MR_TRY_GOTO(rc, mr_autodiff(g, t->model.loss, &t->seed_grad), fail);
@@ -95,6 +113,8 @@ int mr_trainer_new(const struct mr_job *job, int threads,
     if (!t->m[i] || !t->v[i])
       goto fail;
   }
+  if (dp != NULL)
+    MR_TRY_GOTO(rc, mr_grad_sync_new(dp, &t->exec, t->params, t->n_params, &t->sync), fail);
   if (!tc->init || strcmp(tc->init, "random") == 0)
     mr_weights_init(&t->model, &t->exec, tc->seed);
   else
@@ -129,13 +149,16 @@ static int load_batch(struct mr_trainer *t, int64_t step, int64_t eval_batch) {
   int32_t *ids = mr_exec_buf(&t->exec, m->input_ids);
   int32_t *lab = mr_exec_buf(&t->exec, m->labels);
   int64_t T = m->seq;
+  /* global row numbers: the global batch is the same whatever dp is */
+  int64_t first = (int64_t)t->dp_rank * m->batch;
   for (int64_t r = 0; r < m->batch; r++) {
     if (eval_batch < 0)
-      MR_TRY(mr_tokens_batch_row(&t->train, t->job->train.seed, step, r, T,
+      MR_TRY(mr_tokens_batch_row(&t->train, t->job->train.seed, step, first + r, T,
                                  ids + r * T, lab + r * T));
     else
       MR_TRY(mr_tokens_eval_row(t->have_val ? &t->val : &t->train, eval_batch,
-                                r, m->batch, T, ids + r * T, lab + r * T));
+                                first + r, m->batch * t->dp_size, T, ids + r * T,
+                                lab + r * T));
   }
   if (m->position_ids >= 0) {
     int32_t *pos = mr_exec_buf(&t->exec, m->position_ids);
@@ -163,7 +186,14 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
   MR_TRY(load_batch(t, step - 1, -1));
   float *seed = mr_exec_buf(&t->exec, t->seed_grad);
   seed[0] = (float)t->scaler.scale;
-  MR_TRY(mr_exec_run(&t->exec, 0, g->n_ops));
+  if (t->sync == NULL) {
+    MR_TRY(mr_exec_run(&t->exec, 0, g->n_ops));
+  } else {
+    MR_TRY(mr_exec_run(&t->exec, 0, g->n_forward_ops));
+    MR_TRY(mr_grad_sync_run(t->sync, g->n_forward_ops, g->n_ops));
+    MR_TRY(mr_grad_sync_wait(t->sync, &r->comm_wait_s));
+    MR_TRY(mr_grad_sync_average(t->sync, (float *)mr_exec_buf(&t->exec, t->model.loss), 1));
+  }
   r->loss = ((float *)mr_exec_buf(&t->exec, t->model.loss))[0];
   if (step == t->inject_step && t->n_params > 0)
     ((float *)mr_exec_buf(&t->exec, g->tensors[t->params[0]].grad))[0] = INFINITY;
@@ -198,7 +228,7 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
     }
   }
   r->step_time_s = now() - t0;
-  r->tokens_per_s = (double)(t->model.batch * t->model.seq) / r->step_time_s;
+  r->tokens_per_s = (double)(t->model.batch * t->dp_size * t->model.seq) / r->step_time_s;
   r->peak_memory_bytes = peak_bytes(t);
   return 0;
 }
@@ -209,7 +239,10 @@ int mr_trainer_eval(struct mr_trainer *t, double *loss) {
   for (int64_t b = 0; b < nb; b++) {
     MR_TRY(load_batch(t, 0, b));
     MR_TRY(mr_exec_run(&t->exec, 0, t->model.graph.n_forward_ops));
-    sum += ((float *)mr_exec_buf(&t->exec, t->model.loss))[0];
+    float *loss_buf = (float *)mr_exec_buf(&t->exec, t->model.loss);
+    if (t->sync != NULL)
+      MR_TRY(mr_grad_sync_average(t->sync, loss_buf, 1));
+    sum += loss_buf[0];
   }
   *loss = sum / (double)nb;
   return 0;
@@ -239,7 +272,7 @@ static void write_metrics(FILE *f, const struct mr_step_report *r) {
 int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
   struct mr_trainer *t;
   int threads = env->threads > 0 ? env->threads : 1;
-  MR_TRY(mr_trainer_new(job, threads, &t));
+  MR_TRY(mr_trainer_new_dp(job, threads, env->dp_group, &t));
   FILE *mf = NULL;
   int rc = 0;
   if (env->metrics_path && !(mf = fopen(env->metrics_path, "a"))) {
@@ -264,7 +297,7 @@ int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
     if (env->reporter->step)
       env->reporter->step(env->reporter->ctx, &r);
     int64_t li = job->train.log_interval_steps > 0 ? job->train.log_interval_steps : 1;
-    if (s % li == 0)
+    if (s % li == 0 && env->world_size <= 1 && getenv("MESHRUN_LAUNCHER_PID") == NULL)
       MR_INFO("train", "step %lld loss %.4f lr %.3g norm %.3g %.0f tok/s%s",
               (long long)s, r.loss, r.lr, r.grad_norm, r.tokens_per_s,
               r.skipped ? " (skipped)" : "");

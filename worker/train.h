@@ -30,6 +30,14 @@ struct mr_trainer;
 int mr_trainer_new(const struct mr_job *job, int threads,
                    struct mr_trainer **out);
 
+/* The same for one rank of a data-parallel group dp (borrowed; NULL: a
+ * single rank): the rank computes its share of every global batch and the
+ * gradients and losses are averaged over dp, so every rank holds the same
+ * weights as one rank training the whole batch. */
+struct mr_comm_group;
+int mr_trainer_new_dp(const struct mr_job *job, int threads, struct mr_comm_group *dp,
+                      struct mr_trainer **out);
+
 /* Runs optimizer step `step` (1-based): reads its rows, forward, backward,
  * loss scaling, clipping, AdamW.  Fills r (val_loss NaN).  Returns 0 or a
  * kernel's error. */
