@@ -279,6 +279,8 @@ static int put_bytes(struct mr_st_writer *w, const uint8_t *p, size_t n) {
     MR_TRY(flush_stage(w));
     return write_all(w, p, n);
   }
+  if (n == 0)
+    return 0;
   if (w->staged + n > STAGE_BYTES)
     MR_TRY(flush_stage(w));
   memcpy(w->stage + w->staged, p, n);

@@ -294,7 +294,7 @@ int mr_client_rendezvous(struct mr_client *c, const char *key, const void *blob,
         for (size_t i = 0; out != NULL && i < d->n_blobs; i++) {
           out[i].len = d->blobs[i].len;
           out[i].data = malloc(d->blobs[i].len + 1);
-          if (out[i].data != NULL)
+          if (out[i].data != NULL && d->blobs[i].len > 0)
             memcpy(out[i].data, d->blobs[i].data, d->blobs[i].len);
         }
         *blobs = out;
