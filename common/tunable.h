@@ -32,6 +32,10 @@
      "length of one self-check step, ms")                                    \
   XX(SELFCHECK_STEPS, "MESHRUN_SELFCHECK_STEPS", "5",                        \
      "steps of the self-check job")                                          \
+  XX(PREEMPT_GRACE_MS, "MESHRUN_PREEMPT_GRACE_MS", "4000",                   \
+     "after SIGTERM, time to write a checkpoint before stopping anyway, ms") \
+  XX(TEST_CKPT_DELAY_MS, "MESHRUN_TEST_CKPT_DELAY_MS", "0",                  \
+     "test hook: pause a checkpoint write half way, ms")                     \
   XX(TEST_STALL, "MESHRUN_TEST_STALL", "",                                  \
      "test hook: \"RANK:STEP\" stalls that rank at that step")             \
   XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "common/auth.h"
+#include "common/ckpt.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/rpc.h"
@@ -34,6 +35,16 @@ struct rendezvous {
   ProtobufCBinaryData *blobs; // world_size entries, owned
   int have;
   struct rendezvous *next;
+};
+
+/* A checkpoint the ranks are writing: which have reported their files. */
+struct pending_ckpt {
+  int64_t step;
+  int reported;             // ranks that reported
+  char **files, **sha;      // gathered from every rank
+  int n_files;
+  unsigned char *seen;      // [world] reported already
+  struct pending_ckpt *next;
 };
 
 struct coordinator {
@@ -60,6 +71,12 @@ struct coordinator {
   int64_t restart_at_ms;    // back-off: when the next group may start
   int killed;               // SIGKILL already sent in this stop
   struct rendezvous *rdv;
+  struct pending_ckpt *ckpts;
+  char resume_dir[4096];    // the checkpoint the current group resumes from
+  int64_t resume_step;
+  int64_t last_ckpt_step;   // newest complete checkpoint of this job, -1 none
+  int preempting;           // SIGTERM: checkpoint, then stop and exit 0
+  int64_t preempt_started_ms;
   FILE *metrics;
   int64_t last_step_printed;
   int failure_reported;
@@ -107,6 +124,17 @@ static void group_fail(struct coordinator *co, int rank, const char *fmt, ...) {
 
 static void on_signal(uv_signal_t *h, int signum) {
   struct coordinator *co = h->data;
+  const struct mr_job *job = co->opts->job;
+  /* a scheduler's preemption: save a checkpoint first, then exit 0 */
+  if (signum == SIGTERM && !co->preempting && co->stop_signal == 0 &&
+      co->phase == PHASE_RUNNING && !co->opts->selfcheck && job != NULL &&
+      job->checkpoint.dir != NULL) {
+    co->preempting = 1;
+    co->preempt_started_ms = mr_now_ms();
+    MR_WARN("launch", "SIGTERM: writing a checkpoint, then stopping");
+    mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
+    return;
+  }
   if (co->stop_signal != 0) { /* second signal: no more patience */
     mr_ranks_signal_all(&co->ranks, SIGKILL);
     return;
@@ -156,6 +184,8 @@ static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
     plan.body.len = strlen(o->job->text);
   }
   plan.seed = o->job != NULL ? o->job->train.seed : 0;
+  plan.resume_dir = co->resume_dir;
+  plan.resume_step = co->resume_step;
   plan.steps = o->selfcheck ? mr_tunable_int(MR_TUNABLE_SELFCHECK_STEPS)
                             : (o->job != NULL ? o->job->train.steps : 0);
   Meshrun__Envelope penv = MESHRUN__ENVELOPE__INIT;
@@ -239,6 +269,93 @@ static void selfcheck_digest(const char *job_id, int rank, int world,
   crypto_hash_sha256(out, (const uint8_t *)msg, (unsigned long long)n);
 }
 
+static void pending_free(struct pending_ckpt *p) {
+  for (int i = 0; i < p->n_files; i++) {
+    free(p->files[i]);
+    free(p->sha[i]);
+  }
+  free(p->files);
+  free(p->sha);
+  free(p->seen);
+  free(p);
+}
+
+static void pending_clear(struct coordinator *co) {
+  while (co->ckpts != NULL) {
+    struct pending_ckpt *p = co->ckpts;
+    co->ckpts = p->next;
+    pending_free(p);
+  }
+}
+
+/* Every rank has written its part of step `p->step`: write the marker that
+ * makes it a checkpoint, then drop the ones beyond keep_last. */
+static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) {
+  const struct mr_checkpoint_config *cc = &co->opts->job->checkpoint;
+  char dir[4096];
+  mr_ckpt_step_dir(cc->dir, p->step, dir, sizeof dir);
+  if (mr_ckpt_write_marker(dir, p->step, (const char *const *)p->files,
+                           (const char *const *)p->sha, p->n_files) < 0) {
+    MR_ERROR("ckpt", "checkpoint of step %lld not completed: %s", (long long)p->step,
+             mr_error_message());
+    return;
+  }
+  co->last_ckpt_step = p->step;
+  int removed = mr_ckpt_prune(cc->dir, (int)cc->keep_last);
+  MR_INFO("ckpt", "checkpoint of step %lld complete: %s%s", (long long)p->step, dir,
+          removed > 0 ? " (older ones pruned)" : "");
+  if (co->preempting && co->phase == PHASE_RUNNING) {
+    MR_WARN("launch", "checkpoint written: stopping for preemption (the next launch resumes "
+                      "from step %lld)", (long long)p->step);
+    begin_stop(co);
+  }
+}
+
+static void on_checkpoint_written(struct coordinator *co, int rank,
+                                  const Meshrun__Report__CheckpointWritten *cw) {
+  if (co->opts->job == NULL || co->opts->job->checkpoint.dir == NULL ||
+      cw->n_files != cw->n_sha256)
+    return;
+  struct pending_ckpt *p;
+  for (p = co->ckpts; p != NULL && p->step != cw->step; p = p->next)
+    ;
+  if (p == NULL) {
+    p = calloc(1, sizeof *p);
+    if (p == NULL || (p->seen = calloc((size_t)co->opts->nproc, 1)) == NULL) {
+      free(p);
+      return;
+    }
+    p->step = cw->step;
+    p->next = co->ckpts;
+    co->ckpts = p;
+  }
+  if (p->seen[rank])
+    return;
+  p->seen[rank] = 1;
+  p->reported++;
+  char **nf = realloc(p->files, (size_t)(p->n_files + (int)cw->n_files + 1) * sizeof *nf);
+  char **ns = nf ? realloc(p->sha, (size_t)(p->n_files + (int)cw->n_files + 1) * sizeof *ns) : NULL;
+  if (nf != NULL)
+    p->files = nf;
+  if (ns != NULL)
+    p->sha = ns;
+  for (size_t i = 0; nf != NULL && ns != NULL && i < cw->n_files; i++) {
+    if (strchr(cw->files[i], '/') != NULL || strlen(cw->sha256[i]) != 64)
+      continue; /* a file outside the step's folder is never trusted */
+    p->files[p->n_files] = strdup(cw->files[i]);
+    p->sha[p->n_files] = strdup(cw->sha256[i]);
+    p->n_files++;
+  }
+  if (p->reported < co->opts->nproc)
+    return;
+  struct pending_ckpt **pp = &co->ckpts;
+  while (*pp != p)
+    pp = &(*pp)->next;
+  *pp = p->next;
+  complete_checkpoint(co, p);
+  pending_free(p);
+}
+
 static void on_report(struct coordinator *co, struct mr_conn *c,
                       const Meshrun__Report *rep) {
   struct mr_rank *r = &co->ranks.r[c->rank];
@@ -260,8 +377,7 @@ static void on_report(struct coordinator *co, struct mr_conn *c,
     r->done = 1;
     break;
   case MESHRUN__REPORT__WHAT_CHECKPOINT:
-    MR_INFO("ckpt", "rank %d wrote checkpoint of step %lld", c->rank,
-            (long long)rep->checkpoint->step);
+    on_checkpoint_written(co, c->rank, rep->checkpoint);
     break;
   default:
     break;
@@ -405,8 +521,27 @@ static void check_hang(struct coordinator *co, int64_t now) {
 
 static void on_rank_exit(void *ctx, int rank, int64_t status, int signal);
 
+/* A training job with a checkpoint folder resumes from its newest complete
+ * checkpoint (an incomplete or corrupt one is skipped with a warning). */
+static void choose_resume(struct coordinator *co) {
+  co->resume_dir[0] = '\0';
+  co->resume_step = 0;
+  const struct mr_job *job = co->opts->job;
+  if (co->opts->selfcheck || job == NULL || job->checkpoint.dir == NULL)
+    return;
+  int64_t step;
+  if (mr_ckpt_find_latest(job->checkpoint.dir, co->resume_dir, sizeof co->resume_dir, &step) == 1) {
+    co->resume_step = step;
+    MR_INFO("ckpt", "resuming from %s (step %lld)", co->resume_dir, (long long)step);
+  } else {
+    co->resume_dir[0] = '\0';
+  }
+}
+
 static int start_group(struct coordinator *co) {
   rendezvous_clear(co);
+  pending_clear(co);
+  choose_resume(co);
   co->phase = PHASE_RUNNING;
   co->failure[0] = '\0';
   co->failed_rank = -1;
@@ -443,6 +578,10 @@ static void finish(struct coordinator *co, int code) {
 
 /* Called when every worker of a stopping group has exited. */
 static void group_stopped(struct coordinator *co) {
+  if (co->preempting && co->stop_signal == 0) {
+    finish(co, 0);
+    return;
+  }
   if (co->stop_signal != 0) {
     finish(co, 128 + co->stop_signal);
     return;
@@ -490,6 +629,14 @@ static void on_tick(uv_timer_t *t) {
       co->ranks.waiting_restart = 0;
       start_group(co);
     }
+    return;
+  }
+  if (co->phase == PHASE_RUNNING && co->preempting &&
+      now - co->preempt_started_ms > mr_tunable_int(MR_TUNABLE_PREEMPT_GRACE_MS)) {
+    MR_ERROR("launch", "no checkpoint within %.1f s of SIGTERM: stopping without one",
+             (double)mr_tunable_int(MR_TUNABLE_PREEMPT_GRACE_MS) / 1000.0);
+    co->stop_signal = SIGTERM;
+    begin_stop(co);
     return;
   }
   if (co->phase == PHASE_RUNNING) {
@@ -643,6 +790,7 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   co->opts = opts;
   co->token_fd = -1;
   co->failed_rank = -1;
+  co->last_ckpt_step = -1;
   int code = 1;
   if (mr_auth_init() < 0)
     goto out;
@@ -687,6 +835,7 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   uv_run(&co->loop, UV_RUN_DEFAULT);
 close_loop:
   rendezvous_clear(co);
+  pending_clear(co);
   if (co->metrics != NULL)
     fclose(co->metrics);
   if (co->token_fd >= 0)

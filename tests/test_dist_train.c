@@ -17,21 +17,6 @@
 
 #define STEPS 4
 
-/* A token file in llm.c format: header of 256 int32, then uint16 tokens
- * drawn from a fixed LCG, so the text has some structure to learn. */
-static void write_tokens(const char *path, int n) {
-  FILE *f = fopen(path, "wb");
-  int32_t header[256] = {20240520, 1, n};
-  fwrite(header, sizeof header, 1, f);
-  uint32_t x = 1;
-  for (int i = 0; i < n; i++) {
-    x = x * 1103515245u + 12345u;
-    uint16_t tok = (uint16_t)((i % 7 == 0) ? 10 : 97 + (x >> 16) % 20);
-    fwrite(&tok, 2, 1, f);
-  }
-  fclose(f);
-}
-
 static void write_job(const char *dir) {
   char path[160];
   snprintf(path, sizeof path, "%s/job.json", dir);
@@ -93,7 +78,7 @@ START_TEST(test_dist_train_data_parallel_matches_one_rank) {
   mr_t_tmpdir(dir, sizeof dir);
   char data[160];
   snprintf(data, sizeof data, "%s/train.bin", dir);
-  write_tokens(data, 20000);
+  mr_t_write_tokens(data, 20000);
   write_job(dir);
   const int ranks[] = {1, 2, 4};
   double loss[3][STEPS], val[3][STEPS];
@@ -149,7 +134,7 @@ START_TEST(test_dist_train_batch_not_divisible_is_a_clear_error) {
   mr_t_tmpdir(dir, sizeof dir);
   char data[160];
   snprintf(data, sizeof data, "%s/train.bin", dir);
-  write_tokens(data, 5000);
+  mr_t_write_tokens(data, 5000);
   write_job(dir);
   char job[160], logdir[160];
   snprintf(job, sizeof job, "%s/job.json", dir);

@@ -5,6 +5,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdint.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -161,4 +162,49 @@ const char *mr_t_meshrun(void) {
 const char *mr_t_worker(void) {
   const char *p = getenv("MESHRUN_WORKER_BIN");
   return p != NULL ? p : "build/worker/meshrun-worker";
+}
+
+void mr_t_write_tokens(const char *path, int n) {
+  FILE *f = fopen(path, "wb");
+  ck_assert_ptr_nonnull(f);
+  int32_t header[256] = {20240520, 1, n};
+  fwrite(header, sizeof header, 1, f);
+  uint32_t x = 1;
+  for (int i = 0; i < n; i++) {
+    x = x * 1103515245u + 12345u;
+    uint16_t tok = (uint16_t)((i % 7 == 0) ? 10 : 97 + (x >> 16) % 20);
+    fwrite(&tok, 2, 1, f);
+  }
+  fclose(f);
+}
+
+int mr_t_read_losses(const char *metrics_path, double *loss, int max) {
+  char *s = mr_t_slurp(metrics_path);
+  int n = 0;
+  char *save = NULL;
+  for (char *line = strtok_r(s, "\n", &save); line != NULL && n < max;
+       line = strtok_r(NULL, "\n", &save)) {
+    char *l = strstr(line, "\"loss\": ");
+    if (l != NULL)
+      loss[n++] = atof(l + 8);
+  }
+  free(s);
+  return n;
+}
+
+int mr_t_same_file(const char *a, const char *b) {
+  FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
+  int same = fa != NULL && fb != NULL;
+  while (same) {
+    int ca = fgetc(fa), cb = fgetc(fb);
+    if (ca != cb)
+      same = 0;
+    if (ca == EOF || cb == EOF)
+      break;
+  }
+  if (fa != NULL)
+    fclose(fa);
+  if (fb != NULL)
+    fclose(fb);
+  return same;
 }

@@ -47,6 +47,18 @@ int mr_t_children(pid_t pid, pid_t *pids, int max);
 /* True if pid no longer runs (gone, or a zombie). */
 int mr_t_gone(pid_t pid);
 
+/* Writes an llm.c token file (uint16, magic 20240520) of n tokens drawn
+ * from a fixed generator over a small alphabet, so there is something to
+ * learn. */
+void mr_t_write_tokens(const char *path, int n);
+
+/* Reads the per-step "loss" values of a metrics.jsonl into loss (at most
+ * max); returns how many. */
+int mr_t_read_losses(const char *metrics_path, double *loss, int max);
+
+/* Byte-compares two files; returns 1 when identical. */
+int mr_t_same_file(const char *a, const char *b);
+
 /* Path of a built binary: $MESHRUN_BIN or $MESHRUN_WORKER_BIN. */
 const char *mr_t_meshrun(void);
 const char *mr_t_worker(void);

@@ -399,12 +399,31 @@ static int reporter_checkpoint(void *ctx) {
   return atomic_exchange(&c->checkpoint_requested, 0);
 }
 
+static void reporter_checkpoint_written(void *ctx, int64_t step, const char *const *files,
+                                        const char *const *sha256, int n) {
+  struct mr_client *c = ctx;
+  Meshrun__Report__CheckpointWritten cw = MESHRUN__REPORT__CHECKPOINT_WRITTEN__INIT;
+  cw.step = step;
+  cw.n_files = (size_t)n;
+  cw.files = (char **)files;
+  cw.n_sha256 = (size_t)n;
+  cw.sha256 = (char **)sha256;
+  Meshrun__Report rep = MESHRUN__REPORT__INIT;
+  rep.what_case = MESHRUN__REPORT__WHAT_CHECKPOINT;
+  rep.checkpoint = &cw;
+  Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
+  env.msg_case = MESHRUN__ENVELOPE__MSG_REPORT;
+  env.report = &rep;
+  mr_client_send(c, &env);
+}
+
 void mr_client_reporter(struct mr_client *c, struct mr_reporter *out) {
   out->ctx = c;
   out->step = reporter_step;
   out->progress = reporter_progress;
   out->stop_requested = reporter_stop;
   out->checkpoint_requested = reporter_checkpoint;
+  out->checkpoint_written = reporter_checkpoint_written;
 }
 
 void mr_client_close(struct mr_client *c) {

@@ -122,6 +122,8 @@ static int run_training(struct mr_client *c) {
       .weights_out = c->rank == 0 ? weights : NULL,
       .reporter = &rep,
       .dp_group = world,
+      .resume_dir = plan->resume_dir != NULL && plan->resume_dir[0] != '\0' ? plan->resume_dir
+                                                                             : NULL,
   };
   rc = mr_train_run(&job, &env);
   if (comm != NULL)

@@ -15,6 +15,7 @@
 #include "common/model.h"
 #include "common/tokens.h"
 #include "common/tunable.h"
+#include "worker/checkpoint.h"
 #include "worker/exec.h"
 #include "worker/grad_sync.h"
 #include "worker/optim.h"
@@ -38,6 +39,7 @@ struct mr_trainer {
    * every global batch; sync averages the gradients (NULL: one rank) */
   int dp_rank, dp_size;
   struct mr_grad_sync *sync;
+  struct mr_train_slot *slots;  // [n_params], for checkpoints
 };
 
 static double now(void) {
@@ -58,6 +60,7 @@ void mr_trainer_free(struct mr_trainer *t) {
   free(t->m);
   free(t->v);
   free(t->params);
+  free(t->slots);
   mr_grad_sync_free(t->sync);
   mr_exec_close(&t->exec);
   mr_model_close(&t->model);
@@ -254,6 +257,25 @@ int mr_trainer_save(const struct mr_trainer *t, const char *path) {
 
 struct mr_exec *mr_trainer_exec(struct mr_trainer *t) { return &t->exec; }
 
+int mr_trainer_slots(struct mr_trainer *t, const struct mr_train_slot **slots) {
+  if (t->slots == NULL) {
+    t->slots = calloc((size_t)(t->n_params > 0 ? t->n_params : 1), sizeof *t->slots);
+    if (t->slots == NULL)
+      return MR_ENOMEM;
+    const struct mr_graph *g = &t->model.graph;
+    for (int i = 0; i < t->n_params; i++) {
+      const struct mr_tensor *p = &g->tensors[t->params[i]];
+      t->slots[i] = (struct mr_train_slot){
+          .name = p->name, .param = mr_exec_buf(&t->exec, t->params[i]), .m = t->m[i],
+          .v = t->v[i], .numel = mr_tensor_numel(p), .ndim = p->ndim, .shape = p->shape};
+    }
+  }
+  *slots = t->slots;
+  return t->n_params;
+}
+
+struct mr_loss_scaler *mr_trainer_scaler(struct mr_trainer *t) { return &t->scaler; }
+
 double mr_trainer_step_flops(const struct mr_trainer *t) { return t->step_flops; }
 
 static void write_metrics(FILE *f, const struct mr_step_report *r) {
@@ -269,21 +291,45 @@ static void write_metrics(FILE *f, const struct mr_step_report *r) {
   fflush(f);
 }
 
+/* Whether any rank asked for a checkpoint now: every rank of a group must
+ * save the same step, so the request is agreed on collectively. */
+static int checkpoint_now(struct mr_trainer *t, const struct mr_run_env *env) {
+  float want = env->reporter->checkpoint_requested != NULL &&
+                       env->reporter->checkpoint_requested(env->reporter->ctx)
+                   ? 1.0f
+                   : 0.0f;
+  if (t->sync != NULL && mr_grad_sync_average(t->sync, &want, 1) < 0)
+    return 0;
+  return want > 0.0f;
+}
+
 int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
   struct mr_trainer *t;
   int threads = env->threads > 0 ? env->threads : 1;
   MR_TRY(mr_trainer_new_dp(job, threads, env->dp_group, &t));
   FILE *mf = NULL;
+  struct mr_ckpt_saver *saver = NULL;
   int rc = 0;
   if (env->metrics_path && !(mf = fopen(env->metrics_path, "a"))) {
     rc = mr_error_set(mr_from_errno(errno), "%s: cannot open for metrics: %s",
                       env->metrics_path, strerror(errno));
     goto out;
   }
-  MR_INFO("train", "%lld parameters, %.3g GFLOP per step, planned peak %.1f MiB",
-          (long long)mr_model_param_count(&job->model), t->step_flops / 1e9,
-          (double)peak_bytes(t) / 1048576.0);
-  for (int64_t s = 1; s <= job->train.steps; s++) {
+  if (job->checkpoint.dir != NULL)
+    MR_TRY_GOTO(rc, mr_ckpt_saver_new(env->rank, env->world_size, job, &saver), out);
+  int64_t first = 1;
+  if (env->resume_dir != NULL) {
+    int64_t done;
+    MR_TRY_GOTO(rc, mr_ckpt_load(t, env->resume_dir, &done), out);
+    first = done + 1;
+    MR_INFO("ckpt", "resumed from %s: continuing at step %lld", env->resume_dir,
+            (long long)first);
+  }
+  if (env->rank == 0)
+    MR_INFO("train", "%lld parameters, %.3g GFLOP per step per rank, planned peak %.1f MiB",
+            (long long)mr_model_param_count(&job->model), t->step_flops / 1e9,
+            (double)peak_bytes(t) / 1048576.0);
+  for (int64_t s = first; s <= job->train.steps; s++) {
     if (env->reporter->stop_requested &&
         env->reporter->stop_requested(env->reporter->ctx))
       break;
@@ -294,6 +340,8 @@ int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
       MR_TRY_GOTO(rc, mr_trainer_eval(t, &r.val_loss), out);
     if (mf)
       write_metrics(mf, &r);
+    if (env->reporter->progress)
+      env->reporter->progress(env->reporter->ctx, s, s, -1, "");
     if (env->reporter->step)
       env->reporter->step(env->reporter->ctx, &r);
     int64_t li = job->train.log_interval_steps > 0 ? job->train.log_interval_steps : 1;
@@ -301,10 +349,17 @@ int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
       MR_INFO("train", "step %lld loss %.4f lr %.3g norm %.3g %.0f tok/s%s",
               (long long)s, r.loss, r.lr, r.grad_norm, r.tokens_per_s,
               r.skipped ? " (skipped)" : "");
+    int64_t every = job->checkpoint.save_interval_steps;
+    int asked = checkpoint_now(t, env);
+    if (saver != NULL && ((every > 0 && s % every == 0) || asked))
+      MR_TRY_GOTO(rc, mr_ckpt_save(saver, t, s, env->reporter), out);
   }
+  if (saver != NULL)
+    MR_TRY_GOTO(rc, mr_ckpt_saver_wait(saver), out);
   if (env->weights_out)
     MR_TRY_GOTO(rc, mr_trainer_save(t, env->weights_out), out);
 out:
+  mr_ckpt_saver_free(saver);
   if (mf)
     fclose(mf);
   mr_trainer_free(t);

@@ -59,6 +59,22 @@ struct mr_exec *mr_trainer_exec(struct mr_trainer *t);
 
 void mr_trainer_free(struct mr_trainer *t);
 
+/* The trainer's persistent state, for checkpoints: one slot per trained
+ * parameter with its AdamW moments (all borrowed from the trainer). */
+struct mr_train_slot {
+  const char *name;       // Hugging Face name
+  float *param, *m, *v;   // numel floats each
+  int64_t numel;
+  int ndim;
+  const int64_t *shape;
+};
+
+/* Fills *slots (owned by the trainer) and returns their count. */
+int mr_trainer_slots(struct mr_trainer *t, const struct mr_train_slot **slots);
+
+/* The loss scaler (fp16), for checkpoints.  Borrowed. */
+struct mr_loss_scaler *mr_trainer_scaler(struct mr_trainer *t);
+
 /* Trains job on this rank for train.steps steps: reports each step to
  * env->reporter (stopping early when it asks), evaluates every
  * eval_interval_steps, appends one JSON object per step to
