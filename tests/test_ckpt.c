@@ -252,6 +252,31 @@ START_TEST(test_ckpt_resume_on_another_world_size) {
 }
 END_TEST
 
+START_TEST(test_ckpt_hang_in_collective_diagnosed_then_restarted) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "h.json", 6, 2, "ck");
+  static char stall[] = "MESHRUN_TEST_STALL=1:4";
+  char *env[] = {stall, NULL};
+  static char jobp[200], logdir[200];
+  snprintf(jobp, sizeof jobp, "%s/h.json", dir);
+  snprintf(logdir, sizeof logdir, "%s/h", dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--hang-timeout", "1",
+                  "--log-dir", logdir, jobp, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, env);
+  int code = mr_t_wait(&p, 60);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
+  ck_assert_msg(strstr(err, "rank 1 is stuck outside communication") != NULL, "%s", err);
+  /* the others wait in the gradient AllReduce on the data group, and say
+   * which rank has not arrived */
+  ck_assert_msg(strstr(err, "AllReduce") != NULL && strstr(err, "data{0,1}") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "rank 0: step 3") != NULL, "%s", err);
+  free(err);
+}
+END_TEST
+
 static Suite *ckpt_suite(void) {
   Suite *s = suite_create("ckpt");
   TCase *tc = tcase_create("recovery");
@@ -260,6 +285,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
   tcase_add_test(tc, test_ckpt_resume_on_another_world_size);
+  tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed_then_restarted);
   suite_add_tcase(s, tc);
   return s;
 }

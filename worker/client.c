@@ -142,7 +142,11 @@ static void send_heartbeat(struct mr_client *c) {
   hb.waiting_on = c->waiting_on;
   hb.state = c->state;
   memcpy(detail, c->waiting_detail, sizeof detail);
+  const char *(*probe)(void *, char *, size_t) = c->blocked_probe;
+  void *probe_ctx = c->blocked_ctx;
   pthread_mutex_unlock(&c->pos_lock);
+  if (hb.waiting_on < 0 && probe != NULL && probe(probe_ctx, detail, sizeof detail)[0] != '\0')
+    hb.waiting_on = hb.last_done + 1;
   hb.waiting_detail = detail;
   hb.memory_bytes = rss_bytes();
   hb.time_us = now_us();
@@ -249,6 +253,15 @@ void mr_client_set_position(struct mr_client *c, int64_t step, int64_t last_done
   c->last_done = last_done;
   c->waiting_on = waiting_on;
   snprintf(c->waiting_detail, sizeof c->waiting_detail, "%s", detail ? detail : "");
+  pthread_mutex_unlock(&c->pos_lock);
+}
+
+void mr_client_set_blocked_probe(struct mr_client *c,
+                                 const char *(*probe)(void *ctx, char *buf, size_t len),
+                                 void *ctx) {
+  pthread_mutex_lock(&c->pos_lock);
+  c->blocked_probe = probe;
+  c->blocked_ctx = ctx;
   pthread_mutex_unlock(&c->pos_lock);
 }
 

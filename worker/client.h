@@ -36,6 +36,10 @@ struct mr_client {
   int64_t step, last_done, waiting_on;
   char waiting_detail[160];
   Meshrun__Heartbeat__State state;
+  /* what the job is blocked on, asked at each heartbeat (e.g. the comm
+   * backend's blocked()); NULL: only the published position */
+  const char *(*blocked_probe)(void *ctx, char *buf, size_t len);
+  void *blocked_ctx;
   /* rendezvous answers */
   pthread_mutex_t rdv_lock;
   pthread_cond_t rdv_cond;
@@ -64,6 +68,12 @@ int mr_client_send(struct mr_client *c, const Meshrun__Envelope *env);
 void mr_client_set_position(struct mr_client *c, int64_t step, int64_t last_done,
                             int64_t waiting_on, const char *detail);
 void mr_client_set_state(struct mr_client *c, Meshrun__Heartbeat__State state);
+
+/* Installs a probe the heartbeat asks what the job is blocked on; its
+ * answer (when not empty) is reported as the instruction waited on. */
+void mr_client_set_blocked_probe(struct mr_client *c,
+                                 const char *(*probe)(void *ctx, char *buf, size_t len),
+                                 void *ctx);
 
 /* All-gathers a small blob through the coordinator: every rank calls this
  * with the same key; returns the world's blobs in rank order in *blobs

@@ -62,6 +62,11 @@ static int read_token(uint8_t token[MR_TOKEN_BYTES]) {
   return rc;
 }
 
+static const char *comm_blocked(void *ctx, char *buf, size_t len) {
+  struct mr_comm *comm = ctx;
+  return comm->ops->blocked(comm, buf, len);
+}
+
 /* A training plan: the job travels in the plan as its canonical text, with
  * every path already resolved by the launcher. */
 static int run_training(struct mr_client *c) {
@@ -110,6 +115,8 @@ static int run_training(struct mr_client *c) {
       return rc;
     }
   }
+  if (comm != NULL)
+    mr_client_set_blocked_probe(c, comm_blocked, comm);
   struct mr_reporter rep;
   mr_client_reporter(c, &rep);
   struct mr_run_env env = {
@@ -126,6 +133,7 @@ static int run_training(struct mr_client *c) {
                                                                              : NULL,
   };
   rc = mr_train_run(&job, &env);
+  mr_client_set_blocked_probe(c, NULL, NULL);
   if (comm != NULL)
     comm->ops->close(comm);
   if (rc == 0 && rep.stop_requested(rep.ctx))

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/autodiff.h"
 #include "common/error.h"
@@ -329,7 +330,14 @@ int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
     MR_INFO("train", "%lld parameters, %.3g GFLOP per step per rank, planned peak %.1f MiB",
             (long long)mr_model_param_count(&job->model), t->step_flops / 1e9,
             (double)peak_bytes(t) / 1048576.0);
+  int stall_rank = -1;
+  long long stall_step = -1;
+  if (sscanf(mr_tunable_str(MR_TUNABLE_TEST_STALL), "%d:%lld", &stall_rank, &stall_step) != 2)
+    stall_rank = -1;
   for (int64_t s = first; s <= job->train.steps; s++) {
+    /* test hook: this rank stops working (its heartbeats go on): a hang */
+    while (stall_rank == env->rank && stall_step == s && !env->reporter->stop_requested(env->reporter->ctx))
+      usleep(10000);
     if (env->reporter->stop_requested &&
         env->reporter->stop_requested(env->reporter->ctx))
       break;
