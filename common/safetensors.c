@@ -519,6 +519,24 @@ void mr__st_convert(enum mr_dtype dst_dtype, void *dst, enum mr_dtype src_dtype,
     memcpy(dst, src, n * mr_dtype_size(src_dtype));
     return;
   }
+  size_t sa = mr_dtype_size(src_dtype), da = mr_dtype_size(dst_dtype);
+  int aligned = (uintptr_t)src % sa == 0 && (uintptr_t)dst % da == 0;
+  if (aligned && src_dtype == MR_F32 && dst_dtype == MR_BF16) {
+    mr_f32_to_bf16_n(dst, src, n);
+    return;
+  }
+  if (aligned && src_dtype == MR_F32 && dst_dtype == MR_F16) {
+    mr_f32_to_f16_n(dst, src, n);
+    return;
+  }
+  if (aligned && src_dtype == MR_BF16 && dst_dtype == MR_F32) {
+    mr_bf16_to_f32_n(dst, src, n);
+    return;
+  }
+  if (aligned && src_dtype == MR_F16 && dst_dtype == MR_F32) {
+    mr_f16_to_f32_n(dst, src, n);
+    return;
+  }
   /* staged through aligned buffers: src and dst may be unaligned */
   const uint8_t *in = src;
   uint8_t *out = dst;
