@@ -87,15 +87,23 @@ int main(int argc, char **argv) {
   for (int k = 0; k < 2; k++) {
     double ratio[64];
     for (int r = 0; r < rounds; r++) {
-      double bytes, t0 = now();
-      if (write_file(argv[1], n_big, big, small, kinds[k], &bytes) != 0) {
+      /* odd rounds time the peer first, so neither side always follows the
+       * other's unlink and writeback */
+      size_t es = mr_dtype_size(kinds[k]);
+      double bytes = ((double)n_big * 1024 * 4096 + 200 * 1024) * (double)es;
+      double peer = 0, written = 0;
+      if (r % 2 == 1 && (peer = raw_write(argv[1], big, (size_t)bytes)) < 0)
+        return 1;
+      double t0 = now();
+      if (write_file(argv[1], n_big, big, small, kinds[k], &written) != 0) {
         fprintf(stderr, "%s\n", mr_error_message());
         return 1;
       }
       double dt = now() - t0;
       remove(argv[1]);
-      double peer = raw_write(argv[1], big, (size_t)bytes);
-      if (peer < 0)
+      if (written != bytes)
+        return 1;
+      if (r % 2 == 0 && (peer = raw_write(argv[1], big, (size_t)bytes)) < 0)
         return 1;
       ratio[r] = (bytes / dt) / (bytes / peer);
       printf("%-4s %5.0f MiB  mr_st_writer %5.2f s %5.2f GB/s | "
