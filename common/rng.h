@@ -17,8 +17,8 @@
  *                                   key = {lo(seed), hi(seed)})
  *   mr_rng_u64(seed, stream, i)  = w0 | w1 << 32 of block(seed, stream, i)
  *   mr_rng_normal(seed, stream, i): with {w0..w3} = block(seed, stream, i/2),
- *     u1 = ((w0 | w1 << 32) >> 11 + 1) * 2^-53     (in (0, 1], never 0)
- *     u2 = ((w2 | w3 << 32) >> 11) * 2^-53          (in [0, 1))
+ *     u1 = (((w0 | w1 << 32) >> 11) + 1) * 2^-53    (in (0, 1], never 0)
+ *     u2 = ((w2 | w3 << 32) >> 11) * 2^-53           (in [0, 1))
  *     r = sqrt(-2 ln u1), theta = 2 pi u2
  *     value = r cos(theta) for even i, r sin(theta) for odd i  (Box-Muller)
  * so elements 2k and 2k+1 share one Philox block. */
@@ -48,9 +48,11 @@ double mr_rng_uniform(uint64_t seed, uint64_t stream, uint64_t index);
  * documented above.  Always finite (|value| < 8.6). */
 double mr_rng_normal(uint64_t seed, uint64_t stream, uint64_t index);
 
-/* Fills out[k] = mean + std * mr_rng_normal(seed, stream, first + k) for k in
- * [0, n), rounded to float; the same values element by element as the single
- * call, about twice as fast (one block per pair).  out is caller-owned. */
+/* Fills out[k] = (float)((double)mean + (double)std * mr_rng_normal(seed,
+ * stream, first + k)) for k in [0, n): the same values element by element as
+ * the single call, about twice as fast (one block per pair), so a shard
+ * [first, first + n) of a tensor gets exactly its part of the whole.  out is
+ * caller-owned. */
 void mr_rng_normal_fill(uint64_t seed, uint64_t stream, uint64_t first,
                         size_t n, float mean, float std, float *out);
 

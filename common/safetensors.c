@@ -435,6 +435,8 @@ const struct mr_st_tensor *mr_st_tensor_at(const struct mr_st_file *f, int i) {
 
 const struct mr_st_tensor *mr_st_find(const struct mr_st_file *f,
                                       const char *name) {
+  if (f->n_tensors == 0)
+    return NULL;
   struct mr_st_tensor key = {.name = name};
   return bsearch(&key, f->tensors, (size_t)f->n_tensors, sizeof key,
                  cmp_tensor_name);
@@ -454,6 +456,8 @@ void mr_st_metadata_at(const struct mr_st_file *f, int i, const char **key,
 }
 
 const char *mr_st_metadata(const struct mr_st_file *f, const char *key) {
+  if (f->n_meta == 0)
+    return NULL;
   struct meta_entry k = {.key = (char *)key};
   const struct meta_entry *e =
       bsearch(&k, f->meta, (size_t)f->n_meta, sizeof k, cmp_meta_key);
@@ -513,6 +517,24 @@ void mr__st_convert(enum mr_dtype dst_dtype, void *dst, enum mr_dtype src_dtype,
                     const void *src, size_t n) {
   if (src_dtype == dst_dtype) {
     memcpy(dst, src, n * mr_dtype_size(src_dtype));
+    return;
+  }
+  size_t sa = mr_dtype_size(src_dtype), da = mr_dtype_size(dst_dtype);
+  int aligned = (uintptr_t)src % sa == 0 && (uintptr_t)dst % da == 0;
+  if (aligned && src_dtype == MR_F32 && dst_dtype == MR_BF16) {
+    mr_f32_to_bf16_n(dst, src, n);
+    return;
+  }
+  if (aligned && src_dtype == MR_F32 && dst_dtype == MR_F16) {
+    mr_f32_to_f16_n(dst, src, n);
+    return;
+  }
+  if (aligned && src_dtype == MR_BF16 && dst_dtype == MR_F32) {
+    mr_bf16_to_f32_n(dst, src, n);
+    return;
+  }
+  if (aligned && src_dtype == MR_F16 && dst_dtype == MR_F32) {
+    mr_f16_to_f32_n(dst, src, n);
     return;
   }
   /* staged through aligned buffers: src and dst may be unaligned */

@@ -168,7 +168,7 @@ START_TEST(test_safetensors_round_trip_all_dtypes) {
     for (int i = 0; i < N * 8; i++)
       src[d][i] = (uint8_t)(i * 7 + d * 31 + 1);
   const char *names[MR_DTYPE_COUNT] = {"t.f32", "t.bf16", "t.f16", "t.i32",
-                                       "t.i64", "t.u16", "t.u8", "t.f64"};
+                                       "t.i64", "t.u16", "t.\"u8\"/\xc3\xbc\\", "t.f64"};
   const char *p = path_of("all.safetensors");
   struct mr_st_writer *w;
   ck_assert_int_eq(mr_st_writer_new(p, 0, &w), 0);
