@@ -392,10 +392,13 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
     r->peak_memory = m->peak_memory_bytes;
   if (c->rank != 0 || co->opts->selfcheck)
     return;
-  uint64_t peak = 0;
-  for (int i = 0; i < co->opts->nproc; i++)
+  uint64_t peak = 0, rss = 0;
+  for (int i = 0; i < co->opts->nproc; i++) {
     if (co->ranks.r[i].peak_memory > peak)
       peak = co->ranks.r[i].peak_memory;
+    if (co->ranks.r[i].rss_peak > rss)
+      rss = co->ranks.r[i].rss_peak;
+  }
   if (co->metrics != NULL) {
     fprintf(co->metrics,
             "{\"step\": %lld, \"loss\": %.9g, \"lr\": %.9g, \"grad_norm\": %.9g, "
@@ -404,6 +407,7 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
             (long long)m->step, m->loss, m->lr, m->grad_norm, m->tokens_per_s,
             m->loss_scale, m->step_time_s, m->comm_wait_s, (unsigned long long)peak,
             m->skipped ? "true" : "false");
+    fprintf(co->metrics, ", \"rss_peak_bytes\": %llu", (unsigned long long)rss);
     if (!isnan(m->val_loss))
       fprintf(co->metrics, ", \"val_loss\": %.9g", m->val_loss);
     fprintf(co->metrics, ", \"restart\": %d}\n", co->restart);

@@ -305,8 +305,8 @@ void mr_ranks_heartbeat(struct mr_ranks *s, int rank, const Meshrun__Heartbeat *
   r->waiting_on = hb->waiting_on;
   snprintf(r->waiting_detail, sizeof r->waiting_detail, "%s",
            hb->waiting_detail != NULL ? hb->waiting_detail : "");
-  if (hb->memory_bytes > r->peak_memory)
-    r->peak_memory = hb->memory_bytes;
+  if (hb->memory_bytes > r->rss_peak)
+    r->rss_peak = hb->memory_bytes;
 }
 
 void mr_ranks_describe_positions(const struct mr_ranks *s, char *buf, size_t n) {

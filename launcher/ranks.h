@@ -38,7 +38,8 @@ struct mr_rank {
   int64_t spawn_ms;
   int64_t last_seen_ms;    // last message of any kind
   int64_t step;
-  uint64_t peak_memory;    // bytes
+  uint64_t peak_memory;    // bytes, as the job reports it in its metrics
+  uint64_t rss_peak;       // bytes, resident size seen in heartbeats
   char error[256];         // last error it reported
   FILE *log;               // log_dir/rank-N.log
   char tail[MR_TAIL_LINES_MAX][256];

@@ -25,11 +25,14 @@ struct snapshot_tensor {
   int ndim;
   int64_t shape[4];
   int64_t numel;
-  float *param, *m, *v;    // into the snapshot block
+  int64_t shard_begin, shard_len;
+  float *param;            // into the snapshot block; NULL on ranks > 0
+  float *m, *v;            // this rank's shard of the moments
 };
 
 struct mr_ckpt_saver {
   int rank, world_size;
+  int zero;                  // moments sharded over the ranks
   const struct mr_job *job;  // borrowed
   pthread_t thread;
   int in_flight;
@@ -45,11 +48,12 @@ struct mr_ckpt_saver {
   struct mr_reporter reporter;
 };
 
-int mr_ckpt_saver_new(int rank, int world_size, const struct mr_job *job,
+int mr_ckpt_saver_new(int rank, int world_size, int zero, const struct mr_job *job,
                       struct mr_ckpt_saver **out) {
   struct mr_ckpt_saver *s = calloc(1, sizeof *s);
   if (s == NULL)
     return MR_ENOMEM;
+  s->zero = zero && world_size > 1;
   s->rank = rank;
   s->world_size = world_size;
   s->job = job;
@@ -84,18 +88,41 @@ static int write_index(struct mr_ckpt_saver *s, const char *dir, const char *fil
   cJSON *ts = cJSON_AddObjectToObject(o, "tensors");
   for (int i = 0; i < s->n; i++) {
     const struct snapshot_tensor *t = &s->tensors[i];
-    const char *kinds[3] = {"", "optim.exp_avg.", "optim.exp_avg_sq."};
-    for (int k = 0; k < 3; k++) {
+    cJSON *e = cJSON_AddObjectToObject(ts, t->name);
+    cJSON *sh = cJSON_AddArrayToObject(e, "shape");
+    for (int d = 0; d < t->ndim; d++)
+      cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)t->shape[d]));
+    cJSON_AddStringToObject(e, "dtype", "F32");
+    cJSON *pl = cJSON_AddArrayToObject(e, "placements");
+    cJSON_AddItemToArray(pl, cJSON_CreateString("Replicate()"));
+    cJSON_AddStringToObject(e, "file", file);
+    const char *kinds[2] = {"optim.exp_avg.", "optim.exp_avg_sq."};
+    for (int k = 0; k < 2; k++) {
       char name[200];
       snprintf(name, sizeof name, "%s%s", kinds[k], t->name);
-      cJSON *e = cJSON_AddObjectToObject(ts, name);
-      cJSON *sh = cJSON_AddArrayToObject(e, "shape");
+      cJSON *oe = cJSON_AddObjectToObject(ts, name);
+      cJSON *osh = cJSON_AddArrayToObject(oe, "shape");
       for (int d = 0; d < t->ndim; d++)
-        cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)t->shape[d]));
-      cJSON_AddStringToObject(e, "dtype", "F32");
-      cJSON *pl = cJSON_AddArrayToObject(e, "placements");
-      cJSON_AddItemToArray(pl, cJSON_CreateString("Replicate()"));
-      cJSON_AddStringToObject(e, "file", file);
+        cJSON_AddItemToArray(osh, cJSON_CreateNumber((double)t->shape[d]));
+      cJSON_AddStringToObject(oe, "dtype", "F32");
+      cJSON *opl = cJSON_AddArrayToObject(oe, "placements");
+      cJSON_AddItemToArray(opl, cJSON_CreateString(s->zero ? "Shard(0) of the flattened tensor"
+                                                            : "Replicate()"));
+      cJSON *pieces = cJSON_AddArrayToObject(oe, "pieces");
+      int ranks = s->zero ? s->world_size : 1;
+      int64_t block = (t->numel + ranks - 1) / ranks;
+      for (int r = 0; r < ranks; r++) {
+        int64_t b = block * r, len = t->numel - b < block ? t->numel - b : block;
+        if (len <= 0)
+          continue;
+        char rf[64];
+        snprintf(rf, sizeof rf, "rank-%d.safetensors", r);
+        cJSON *pc = cJSON_CreateObject();
+        cJSON_AddStringToObject(pc, "file", rf);
+        cJSON_AddNumberToObject(pc, "begin", (double)b);
+        cJSON_AddNumberToObject(pc, "len", (double)len);
+        cJSON_AddItemToArray(pieces, pc);
+      }
     }
   }
   char *text = cJSON_Print(o);
@@ -128,7 +155,10 @@ static void *write_main(void *arg) {
   int nfiles = 0;
   char file[64];
   snprintf(file, sizeof file, "rank-%d.safetensors", s->rank);
-  if (rc == 0 && s->rank == 0) { /* replicated state: rank 0 holds it all */
+  int has_data = s->rank == 0;
+  for (int i = 0; i < s->n && !has_data; i++)
+    has_data = s->tensors[i].shard_len > 0;
+  if (rc == 0 && has_data) {
     char path[4200];
     snprintf(path, sizeof path, "%s/%s", dir, file);
     struct mr_st_writer *w = NULL;
@@ -138,11 +168,13 @@ static void *write_main(void *arg) {
       char mname[200], vname[200];
       snprintf(mname, sizeof mname, "optim.exp_avg.%s", t->name);
       snprintf(vname, sizeof vname, "optim.exp_avg_sq.%s", t->name);
-      rc = mr_st_writer_add(w, t->name, MR_F32, t->ndim, t->shape, t->param);
-      if (rc == 0)
-        rc = mr_st_writer_add(w, mname, MR_F32, t->ndim, t->shape, t->m);
-      if (rc == 0)
-        rc = mr_st_writer_add(w, vname, MR_F32, t->ndim, t->shape, t->v);
+      if (t->param != NULL)
+        rc = mr_st_writer_add(w, t->name, MR_F32, t->ndim, t->shape, t->param);
+      if (rc == 0 && t->shard_len > 0) {
+        rc = mr_st_writer_add(w, mname, MR_F32, 1, &t->shard_len, t->m);
+        if (rc == 0)
+          rc = mr_st_writer_add(w, vname, MR_F32, 1, &t->shard_len, t->v);
+      }
     }
     if (rc == 0)
       rc = mr_st_writer_add_metadata(w, "format", MR_CKPT_FORMAT);
@@ -156,8 +188,9 @@ static void *write_main(void *arg) {
     int64_t delay = mr_tunable_int(MR_TUNABLE_TEST_CKPT_DELAY_MS);
     if (delay > 0) /* test hook: widen the window in which a save is half done */
       usleep((useconds_t)delay * 1000u);
-    if (rc == 0)
-      rc = write_index(s, dir, file);
+  }
+  if (rc == 0 && s->rank == 0) {
+    rc = write_index(s, dir, file);
     if (rc == 0) {
       char ip[4200];
       snprintf(ip, sizeof ip, "%s/%s", dir, MR_CKPT_INDEX);
@@ -191,11 +224,11 @@ int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_trainer *t, int64_t step,
   const struct mr_train_slot *slots;
   int n = mr_trainer_slots(t, &slots);
   MR_TRY(n);
+  if (!s->zero && s->rank != 0)
+    n = 0; /* replicated state: rank 0 writes it all */
   size_t total = 0;
   for (int i = 0; i < n; i++)
-    total += 3 * (size_t)slots[i].numel;
-  if (s->rank != 0)
-    total = 0; /* replicated: only rank 0 keeps a copy */
+    total += (s->rank == 0 ? (size_t)slots[i].numel : 0) + 2 * (size_t)slots[i].shard_len;
   if (total > s->block_floats) {
     float *nb = realloc(s->block, total * sizeof(float));
     if (nb == NULL)
@@ -208,24 +241,29 @@ int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_trainer *t, int64_t step,
   if (ts == NULL)
     return MR_ENOMEM;
   s->tensors = ts;
-  s->n = s->rank == 0 ? n : 0;
+  s->n = n;
   float *p = s->block;
-  for (int i = 0; i < s->n; i++) {
+  for (int i = 0; i < n; i++) {
     struct snapshot_tensor *d = &ts[i];
     snprintf(d->name, sizeof d->name, "%s", slots[i].name);
     d->ndim = slots[i].ndim;
     memcpy(d->shape, slots[i].shape, (size_t)slots[i].ndim * sizeof(int64_t));
     d->numel = slots[i].numel;
-    size_t bytes = (size_t)d->numel * sizeof(float);
-    d->param = p;
-    memcpy(p, slots[i].param, bytes);
-    p += d->numel;
+    d->shard_begin = slots[i].shard_begin;
+    d->shard_len = slots[i].shard_len;
+    d->param = NULL;
+    if (s->rank == 0) {
+      d->param = p;
+      memcpy(p, slots[i].param, (size_t)d->numel * sizeof(float));
+      p += d->numel;
+    }
+    size_t shard = (size_t)d->shard_len * sizeof(float);
     d->m = p;
-    memcpy(p, slots[i].m, bytes);
-    p += d->numel;
+    memcpy(p, slots[i].m, shard);
+    p += d->shard_len;
     d->v = p;
-    memcpy(p, slots[i].v, bytes);
-    p += d->numel;
+    memcpy(p, slots[i].v, shard);
+    p += d->shard_len;
   }
   s->step = step;
   s->scaler = *mr_trainer_scaler(t);
@@ -246,19 +284,102 @@ void mr_ckpt_saver_free(struct mr_ckpt_saver *s) {
   free(s);
 }
 
-/* Reads the whole tensor `name` of f into dst, checking its shape. */
-static int load_tensor(struct mr_st_file *f, const char *name, const struct mr_train_slot *slot,
-                       float *dst) {
-  const struct mr_st_tensor *t = mr_st_find(f, name);
+/* An open file of the checkpoint, by name (a few at most per load). */
+struct open_files {
+  char names[8][64];
+  struct mr_st_file *f[8];
+  int n;
+};
+
+static int file_get(struct open_files *of, const char *dir, const char *name,
+                    struct mr_st_file **out) {
+  for (int i = 0; i < of->n; i++)
+    if (strcmp(of->names[i], name) == 0) {
+      *out = of->f[i];
+      return 0;
+    }
+  if (strchr(name, '/') != NULL || strlen(name) >= sizeof of->names[0])
+    return mr_error_set(MR_EFORMAT, "%s: file name \"%s\" is not a plain name", dir, name);
+  if (of->n == 8) { /* keep the set small: drop the oldest */
+    mr_st_free(of->f[0]);
+    memmove(of->names[0], of->names[1], 7 * sizeof of->names[0]);
+    memmove(of->f, of->f + 1, 7 * sizeof of->f[0]);
+    of->n--;
+  }
+  char path[4400];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  MR_TRY(mr_st_open(path, &of->f[of->n]));
+  snprintf(of->names[of->n], sizeof of->names[0], "%s", name);
+  *out = of->f[of->n++];
+  return 0;
+}
+
+static void files_close(struct open_files *of) {
+  for (int i = 0; i < of->n; i++)
+    mr_st_free(of->f[i]);
+  of->n = 0;
+}
+
+/* The parameter itself: whole, checked against the model's shape. */
+static int load_param(struct open_files *of, const char *dir, const cJSON *e,
+                      const struct mr_train_slot *slot) {
+  const cJSON *file = cJSON_GetObjectItemCaseSensitive(e, "file");
+  if (!cJSON_IsString(file))
+    return mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s.file: expected a file name", dir,
+                        slot->name);
+  struct mr_st_file *f;
+  MR_TRY(file_get(of, dir, file->valuestring, &f));
+  const struct mr_st_tensor *t = mr_st_find(f, slot->name);
   if (t == NULL)
-    return mr_error_set(MR_EFORMAT, "%s: no tensor %s", mr_st_path(f), name);
+    return mr_error_set(MR_EFORMAT, "%s: no tensor %s", mr_st_path(f), slot->name);
   int same = t->rank == slot->ndim;
   for (int d = 0; same && d < t->rank; d++)
     same = t->shape[d] == slot->shape[d];
   if (!same)
     return mr_error_set(MR_EFORMAT, "%s: %s has another shape than this model's", mr_st_path(f),
+                        slot->name);
+  return mr_st_read(f, t, MR_F32, slot->param);
+}
+
+/* Elements [begin, begin + len) of a flattened moment, gathered from the
+ * pieces that overlap them: the reshard of a 1-D shard on load. */
+static int load_range(struct open_files *of, const char *dir, const char *name, const cJSON *e,
+                      int64_t numel, int64_t begin, int64_t len, float *dst) {
+  const cJSON *pieces = cJSON_GetObjectItemCaseSensitive(e, "pieces");
+  if (!cJSON_IsArray(pieces))
+    return mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s.pieces: expected an array", dir,
                         name);
-  return mr_st_read(f, t, MR_F32, dst);
+  int64_t covered = 0;
+  const cJSON *pc;
+  cJSON_ArrayForEach(pc, pieces) {
+    const cJSON *file = cJSON_GetObjectItemCaseSensitive(pc, "file");
+    const cJSON *pb = cJSON_GetObjectItemCaseSensitive(pc, "begin");
+    const cJSON *pl = cJSON_GetObjectItemCaseSensitive(pc, "len");
+    if (!cJSON_IsString(file) || !cJSON_IsNumber(pb) || !cJSON_IsNumber(pl))
+      return mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s.pieces: expected {file, begin, len}",
+                          dir, name);
+    int64_t b = (int64_t)pb->valuedouble, l = (int64_t)pl->valuedouble;
+    if (b < 0 || l < 0 || b + l > numel)
+      return mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s: a piece lies outside the tensor",
+                          dir, name);
+    int64_t lo = b > begin ? b : begin;
+    int64_t hi = b + l < begin + len ? b + l : begin + len;
+    if (lo >= hi)
+      continue;
+    struct mr_st_file *f;
+    MR_TRY(file_get(of, dir, file->valuestring, &f));
+    const struct mr_st_tensor *t = mr_st_find(f, name);
+    if (t == NULL || t->rank != 1 || t->shape[0] != l)
+      return mr_error_set(MR_EFORMAT, "%s: %s: expected a 1-D piece of %lld elements",
+                          mr_st_path(f), name, (long long)l);
+    int64_t start = lo - b, count = hi - lo;
+    MR_TRY(mr_st_read_slice(f, t, &start, &count, MR_F32, dst + (lo - begin)));
+    covered += count;
+  }
+  if (covered != len)
+    return mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s: the pieces cover %lld of the %lld "
+                        "elements needed", dir, name, (long long)covered, (long long)len);
+  return 0;
 }
 
 int mr_ckpt_load(struct mr_trainer *t, const char *dir, int64_t *step) {
@@ -279,34 +400,30 @@ int mr_ckpt_load(struct mr_trainer *t, const char *dir, int64_t *step) {
   }
   const struct mr_train_slot *slots;
   int n = mr_trainer_slots(t, &slots);
-  struct mr_st_file *f = NULL;
-  char open_name[256] = "";
+  struct open_files of = {.n = 0};
   for (int i = 0; rc == 0 && i < n; i++) {
-    const char *prefixes[3] = {"", "optim.exp_avg.", "optim.exp_avg_sq."};
-    float *dst[3] = {slots[i].param, slots[i].m, slots[i].v};
-    for (int k = 0; rc == 0 && k < 3; k++) {
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(tensors, slots[i].name);
+    if (e == NULL) {
+      rc = mr_error_set(MR_EFORMAT, "%s: no tensor %s", path, slots[i].name);
+      break;
+    }
+    rc = load_param(&of, dir, e, &slots[i]);
+    const char *prefixes[2] = {"optim.exp_avg.", "optim.exp_avg_sq."};
+    float *dst[2] = {slots[i].m, slots[i].v};
+    for (int k = 0; rc == 0 && k < 2; k++) {
       char name[200];
       snprintf(name, sizeof name, "%s%s", prefixes[k], slots[i].name);
-      const cJSON *e = cJSON_GetObjectItemCaseSensitive(tensors, name);
-      const cJSON *file = e != NULL ? cJSON_GetObjectItemCaseSensitive(e, "file") : NULL;
-      if (!cJSON_IsString(file) || strchr(file->valuestring, '/') != NULL) {
-        rc = mr_error_set(MR_EFORMAT, "%s: tensors.%s: missing, or no plain file name", path,
-                          name);
+      const cJSON *oe = cJSON_GetObjectItemCaseSensitive(tensors, name);
+      if (oe == NULL) {
+        rc = mr_error_set(MR_EFORMAT, "%s: no tensor %s", path, name);
         break;
       }
-      if (strcmp(open_name, file->valuestring) != 0) {
-        mr_st_free(f);
-        f = NULL;
-        char fp[4400];
-        snprintf(fp, sizeof fp, "%s/%s", dir, file->valuestring);
-        rc = mr_st_open(fp, &f);
-        snprintf(open_name, sizeof open_name, "%s", rc == 0 ? file->valuestring : "");
-      }
-      if (rc == 0)
-        rc = load_tensor(f, name, &slots[i], dst[k]);
+      if (slots[i].shard_len > 0)
+        rc = load_range(&of, dir, name, oe, slots[i].numel, slots[i].shard_begin,
+                        slots[i].shard_len, dst[k]);
     }
   }
-  mr_st_free(f);
+  files_close(&of);
   if (rc == 0) {
     struct mr_loss_scaler *sc = mr_trainer_scaler(t);
     const cJSON *v;

@@ -2,16 +2,21 @@
  * shards asynchronously and loading what its plan needs.
  *
  * Files of step S in folder D (common/ckpt.h names it):
- *   D/rank-R.safetensors   the tensors rank R owns: parameters under their
- *                          Hugging Face names, AdamW moments as
- *                          "optim.exp_avg.NAME" / "optim.exp_avg_sq.NAME"
+ *   D/rank-R.safetensors   what rank R owns: the parameters under their
+ *                          Hugging Face names (rank 0: they are replicated)
+ *                          and its shard of each parameter's AdamW moments,
+ *                          flattened, as "optim.exp_avg.NAME" and
+ *                          "optim.exp_avg_sq.NAME" (1-D)
  *   D/index.json           written by rank 0: format, step, world size,
  *                          mesh, strategy, seed (the data position is the
  *                          step: rows are a formula of (seed, step, row)),
  *                          loss-scaler state, and per tensor its global
- *                          shape, dtype, placements and the file holding it
- * Under data parallelism every rank holds the same state, so rank 0 writes
- * it all and the others write nothing; any world size can load it.
+ *                          shape, dtype, placements and its pieces: which
+ *                          file holds which range of the flattened tensor
+ * Without ZeRO rank 0 holds every moment whole (one piece); under ZeRO-1
+ * rank R holds the block [R * ceil(n / dp), ...).  A rank loading reads
+ * only the pieces overlapping the range its own plan needs, so a job can
+ * resume on another world size or another sharding.
  *
  * Saving takes a snapshot of the state into host memory (a copy), then a
  * thread writes and checksums the files while training goes on; the rank
@@ -27,8 +32,9 @@
 
 struct mr_ckpt_saver;
 
-/* A saver for this rank.  Returns 0 or MR_ENOMEM. */
-int mr_ckpt_saver_new(int rank, int world_size, const struct mr_job *job,
+/* A saver for this rank; zero: the moments are sharded (ZeRO-1) over the
+ * world_size ranks.  Returns 0 or MR_ENOMEM. */
+int mr_ckpt_saver_new(int rank, int world_size, int zero, const struct mr_job *job,
                       struct mr_ckpt_saver **out);
 
 /* Snapshots t's state after step `step` and starts writing it under

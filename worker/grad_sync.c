@@ -13,7 +13,15 @@ struct mr_grad_sync {
   int *grad;                 // [n] gradient tensor ids
   int *ready_after;          // [n] op after which the gradient is final
   struct mr_comm_req **req;  // [n] in flight, or NULL
+  void (*prepare)(void *ctx, int i);
+  void *prepare_ctx;
 };
+
+void mr_grad_sync_set_prepare(struct mr_grad_sync *s, void (*fn)(void *ctx, int i),
+                              void *ctx) {
+  s->prepare = fn;
+  s->prepare_ctx = ctx;
+}
 
 static double now(void) {
   struct timespec ts;
@@ -58,6 +66,8 @@ int mr_grad_sync_new(struct mr_comm_group *g, struct mr_exec *x, const int *para
 }
 
 static int start(struct mr_grad_sync *s, int i) {
+  if (s->prepare != NULL)
+    s->prepare(s->prepare_ctx, i);
   const struct mr_tensor *t = &s->x->g->tensors[s->grad[i]];
   float *buf = mr_exec_buf(s->x, s->grad[i]);
   return mr_comm_all_reduce(s->group, buf, buf, (size_t)mr_tensor_numel(t), MR_F32,

@@ -21,6 +21,12 @@ struct mr_grad_sync;
 int mr_grad_sync_new(struct mr_comm_group *g, struct mr_exec *x, const int *params,
                      int n, struct mr_grad_sync **out);
 
+/* Installs fn, called with a parameter's index (in the order given to new)
+ * just before its gradient's AllReduce starts, e.g. to add the gradient
+ * accumulated over earlier micro-batches. */
+void mr_grad_sync_set_prepare(struct mr_grad_sync *s, void (*fn)(void *ctx, int i),
+                              void *ctx);
+
 /* Runs ops [from, to) of the graph, starting each gradient's AllReduce as
  * soon as it is final.  Returns 0 or a kernel's or comm's error. */
 int mr_grad_sync_run(struct mr_grad_sync *s, int from, int to);

@@ -88,11 +88,12 @@ static int run_training(struct mr_client *c) {
   /* what this runtime executes today: data parallelism over every rank */
   const struct mr_strategy_hint *h = &job.strategy;
   if ((h->tp > 1) || (h->pp > 1) || (h->dp > 0 && h->dp != c->world_size) ||
-      h->zero_stage > 0 || h->sequence_parallel == 1) {
+      h->zero_stage > 1 || h->sequence_parallel == 1) {
     mr_job_close(&job);
     return mr_error_set(MR_ENOTSUP,
-                        "this worker runs data parallelism over all %d ranks only "
-                        "(no tensor/pipeline/sequence parallelism or ZeRO yet)",
+                        "this worker runs data parallelism over all %d ranks, with ZeRO "
+                        "stage 0 or 1 and gradient accumulation (no tensor, pipeline or "
+                        "sequence parallelism, no ZeRO-2/3 yet)",
                         c->world_size);
   }
   struct mr_comm *comm = NULL;

@@ -63,8 +63,10 @@ void mr_trainer_free(struct mr_trainer *t);
  * parameter with its AdamW moments (all borrowed from the trainer). */
 struct mr_train_slot {
   const char *name;       // Hugging Face name
-  float *param, *m, *v;   // numel floats each
-  int64_t numel;
+  float *param;           // numel floats
+  float *m, *v;           // shard_len floats: elements [shard_begin, +shard_len)
+  int64_t numel;          //   of the flattened parameter (all of it unless ZeRO)
+  int64_t shard_begin, shard_len;
   int ndim;
   const int64_t *shape;
 };
