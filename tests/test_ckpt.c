@@ -17,8 +17,8 @@
 #include "common/error.h"
 #include "testutil.h"
 
-static void write_job(const char *dir, const char *name, int steps, int every,
-                      const char *ckpt) {
+static void write_job_s(const char *dir, const char *name, int steps, int every,
+                        const char *ckpt, const char *strategy) {
   char path[200];
   snprintf(path, sizeof path, "%s/%s", dir, name);
   FILE *f = fopen(path, "w");
@@ -28,9 +28,15 @@ static void write_job(const char *dir, const char *name, int steps, int every,
           " \"num_key_value_heads\": 2, \"max_position_embeddings\": 64},"
           " \"data\": {\"train\": \"train.bin\"},"
           " \"train\": {\"steps\": %d, \"global_batch\": 4, \"seq_len\": 32, \"lr\": 0.01, \"seed\": 5},"
-          " \"checkpoint\": {\"dir\": \"%s\", \"save_interval_steps\": %d, \"keep_last\": 2}}\n",
-          steps, ckpt, every);
+          " \"checkpoint\": {\"dir\": \"%s\", \"save_interval_steps\": %d, \"keep_last\": 2},"
+          " \"strategy\": {%s}}\n",
+          steps, ckpt, every, strategy);
   fclose(f);
+}
+
+static void write_job(const char *dir, const char *name, int steps, int every,
+                      const char *ckpt) {
+  write_job_s(dir, name, steps, every, ckpt, "");
 }
 
 static void start(struct mr_tproc *p, const char *dir, const char *job, const char *run,
@@ -230,25 +236,39 @@ START_TEST(test_ckpt_sigterm_checkpoints_and_exits_0) {
 }
 END_TEST
 
-START_TEST(test_ckpt_resume_on_another_world_size) {
-  char dir[64];
-  setup(dir, sizeof dir);
-  write_job(dir, "full.json", 8, 0, "ck-full");
-  write_job(dir, "first.json", 4, 4, "ck");
-  write_job(dir, "second.json", 8, 0, "ck");
-  ck_assert_int_eq(run_to_end(dir, "full.json", "full", 4), 0);
-  ck_assert_int_eq(run_to_end(dir, "first.json", "first", 4), 0);  /* dp4 saves step 4 */
-  ck_assert_int_eq(run_to_end(dir, "second.json", "second", 2), 0); /* dp2 resumes */
-  double full[8], second[8];
-  char m[200];
-  snprintf(m, sizeof m, "%s/full/metrics.jsonl", dir);
-  ck_assert_int_eq(mr_t_read_losses(m, full, 8), 8);
-  snprintf(m, sizeof m, "%s/second/metrics.jsonl", dir);
-  ck_assert_int_eq(mr_t_read_losses(m, second, 8), 4);
-  for (int s = 0; s < 4; s++)
-    ck_assert_msg(fabs(second[s] - full[4 + s]) <= 1e-4 * fabs(full[4 + s]),
-                  "step %d: %.7f after resuming on 2 ranks vs %.7f uninterrupted on 4", 5 + s,
-                  second[s], full[4 + s]);
+START_TEST(test_ckpt_resume_on_another_strategy_or_world_size) {
+  /* saved under one strategy, resumed under another: the losses continue
+   * as in the uninterrupted run of the first strategy */
+  static const struct {
+    int n1;
+    const char *s1;
+    int n2;
+    const char *s2;
+  } pairs[] = {
+      {4, "\"sharding\": {\"stage\": 1}", 2, ""},                  /* ZeRO-1 dp4 -> dp2 */
+      {2, "", 2, "\"sharding\": {\"stage\": 1}"},                  /* dp2 -> ZeRO-1 dp2 */
+      {1, "", 4, "\"gradient_accumulation_steps\": 1, \"sharding\": {\"stage\": 1}"}, /* 1 -> 4 */
+  };
+  for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++) {
+    char dir[64];
+    setup(dir, sizeof dir);
+    write_job_s(dir, "full.json", 8, 0, "ck-full", pairs[k].s1);
+    write_job_s(dir, "first.json", 4, 4, "ck", pairs[k].s1);
+    write_job_s(dir, "second.json", 8, 0, "ck", pairs[k].s2);
+    ck_assert_int_eq(run_to_end(dir, "full.json", "full", pairs[k].n1), 0);
+    ck_assert_int_eq(run_to_end(dir, "first.json", "first", pairs[k].n1), 0);
+    ck_assert_int_eq(run_to_end(dir, "second.json", "second", pairs[k].n2), 0);
+    double full[8], second[8];
+    char m[200];
+    snprintf(m, sizeof m, "%s/full/metrics.jsonl", dir);
+    ck_assert_int_eq(mr_t_read_losses(m, full, 8), 8);
+    snprintf(m, sizeof m, "%s/second/metrics.jsonl", dir);
+    ck_assert_int_eq(mr_t_read_losses(m, second, 8), 4);
+    for (int s = 0; s < 4; s++)
+      ck_assert_msg(fabs(second[s] - full[4 + s]) <= 1e-4 * fabs(full[4 + s]),
+                    "pair %zu, step %d: %.7f after resuming on %d ranks vs %.7f uninterrupted "
+                    "on %d", k, 5 + s, second[s], pairs[k].n2, full[4 + s], pairs[k].n1);
+  }
 }
 END_TEST
 
@@ -284,7 +304,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_killed_ranks_resume_bitwise);
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
-  tcase_add_test(tc, test_ckpt_resume_on_another_world_size);
+  tcase_add_test(tc, test_ckpt_resume_on_another_strategy_or_world_size);
   tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed_then_restarted);
   suite_add_tcase(s, tc);
   return s;
