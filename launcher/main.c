@@ -8,6 +8,7 @@
 
 #include "common/tunable.h"
 #include "launcher/cli.h"
+#include "launcher/export.h"
 #include "launcher/prepare_data.h"
 
 static void usage(FILE *f) {
@@ -18,6 +19,8 @@ static void usage(FILE *f) {
           "  launch JOB.json     train: start and supervise one worker per rank\n"
           "  prepare-data TEXT... --out FILE\n"
           "                      text to byte-level token files (train/val split)\n"
+          "  export CKPT --out DIR\n"
+          "                      a checkpoint as a Hugging Face model directory\n"
           "  sample WEIGHTS --prompt TEXT\n"
           "                      generate text from trained weights\n"
           "  env                 list the environment variables meshrun reads\n"
@@ -66,7 +69,9 @@ int main(int argc, char **argv) {
     return mr_cmd_launch(argc - 1, argv + 1);
   if (strcmp(cmd, "prepare-data") == 0)
     return mr_cmd_prepare_data(argc - 1, argv + 1);
-  if (strcmp(cmd, "sample") == 0)
+  if (strcmp(cmd, "export") == 0)
+    return mr_cmd_export(argc - 1, argv + 1);
+  if (strcmp(cmd, "sample") == 0 || strcmp(cmd, "logits") == 0)
     return exec_worker(argc - 1, argv + 1);
   if (strcmp(cmd, "env") == 0)
     return cmd_env();

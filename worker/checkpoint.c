@@ -80,6 +80,9 @@ static int write_index(struct mr_ckpt_saver *s, const char *dir, const char *fil
   cJSON *strat = cJSON_AddObjectToObject(o, "strategy");
   cJSON_AddNumberToObject(strat, "data_parallel.degree", s->world_size);
   cJSON_AddNumberToObject(o, "seed", (double)s->job->train.seed);
+  char *model = mr_model_config_to_json(&s->job->model);
+  cJSON_AddItemToObject(o, "model", model != NULL ? cJSON_Parse(model) : cJSON_CreateNull());
+  free(model);
   cJSON_AddNumberToObject(o, "data_position_step", (double)s->step);
   cJSON *ls = cJSON_AddObjectToObject(o, "loss_scaler");
   cJSON_AddNumberToObject(ls, "scale", s->scaler.scale);

@@ -16,6 +16,7 @@
 #include "common/tunable.h"
 #include "worker/bootstrap_rpc.h"
 #include "worker/client.h"
+#include "worker/logits.h"
 #include "worker/comm/comm.h"
 #include "worker/selfcheck.h"
 #include "worker/train.h"
@@ -181,6 +182,8 @@ static int run(void) {
 }
 
 int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "logits") == 0)
+    return mr_logits_main(argc - 1, argv + 1);
   if (argc > 1) {
     fprintf(stderr, "meshrun-worker: unknown command \"%s\" (workers are started by "
                     "meshrun launch)\n", argv[1]);
