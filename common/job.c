@@ -23,13 +23,20 @@ static char *resolve(const char *dir, const char *path) {
   return out;
 }
 
+/* The job file's folder as an absolute path, so the paths it resolves mean
+ * the same to a worker started elsewhere. */
 static char *dir_of(const char *path) {
   const char *slash = strrchr(path, '/');
-  if (slash == NULL)
-    return strdup(".");
-  if (slash == path)
-    return strdup("/");
-  return strndup(path, (size_t)(slash - path));
+  char *dir = slash == NULL ? strdup(".") : slash == path ? strdup("/")
+                                                          : strndup(path, (size_t)(slash - path));
+  if (dir == NULL)
+    return NULL;
+  char *abs = realpath(dir, NULL);
+  if (abs != NULL) {
+    free(dir);
+    return abs;
+  }
+  return dir;
 }
 
 /* Shard(d) with d a small non-negative integer, Replicate(), Partial(op). */

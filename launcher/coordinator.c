@@ -198,7 +198,8 @@ static void on_hello(struct coordinator *co, struct mr_conn *c,
                      const Meshrun__Hello *h) {
   int rank = h->requested_rank;
   struct mr_rank *r = rank >= 0 && rank < co->opts->nproc ? &co->ranks.r[rank] : NULL;
-  if (r == NULL || r->conn != NULL || r->pid != (int)h->pid || h->restart != (uint32_t)co->restart) {
+  if (r == NULL || r->registered || r->pid != (int)h->pid ||
+      h->restart != (uint32_t)co->restart) {
     char why[160];
     snprintf(why, sizeof why, "hello from pid %u for rank %d (restart %u) matches no waiting worker",
              h->pid, rank, h->restart);
@@ -207,6 +208,7 @@ static void on_hello(struct coordinator *co, struct mr_conn *c,
   }
   c->rank = rank;
   r->conn = c;
+  r->registered = 1;
   r->last_seen_ms = mr_now_ms();
   MR_DEBUG("launch", "rank %d registered (pid %u, host %s, %zu devices)", rank, h->pid,
            h->host, h->n_devices);
@@ -653,7 +655,7 @@ static void on_tick(uv_timer_t *t) {
         all_done = 0;
       if (r->exited)
         continue;
-      if (r->conn == NULL && now - r->spawn_ms > conn_timeout) {
+      if (!r->registered && now - r->spawn_ms > conn_timeout) {
         group_fail(co, i, "rank %d (pid %d) did not register within %.1f s", i, r->pid,
                    (double)conn_timeout / 1000.0);
         return;

@@ -236,6 +236,7 @@ static int spawn_one(struct mr_ranks *s, int i, const struct mr_spawn_env *e) {
   r->term_signal = 0;
   r->pid = r->proc.pid;
   r->conn = NULL;
+  r->registered = 0;
   r->spawn_ms = r->last_seen_ms = r->progress_ms = mr_now_ms();
   r->last_done = 0;
   r->step = 0;

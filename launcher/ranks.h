@@ -33,7 +33,8 @@ struct mr_rank {
   int64_t exit_status;
   int term_signal;
   int pid;
-  struct mr_conn *conn;    // borrowed; NULL until registered
+  struct mr_conn *conn;    // borrowed; NULL until registered and after it left
+  int registered;          // has said Hello in this group
   int done;                // reported its job finished
   int64_t spawn_ms;
   int64_t last_seen_ms;    // last message of any kind
