@@ -33,7 +33,9 @@
   XX(SELFCHECK_STEPS, "MESHRUN_SELFCHECK_STEPS", "5",                        \
      "steps of the self-check job")                                          \
   XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \
-     "lines of a failed rank's log shown on exit")
+     "lines of a failed rank's log shown on exit")                           \
+  XX(CONFIGS_DIR, "MESHRUN_CONFIGS_DIR", "",                                 \
+     "folder holding clusters/*.json (default: configs/ beside the binary)")
 
 enum mr_tunable_id {
 #define XX(id, env, def, desc) MR_TUNABLE_##id,

@@ -5,6 +5,7 @@
 #define MR_CLI_H
 
 int mr_cmd_launch(int argc, char **argv);
+int mr_cmd_plan(int argc, char **argv);
 
 /* Shared helpers for subcommands. */
 
