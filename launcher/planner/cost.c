@@ -36,13 +36,21 @@ double mr_cost_collective_time(enum mr_collective kind, int n, double bytes,
 
 struct mr_link mr_cost_group_link(const struct mr_cluster *c, int stride, int n) {
   struct mr_link l;
-  if ((int64_t)stride * n <= c->devices_per_node || n <= 1) {
+  /* Inside a node only when the groups tile the node: a group of 6 on
+   * 8-device nodes straddles two of them. */
+  int64_t span = (int64_t)stride * n;
+  if (n <= 1 || (span <= c->devices_per_node && c->devices_per_node % span == 0)) {
     l.bandwidth = c->intra_bus_bandwidth;
     l.latency = c->intra_latency;
     l.inter_node = 0;
     return l;
   }
+  /* Groups made of whole node slices spread their rings over every
+   * adapter of the node; a group that straddles nodes unevenly crosses on
+   * one device's share. */
   int flows = stride < c->devices_per_node ? stride : c->devices_per_node;
+  if (span % c->devices_per_node != 0)
+    flows = c->devices_per_node;
   l.bandwidth = fmin(c->intra_bus_bandwidth, c->inter_bandwidth / flows);
   l.latency = c->inter_latency;
   l.inter_node = 1;

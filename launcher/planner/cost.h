@@ -90,9 +90,11 @@ double mr_cost_collective_time(enum mr_collective kind, int n, double bytes,
                                const struct mr_link *link);
 
 /* The link a group of n ranks spaced `stride` apart in rank order uses: a
- * node's bus when the group fits in a node, else the network, where each of
+ * node's bus when stride·n divides the devices per node (every group lies
+ * inside one node), else the network, where each of
  * the min(stride, devices_per_node) concurrent flows leaving a node gets
- * its share of the node's bandwidth. */
+ * its share of the node's bandwidth (a group straddling nodes unevenly:
+ * one device's share). */
 struct mr_link mr_cost_group_link(const struct mr_cluster *c, int stride, int n);
 
 /* Pipeline bubble over useful time: (p−1)/m for GPipe and 1F1B, (p−1)/(v·m)
