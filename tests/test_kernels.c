@@ -520,6 +520,17 @@ START_TEST(test_kernels_xent_fused) {
 }
 END_TEST
 
+/* The same checks on the portable (non-AVX2) copies of the kernels. */
+START_TEST(test_kernels_portable_path) {
+  ref_force_portable();
+  check_norm(0, 23, 37);
+  check_norm(1, 70, 257);
+  test_kernels_swiglu_gelu_fn(_i);
+  test_kernels_xent_fused_fn(_i);
+  test_kernels_rope_positions_fn(_i);
+}
+END_TEST
+
 static Suite *kernels_suite(void) {
   Suite *s = suite_create("kernels");
   TCase *tc = tcase_create("core");
@@ -534,6 +545,7 @@ static Suite *kernels_suite(void) {
   tcase_add_test(tc, test_kernels_layernorm_odd_shapes);
   tcase_add_test(tc, test_kernels_rope_positions);
   tcase_add_test(tc, test_kernels_xent_fused);
+  tcase_add_test(tc, test_kernels_portable_path);
   suite_add_tcase(s, tc);
   return s;
 }

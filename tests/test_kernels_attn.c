@@ -167,6 +167,18 @@ START_TEST(test_kernels_attention_fused_qkv_strides) {
 }
 END_TEST
 
+START_TEST(test_kernels_attention_portable_path) {
+  ref_force_portable(); /* the code a CPU without AVX2 runs */
+  check_attn(2, 70, 4, 2, 8, 0, 100);
+  check_attn(1, 67, 2, 1, 36, 1, 60); /* D: a 32-wide chunk and a tail */
+}
+END_TEST
+
+START_TEST(test_kernels_attention_wide_head_dim) {
+  check_attn(1, 66, 2, 1, 44, 0, 80); /* 32 + 8 + 4 lanes */
+}
+END_TEST
+
 START_TEST(test_kernels_attention_bad_shape) {
   struct mr_pool *p = ref_pool(1);
   float x[64] = {0};
@@ -188,6 +200,8 @@ static Suite *kernels_attn_suite(void) {
   tcase_add_test(tc, test_kernels_attention_gqa_partial_block);
   tcase_add_test(tc, test_kernels_attention_odd_dim_multi_block);
   tcase_add_test(tc, test_kernels_attention_fused_qkv_strides);
+  tcase_add_test(tc, test_kernels_attention_portable_path);
+  tcase_add_test(tc, test_kernels_attention_wide_head_dim);
   tcase_add_test(tc, test_kernels_attention_bad_shape);
   suite_add_tcase(s, tc);
   return s;

@@ -12,17 +12,12 @@
 #include <stdint.h>
 #include <string.h>
 
+
 #define MR_CPU_BODY static inline __attribute__((always_inline))
 
-static inline int mr__cpu_has_avx2(void) {
-  static int cached = -1;
-  int c = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-  if (c < 0) {
-    c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    __atomic_store_n(&cached, c, __ATOMIC_RELAXED);
-  }
-  return c;
-}
+/* 1 when the AVX2+FMA copies run: the CPU has both and MESHRUN_CPU_SIMD is
+ * not "portable".  Decided once per process (pool.c). */
+int mr__cpu_has_avx2(void);
 
 #define MR_CPU_DISPATCH(name, params, args)                                  \
   __attribute__((target("avx2,fma"))) static void name##_avx2 params {      \
