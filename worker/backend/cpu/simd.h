@@ -31,6 +31,13 @@ int mr__cpu_has_avx2(void);
       name##_base args;                                                      \
   }
 
+/* Sum of 8 lanes in a fixed order.  Reductions keep 8 partial sums (lane l
+ * takes elements l, l+8, ...), which the compiler can vectorize without
+ * reassociating, and which give the same bits on every target. */
+MR_CPU_BODY float mr__hsum8(const float *a) {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
 /* e^x for float, Cephes' polynomial (about 1 ulp) with the exponent built
  * from bits; branch-free so loops over it vectorize.  x < -87.3 gives 0
  * (so exp(-inf) = 0), x > 88.7 gives 2^128-ish (inf after the multiply). */
