@@ -197,6 +197,178 @@ static void bench_streaming(struct mr_pool *pool) {
   free(p); free(g); free(m); free(vv);
 }
 
+/* Every kernel of one LLaMA training step (forward, backward, AdamW) at the
+ * model's shapes, run back to back as the engine will, without the graph:
+ * a floor for the engine's step time. */
+struct llama {
+  int L, C, F, H, Hkv, V, B, T;
+};
+
+#define CHECK(x)                                                             \
+  do {                                                                       \
+    if ((x) < 0) {                                                           \
+      fprintf(stderr, "%s: %s\n", #x, mr_error_message());                  \
+      exit(1);                                                               \
+    }                                                                        \
+  } while (0)
+
+static void bench_llama_step(struct mr_pool *pool, const struct llama *m) {
+  int N = m->B * m->T, C = m->C, F = m->F, D = C / m->H, KV = m->Hkv * D;
+  size_t per_layer = (size_t)C * (C + 2 * KV + C) + 3 * (size_t)C * F + 2 * (size_t)C;
+  size_t nparam = (size_t)m->L * per_layer + 2 * (size_t)m->V * C + C;
+  float *P = randf(nparam), *G = randf(nparam), *M1 = calloc(nparam, 4), *M2 = calloc(nparam, 4);
+  /* activations kept for the backward, per layer */
+  size_t act = (size_t)N * (4 * C + 2 * KV + 3 * (size_t)F) + (size_t)N * 2;
+  float *A = randf(act * (size_t)m->L), *x = randf((size_t)N * C), *dx = randf((size_t)N * C);
+  float *t1 = randf((size_t)N * F), *t2 = randf((size_t)N * F), *t3 = randf((size_t)N * F);
+  float *logits = randf((size_t)N * m->V), *loss = randf(N), *lse = randf(N);
+  float *lse_a = randf((size_t)m->L * m->B * m->H * m->T);
+  float *cs = randf((size_t)m->T * D / 2), *sn = randf((size_t)m->T * D / 2);
+  int32_t *tok = malloc(sizeof(int32_t) * N);
+  for (int i = 0; i < N; i++)
+    tok[i] = (i * 31) % m->V;
+  CHECK(mr_cpu_rope_table(cs, sn, m->T, D, 10000.0));
+  struct mr_attn_shape as = {.B = m->B, .T = m->T, .H = m->H, .Hkv = m->Hkv, .D = D};
+  struct mr_adamw h = mr_adamw_defaults();
+  double best = 1e9, t_attn = 0, t_mm = 0;
+  for (int rep = 0; rep < 3; rep++) {
+    double t0 = now(), ta = 0, tm = 0, q0;
+    float *emb = P + (size_t)m->L * per_layer, *head = emb + (size_t)m->V * C;
+    CHECK(mr_cpu_embedding_fwd(pool, x, emb, tok, N, m->V, C));
+    for (int l = 0; l < m->L; l++) {
+      float *w = P + (size_t)l * per_layer, *wq = w, *wk = wq + (size_t)C * C,
+            *wv = wk + (size_t)KV * C, *wo = wv + (size_t)KV * C,
+            *wg = wo + (size_t)C * C, *wu = wg + (size_t)F * C, *wd = wu + (size_t)F * C,
+            *n1 = wd + (size_t)C * F, *n2 = n1 + C;
+      float *a = A + act * (size_t)l, *hn = a, *q = hn + (size_t)N * C, *k = q + (size_t)N * C,
+            *v = k + (size_t)N * KV, *o = v + (size_t)N * KV, *h2 = o + (size_t)N * C,
+            *g = h2 + (size_t)N * C, *u = g + (size_t)N * F, *sw = u + (size_t)N * F,
+            *r1 = sw + (size_t)N * F, *r2 = r1 + N;
+      CHECK(mr_cpu_rmsnorm_fwd(pool, hn, r1, x, n1, N, C, 1e-6f));
+      q0 = now();
+      CHECK(mr_cpu_linear_fwd(pool, q, hn, wq, NULL, N, C, C));
+      CHECK(mr_cpu_linear_fwd(pool, k, hn, wk, NULL, N, KV, C));
+      CHECK(mr_cpu_linear_fwd(pool, v, hn, wv, NULL, N, KV, C));
+      tm += now() - q0;
+      CHECK(mr_cpu_rope_fwd(pool, q, cs, sn, NULL, m->B, m->T, m->H, D, m->T, 0));
+      CHECK(mr_cpu_rope_fwd(pool, k, cs, sn, NULL, m->B, m->T, m->Hkv, D, m->T, 0));
+      q0 = now();
+      CHECK(mr_cpu_attention_fwd(pool, o, lse_a + (size_t)l * m->B * m->H * m->T, q, k, v, &as));
+      ta += now() - q0;
+      q0 = now();
+      CHECK(mr_cpu_linear_fwd(pool, t1, o, wo, NULL, N, C, C));
+      tm += now() - q0;
+      CHECK(mr_cpu_add(pool, x, x, t1, (size_t)N * C));
+      CHECK(mr_cpu_rmsnorm_fwd(pool, h2, r2, x, n2, N, C, 1e-6f));
+      q0 = now();
+      CHECK(mr_cpu_linear_fwd(pool, g, h2, wg, NULL, N, F, C));
+      CHECK(mr_cpu_linear_fwd(pool, u, h2, wu, NULL, N, F, C));
+      tm += now() - q0;
+      CHECK(mr_cpu_swiglu_fwd(pool, sw, g, u, (size_t)N * F));
+      q0 = now();
+      CHECK(mr_cpu_linear_fwd(pool, t1, sw, wd, NULL, N, C, F));
+      tm += now() - q0;
+      CHECK(mr_cpu_add(pool, x, x, t1, (size_t)N * C));
+    }
+    q0 = now();
+    CHECK(mr_cpu_linear_fwd(pool, logits, x, head, NULL, N, m->V, C));
+    tm += now() - q0;
+    CHECK(mr_cpu_xent_fwd(pool, loss, lse, logits, tok, N, m->V, NULL));
+    CHECK(mr_cpu_xent_bwd(pool, logits, logits, lse, tok, NULL, 1.0f / N, N, m->V));
+    float *gemb = G + (size_t)m->L * per_layer, *ghead = gemb + (size_t)m->V * C;
+    q0 = now();
+    CHECK(mr_cpu_linear_bwd_w(pool, ghead, NULL, logits, x, N, m->V, C));
+    CHECK(mr_cpu_linear_bwd_x(pool, dx, logits, head, N, m->V, C, false));
+    tm += now() - q0;
+    for (int l = m->L - 1; l >= 0; l--) {
+      float *w = P + (size_t)l * per_layer, *gw = G + (size_t)l * per_layer;
+      float *wq = w, *wk = wq + (size_t)C * C, *wv = wk + (size_t)KV * C, *wo = wv + (size_t)KV * C,
+            *wg = wo + (size_t)C * C, *wu = wg + (size_t)F * C, *wd = wu + (size_t)F * C,
+            *n1 = wd + (size_t)C * F, *n2 = n1 + C;
+      float *gq = gw, *gk = gq + (size_t)C * C, *gv = gk + (size_t)KV * C, *go = gv + (size_t)KV * C,
+            *gg = go + (size_t)C * C, *gu = gg + (size_t)F * C, *gd = gu + (size_t)F * C,
+            *gn1 = gd + (size_t)C * F, *gn2 = gn1 + C;
+      float *a = A + act * (size_t)l, *hn = a, *q = hn + (size_t)N * C, *k = q + (size_t)N * C,
+            *v = k + (size_t)N * KV, *o = v + (size_t)N * KV, *h2 = o + (size_t)N * C,
+            *g = h2 + (size_t)N * C, *u = g + (size_t)N * F, *sw = u + (size_t)N * F,
+            *r1 = sw + (size_t)N * F, *r2 = r1 + N;
+      /* MLP */
+      q0 = now();
+      CHECK(mr_cpu_linear_bwd_w(pool, gd, NULL, dx, sw, N, C, F));
+      CHECK(mr_cpu_linear_bwd_x(pool, t1, dx, wd, N, C, F, false));
+      tm += now() - q0;
+      CHECK(mr_cpu_swiglu_bwd(pool, t2, t3, t1, g, u, (size_t)N * F, false));
+      q0 = now();
+      CHECK(mr_cpu_linear_bwd_w(pool, gg, NULL, t2, h2, N, F, C));
+      CHECK(mr_cpu_linear_bwd_w(pool, gu, NULL, t3, h2, N, F, C));
+      CHECK(mr_cpu_linear_bwd_x(pool, t1, t2, wg, N, F, C, false));
+      CHECK(mr_cpu_linear_bwd_x(pool, t1, t3, wu, N, F, C, true));
+      tm += now() - q0;
+      CHECK(mr_cpu_rmsnorm_bwd(pool, dx, gn2, t1, x, n2, r2, N, C, true));
+      /* attention */
+      q0 = now();
+      CHECK(mr_cpu_linear_bwd_w(pool, go, NULL, dx, o, N, C, C));
+      CHECK(mr_cpu_linear_bwd_x(pool, t1, dx, wo, N, C, C, false));
+      tm += now() - q0;
+      float *dq = t2, *dk = t3, *dv = t3 + (size_t)N * KV;
+      q0 = now();
+      CHECK(mr_cpu_attention_bwd(pool, dq, dk, dv, t1, q, k, v, o,
+                                 lse_a + (size_t)l * m->B * m->H * m->T, &as));
+      ta += now() - q0;
+      CHECK(mr_cpu_rope_bwd(pool, dq, cs, sn, NULL, m->B, m->T, m->H, D, m->T, 0));
+      CHECK(mr_cpu_rope_bwd(pool, dk, cs, sn, NULL, m->B, m->T, m->Hkv, D, m->T, 0));
+      q0 = now();
+      CHECK(mr_cpu_linear_bwd_w(pool, gq, NULL, dq, hn, N, C, C));
+      CHECK(mr_cpu_linear_bwd_w(pool, gk, NULL, dk, hn, N, KV, C));
+      CHECK(mr_cpu_linear_bwd_w(pool, gv, NULL, dv, hn, N, KV, C));
+      CHECK(mr_cpu_linear_bwd_x(pool, t1, dq, wq, N, C, C, false));
+      CHECK(mr_cpu_linear_bwd_x(pool, t1, dk, wk, N, KV, C, true));
+      CHECK(mr_cpu_linear_bwd_x(pool, t1, dv, wv, N, KV, C, true));
+      tm += now() - q0;
+      CHECK(mr_cpu_rmsnorm_bwd(pool, dx, gn1, t1, x, n1, r1, N, C, true));
+    }
+    CHECK(mr_cpu_embedding_bwd(pool, gemb, dx, tok, N, m->V, C));
+    double ss;
+    CHECK(mr_cpu_sumsq(pool, &ss, G, nparam));
+    CHECK(mr_cpu_adamw_step(pool, P, G, M1, M2, nparam, &h, rep + 1));
+    double t = now() - t0;
+    if (t < best) {
+      best = t;
+      t_attn = ta;
+      t_mm = tm;
+    }
+  }
+  double tokens = (double)N;
+  double mm_flops = 6.0 * tokens * ((double)m->L * (per_layer - 2 * C) + (double)m->V * C);
+  double attn_flops = (double)m->L * 14.0 * D * m->B * m->H * (double)m->T * (m->T + 1) / 2;
+  printf("  LLaMA L%d C%d F%d H%d Hkv%d V%d, batch %dx%d: step %.1f ms (matmuls %.1f, "
+         "attention %.1f, rest %.1f) = %.0f tokens/s, %.1f GFLOP/s\n",
+         m->L, C, F, m->H, m->Hkv, m->V, m->B, m->T, best * 1e3, t_mm * 1e3, t_attn * 1e3,
+         (best - t_mm - t_attn) * 1e3, tokens / best, (mm_flops + attn_flops) / best * 1e-9);
+  free(P); free(G); free(M1); free(M2); free(A); free(x); free(dx); free(t1); free(t2);
+  free(t3); free(logits); free(loss); free(lse); free(lse_a); free(cs); free(sn); free(tok);
+}
+
+static int nop_task(void *arg, int task, int thread) {
+  ((volatile int *)arg)[thread & 1] += task;
+  return 0;
+}
+
+/* Cost of handing one job to the pool and waiting for it. */
+static void bench_pool(struct mr_pool *pool) {
+  int sink[2] = {0, 0};
+  enum { JOBS = 20000 };
+  double best = 1e9;
+  for (int rep = 0; rep < 3; rep++) {
+    double t0 = now();
+    for (int i = 0; i < JOBS; i++)
+      mr_pool_run(pool, mr_pool_threads(pool), nop_task, sink);
+    best = fmin(best, (now() - t0) / JOBS);
+  }
+  printf("pool: one job of %d empty tasks, dispatch + join: %.2f us\n",
+         mr_pool_threads(pool), best * 1e6);
+}
+
 int main(int argc, char **argv) {
   int threads = argc > 1 ? atoi(argv[1]) : 0;
   if (threads <= 0) {
@@ -211,12 +383,16 @@ int main(int argc, char **argv) {
     return 1;
   }
   printf("threads: %d\n", threads);
+  bench_pool(pool);
   bench_matmul(pool, threads);
   printf("attention (causal; FLOPs: 4*D per query-key pair forward, 10*D backward)\n");
   bench_attention(pool, 8, 256, 8, 8, 32);
   bench_attention(pool, 8, 256, 8, 2, 32);
   bench_attention(pool, 4, 256, 8, 8, 64);
   bench_streaming(pool);
+  printf("one training step's kernels, back to back (best of 3)\n");
+  bench_llama_step(pool, &(struct llama){4, 256, 688, 8, 8, 256, 8, 256});
+  bench_llama_step(pool, &(struct llama){8, 512, 1376, 8, 8, 256, 8, 256});
   mr_pool_free(pool);
   return 0;
 }
