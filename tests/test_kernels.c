@@ -523,6 +523,12 @@ START_TEST(test_kernels_xent_fused) {
   }
   for (int j = 0; j < V; j++)
     ck_assert_float_eq(d[3 * (size_t)V + j], 0.0f); /* ignored row */
+  /* a NaN logit (an fp16 overflow upstream) must reach the loss, so the
+   * loss-scaling check sees it */
+  x[2 * (size_t)V + 9] = NAN;
+  ck_assert_int_eq(mr_cpu_xent_fwd(p, loss, lse, x, t, N, V, NULL), 0);
+  ck_assert(isnan(loss[2]) && isnan(lse[2]));
+  ck_assert(!isnan(loss[1]) && !isnan(loss[4]));
   t[7] = V;
   ck_assert_int_eq(mr_cpu_xent_fwd(p, loss, lse, x, t, N, V, NULL), MR_ERANGE);
   ck_assert_ptr_nonnull(strstr(mr_error_message(), "row 7"));

@@ -40,10 +40,11 @@ MR_CPU_BODY float mr__hsum8(const float *a) {
 
 /* e^x for float, Cephes' polynomial (about 1 ulp) with the exponent built
  * from bits; branch-free so loops over it vectorize.  x < -87.3 gives 0
- * (so exp(-inf) = 0), x > 88.7 gives 2^128-ish (inf after the multiply). */
+ * (so exp(-inf) = 0), x > 88.7 gives inf, NaN stays NaN.  The clamps come
+ * first so the float-to-int conversion is always in range. */
 MR_CPU_BODY float mr__expf(float x) {
-  float xc = x > 88.7f ? 88.7f : x;
-  xc = xc < -87.3f ? -87.3f : xc;
+  float xc = x > -87.3f ? x : -87.3f; /* NaN goes to -87.3 here ... */
+  xc = xc < 88.7f ? xc : 88.7f;
   /* n = round(x / ln 2) by the 1.5 * 2^23 trick */
   float t = xc * 1.44269504088896341f + 12582912.0f;
   float n = t - 12582912.0f;
@@ -60,7 +61,8 @@ MR_CPU_BODY float mr__expf(float x) {
   float scale;
   memcpy(&scale, &e, 4);
   float y = p * scale;
-  return x < -87.3f ? 0.0f : y;
+  y = x < -87.3f ? 0.0f : y;
+  return x == x ? y : x; /* ... and comes back here */
 }
 
 #endif
