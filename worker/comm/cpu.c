@@ -674,7 +674,8 @@ static int cpu_open(const struct mr_bootstrap *bs, struct mr_comm **out) {
       goto err;
     }
   c->info.job_id = c->job_id;
-  MR_TRY_GOTO(rc, listen_any(&c->info.listen_fd, &rc), err);
+  int port = 0;
+  MR_TRY_GOTO(rc, listen_any(&c->info.listen_fd, &port), err);
   struct {
     struct mr__peer_info p;
     uint64_t nonce;
@@ -683,8 +684,7 @@ static int cpu_open(const struct mr_bootstrap *bs, struct mr_comm **out) {
   snprintf(mine.p.host, sizeof mine.p.host, "%s",
            bs->host_id != NULL ? bs->host_id : "");
   advertised_addr(mine.p.addr, sizeof mine.p.addr);
-  mine.p.port = rc;
-  rc = 0;
+  mine.p.port = port;
   if (getrandom(&mine.nonce, sizeof mine.nonce, 0) != sizeof mine.nonce)
     mine.nonce = (uint64_t)mr__now_ns() ^ ((uint64_t)getpid() << 32);
   all = calloc((size_t)bs->world_size, sizeof *all);
