@@ -25,15 +25,31 @@
 #include "common/tunable.h"
 
 static const char *transport;
-static float ftab[4096];
-static uint64_t itab[4096];
+static uint64_t btab[MR_DTYPE_COUNT][4096]; /* stored bits of each value */
+static float vtab[MR_DTYPE_COUNT][4096];    /* its float value */
+
+static const enum mr_dtype dtypes[] = {MR_F32, MR_BF16, MR_F16, MR_I32,
+                                       MR_I64};
+static const size_t counts[] = {0, 1, 777, (1u << 20) + 3};
+
+static float as_float(enum mr_dtype dt, uint64_t b);
 
 static void make_tables(void) {
   uint64_t x = 0x243f6a8885a308d3ull;
   for (int i = 0; i < 4096; i++) {
     x = x * 6364136223846793005ull + 1442695040888963407ull;
-    itab[i] = x ^ (x >> 29);
-    ftab[i] = ((float)(x >> 40) / 16777216.0f - 0.5f) * 8.0f;
+    uint64_t r = x ^ (x >> 29);
+    float f = ((float)(x >> 40) / 16777216.0f - 0.5f) * 8.0f;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    btab[MR_F32][i] = u;
+    btab[MR_BF16][i] = mr_f32_to_bf16(f);
+    btab[MR_F16][i] = mr_f32_to_f16(f);
+    btab[MR_I32][i] = (uint32_t)r;
+    /* int64 kept within +-2^40 so sums are exact */
+    btab[MR_I64][i] = (uint64_t)((int64_t)(r % (1ull << 41)) - (1ll << 40));
+    for (int d = MR_F32; d <= MR_F16; d++)
+      vtab[d][i] = as_float((enum mr_dtype)d, btab[d][i]);
   }
 }
 
@@ -41,28 +57,9 @@ static size_t tix(int k, size_t i) {
   return (i * 7 + (size_t)k * 131 + (i >> 12) * 3) & 4095;
 }
 
-static const enum mr_dtype dtypes[] = {MR_F32, MR_BF16, MR_F16, MR_I32,
-                                       MR_I64};
-static const size_t counts[] = {0, 1, 777, (1u << 20) + 3};
-
 /* Rank k's input element i, as stored bits. */
 static uint64_t in_bits(enum mr_dtype dt, int k, size_t i) {
-  size_t t = tix(k, i);
-  switch (dt) {
-  case MR_F32: {
-    uint32_t u;
-    memcpy(&u, &ftab[t], 4);
-    return u;
-  }
-  case MR_BF16:
-    return mr_f32_to_bf16(ftab[t]);
-  case MR_F16:
-    return mr_f32_to_f16(ftab[t]);
-  case MR_I32:
-    return (uint32_t)itab[t];
-  default: /* int64 kept within +-2^40 so sums are exact */
-    return (uint64_t)((int64_t)(itab[t] % (1ull << 41)) - (1ll << 40));
-  }
+  return btab[dt][tix(k, i)];
 }
 
 static float as_float(enum mr_dtype dt, uint64_t b) {
@@ -100,9 +97,9 @@ static uint64_t ref_bits(enum mr_dtype dt, enum mr_red_op op, int n,
     }
     return (uint64_t)(op == MR_RED_SUM ? s : op == MR_RED_MAX ? m : s / n);
   }
-  float acc = as_float(dt, in_bits(dt, 0, i));
+  float acc = vtab[dt][tix(0, i)];
   for (int k = 1; k < n; k++) {
-    float x = as_float(dt, in_bits(dt, k, i));
+    float x = vtab[dt][tix(k, i)];
     if (op == MR_RED_MAX)
       acc = (x > acc || x != x) ? x : acc;
     else
