@@ -49,6 +49,8 @@ struct mr__cpu {
   struct mr__group *groups;
   struct occurrence *occ;
   size_t wake_bytes;           /* ops this large wake the progress thread */
+  uint64_t moves;              /* times any op advanced: waiters stop backing
+                                  off while data moves */
 };
 
 int64_t mr__now_ns(void) {
@@ -123,7 +125,14 @@ static int progress_group(struct mr__group *g) {
       op->started = 1;
       memset(g->waiting, 0, (size_t)g->n);
     }
+    int phase = op->phase;
+    size_t chunk = op->chunk;
     int r = g->tp->progress(g, op);
+    if (r != MR__PENDING || phase != op->phase || chunk != op->chunk ||
+        op->moved) {
+      op->moved = 0;
+      g->cpu->moves++;
+    }
     if (r == MR__PENDING) {
       /* the clock is read only once an op has to wait, and then on every
        * 64th poll: the fast path of a small op never reads it */
@@ -184,6 +193,7 @@ static void backoff(unsigned *spins) {
 static void *progress_thread(void *arg) {
   struct mr__cpu *c = arg;
   unsigned spins = 2000; /* the thread itself never busy-spins long */
+  uint64_t moves = 0;
   pthread_mutex_lock(&c->lock);
   while (!c->stop) {
     int pending = atomic_load(&c->waiters) == 0 ? progress_all(c) : 1;
@@ -200,6 +210,10 @@ static void *progress_thread(void *arg) {
       c->sleeping = 0;
       spins = 2000;
       continue;
+    }
+    if (c->moves != moves) {
+      moves = c->moves;
+      spins = 2000;
     }
     pthread_mutex_unlock(&c->lock);
     backoff(&spins);
@@ -228,10 +242,15 @@ static int cpu_wait(struct mr_comm_req *r) {
   struct mr__cpu *c = (struct mr__cpu *)r->comm;
   unsigned spins = 0;
   atomic_fetch_add(&c->waiters, 1);
+  uint64_t moves = 0;
   while (!atomic_load_explicit(&op->done,
                                memory_order_acquire)) {
     pthread_mutex_lock(&c->lock);
     progress_all(c);
+    if (c->moves != moves) {
+      moves = c->moves;
+      spins = 0;
+    }
     pthread_mutex_unlock(&c->lock);
     if (atomic_load_explicit(&op->done, memory_order_acquire))
       break;
