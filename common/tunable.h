@@ -35,7 +35,19 @@
   XX(SELFCHECK_STEPS, "MESHRUN_SELFCHECK_STEPS", "5",                        \
      "steps of the self-check job")                                          \
   XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \
-     "lines of a failed rank's log shown on exit")                           \
+     "lines of a failed rank's log shown on exit")                          \
+  XX(COMM_TIMEOUT_MS, "MESHRUN_COMM_TIMEOUT_MS", "300000",                   \
+     "time a collective may take before it fails naming the late ranks, ms") \
+  XX(COMM_TRANSPORT, "MESHRUN_COMM_TRANSPORT", "auto",                       \
+     "CPU comm transport: auto (shm within a host, else tcp), shm, tcp")     \
+  XX(COMM_ADDR, "MESHRUN_COMM_ADDR", "",                                     \
+     "IPv4 address peers use to reach this rank (default: the host's)")     \
+  XX(COMM_SHM_CHUNK_BYTES, "MESHRUN_COMM_SHM_CHUNK_BYTES", "262144",         \
+     "shm staging buffer per rank (two of them), bytes")                     \
+  XX(COMM_SHM_SMALL_BYTES, "MESHRUN_COMM_SHM_SMALL_BYTES", "16384",          \
+     "shm AllReduce up to this size: every rank reduces all, one sync")      \
+  XX(COMM_SHM_HEAP_BYTES, "MESHRUN_COMM_SHM_HEAP_BYTES", "0",                \
+     "peer-readable memory per rank per shm group for mem_alloc, bytes")    \
   XX(CONFIGS_DIR, "MESHRUN_CONFIGS_DIR", "",                                 \
      "folder holding clusters/*.json (default: configs/ beside the binary)")
 
