@@ -13,6 +13,7 @@ static void usage(FILE *f) {
           "commands:\n"
           "  launch JOB.json     train: start and supervise one worker per rank\n"
           "  plan JOB.json       choose, rank and explain a parallel strategy\n"
+          "  calibrate           measure this machine, write a cluster spec\n"
           "  env                 list the environment variables meshrun reads\n"
           "  version             print the version\n"
           "\n"
@@ -36,6 +37,8 @@ int main(int argc, char **argv) {
     return mr_cmd_launch(argc - 1, argv + 1);
   if (strcmp(cmd, "plan") == 0)
     return mr_cmd_plan(argc - 1, argv + 1);
+  if (strcmp(cmd, "calibrate") == 0)
+    return mr_cmd_calibrate(argc - 1, argv + 1);
   if (strcmp(cmd, "env") == 0)
     return cmd_env();
   if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {

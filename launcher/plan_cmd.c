@@ -80,6 +80,21 @@ static int find_configs(char *buf, size_t n) {
   return -1;
 }
 
+int mr_plan_cluster_path(const char *name, char *path, unsigned long n) {
+  if (strchr(name, '/') != NULL || strstr(name, ".json") != NULL) {
+    snprintf(path, n, "%s", name);
+    return 0;
+  }
+  char dir[PATH_MAX];
+  if (find_configs(dir, sizeof dir) < 0) {
+    fprintf(stderr, "meshrun: cluster %s: cannot find the configs folder; set "
+            "MESHRUN_CONFIGS_DIR or give a path\n", name);
+    return MR_ENOENT;
+  }
+  snprintf(path, n, "%s/clusters/%s.json", dir, name);
+  return 0;
+}
+
 /* SPEC: a path, a NAME, or NxNAME / Nx:NAME. */
 static int load_cluster(const char *spec, struct mr_cluster *out) {
   long nodes = 0;
@@ -95,18 +110,10 @@ static int load_cluster(const char *spec, struct mr_cluster *out) {
     name = end + 1 + (end[1] == ':');
   }
   char path[PATH_MAX + 128];
-  if (strchr(name, '/') != NULL || strstr(name, ".json") != NULL) {
-    snprintf(path, sizeof path, "%s", name);
-  } else {
-    char dir[PATH_MAX];
-    if (find_configs(dir, sizeof dir) < 0) {
-      fprintf(stderr, "meshrun plan: --cluster %s: cannot find the configs folder; set "
-              "MESHRUN_CONFIGS_DIR or give a path\n", spec);
-      return MR_ENOENT;
-    }
-    snprintf(path, sizeof path, "%s/clusters/%s.json", dir, name);
-  }
-  int rc = mr_cluster_load(path, out);
+  int rc = mr_plan_cluster_path(name, path, sizeof path);
+  if (rc < 0)
+    return rc;
+  rc = mr_cluster_load(path, out);
   if (rc < 0) {
     fprintf(stderr, "meshrun plan: %s\n", mr_error_message());
     return rc;

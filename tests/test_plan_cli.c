@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "check_main.h"
+#include "launcher/planner/cluster.h"
 #include "testutil.h"
 
 static char dir[256];
@@ -170,6 +171,42 @@ START_TEST(test_plan_cli_bad_input_exits_2_naming_it) {
 }
 END_TEST
 
+START_TEST(test_plan_cli_calibrate_writes_a_spec_plan_accepts) {
+  mr_t_tmpdir(dir, sizeof dir);
+  char spec[600];
+  snprintf(spec, sizeof spec, "%s/calibrated.json", dir);
+  char *argv[] = {(char *)mr_t_meshrun(), (char *)"calibrate", (char *)"--ranks", (char *)"2",
+                  (char *)"--out", spec, NULL};
+  char cfg[600];
+  snprintf(cfg, sizeof cfg, "MESHRUN_CONFIGS_DIR=%s/configs", getenv("MESHRUN_SOURCE_DIR"));
+  char *env[] = {cfg, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, env);
+  ck_assert_int_eq(mr_t_wait(&p, 120), 0);
+  struct mr_cluster c;
+  ck_assert_int_eq(mr_cluster_load(spec, &c), 0);
+  ck_assert_int_eq(c.devices_per_node, 2);
+  ck_assert_str_eq(c.name, "calibrated");
+  /* measured numbers are physical: a matmul below the FMA peak, a bus
+   * below 1 TB/s, a latency above 10 ns */
+  ck_assert(c.matmul_efficiency > 0 && c.matmul_efficiency <= 1);
+  ck_assert(c.intra_bus_bandwidth > 1e6 && c.intra_bus_bandwidth < 1e12);
+  ck_assert(c.intra_latency > 1e-8 && c.intra_latency < 1);
+  char model[600], job[700], text[1400];
+  megatron("gpt-1.7b.json", model, sizeof model);
+  snprintf(text, sizeof text,
+           "{\"model\": \"%s\", \"data\": {\"train\": \"none.bin\"},"
+           " \"train\": {\"global_batch\": 8, \"seq_len\": 256}}", model);
+  write_file("job.json", text, job, sizeof job);
+  const char *args[] = {job, "--cluster", spec, NULL};
+  char *out, *err;
+  int rc = run_plan(args, &out, &err);
+  ck_assert_msg(rc == 0 || rc == 1, "%s", err);
+  ck_assert_ptr_nonnull(strstr(out, "on calibrated: 2 ranks"));
+  free(out), free(err);
+}
+END_TEST
+
 static Suite *plan_cli_suite(void) {
   Suite *s = suite_create("plan_cli");
   TCase *tc = tcase_create("cli");
@@ -178,6 +215,7 @@ static Suite *plan_cli_suite(void) {
   tcase_add_test(tc, test_plan_cli_text_explains_and_times_itself);
   tcase_add_test(tc, test_plan_cli_does_not_fit);
   tcase_add_test(tc, test_plan_cli_bad_input_exits_2_naming_it);
+  tcase_add_test(tc, test_plan_cli_calibrate_writes_a_spec_plan_accepts);
   suite_add_tcase(s, tc);
   return s;
 }
