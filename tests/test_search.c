@@ -276,6 +276,36 @@ START_TEST(test_search_1t_on_3072_gpus_under_a_second) {
 }
 END_TEST
 
+START_TEST(test_search_choose_manual_is_the_job_strategy) {
+  struct mr_cluster c = a100();
+  c.nodes = 2;
+  struct mr_model_config m = gpt(2048, 16, 8);
+  struct mr_train_config tr = {.global_batch = 32, .seq_len = 1024};
+  struct mr_strategy_hint h = open_hint();
+  h.auto_mode = MR_AUTO_MANUAL;
+  h.tp = 2, h.pp = 2, h.micro_batches = 4, h.zero_stage = 1;
+  struct mr_plan_request req = {&m, &tr, &h, &c, 16, 1};
+  struct mr_plan_candidate got;
+  ck_assert_int_eq(mr_plan_choose(&req, &got), 0);
+  /* unset degrees: dp fills the world; micro-batch size = 32 / (4 × 4) */
+  ck_assert_int_eq(got.strategy.dp, 4);
+  ck_assert_int_eq(got.strategy.micro_batch_size, 2);
+  ck_assert_int_eq(got.strategy.zero_stage, 1);
+  ck_assert_int_eq(got.strategy.recompute, MR_RECOMPUTE_NONE);
+  struct mr_workload w = {&m, 32, 1024};
+  struct mr_cost k;
+  mr_cost_evaluate(&w, &c, &got.strategy, &k);
+  ck_assert(k.step_time_s == got.cost.step_time_s);
+  /* full mode returns the search's best */
+  h.auto_mode = MR_AUTO_FULL;
+  struct mr_plan_result *r = calloc(1, sizeof *r);
+  ck_assert_int_eq(mr_plan_search(&req, r), 0);
+  ck_assert_int_eq(mr_plan_choose(&req, &got), 0);
+  ck_assert(got.cost.step_time_s == r->top[0].cost.step_time_s);
+  free(r);
+}
+END_TEST
+
 static Suite *search_suite(void) {
   Suite *s = suite_create("search");
   TCase *tc = tcase_create("search");
@@ -287,6 +317,7 @@ static Suite *search_suite(void) {
   tcase_add_loop_test(tc, test_search_megatron_published_step_time_within_15_percent, 0, 4);
   tcase_add_loop_test(tc, test_search_megatron_choice_matches_or_within_5_percent, 0, 3);
   tcase_add_test(tc, test_search_1t_on_3072_gpus_under_a_second);
+  tcase_add_test(tc, test_search_choose_manual_is_the_job_strategy);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -419,9 +419,10 @@ int mr_cost_evaluate_prepared(const struct mr_workload *w, const struct mr_clust
     } else {
       /* Parameters gathered for forward and again for backward, gradients
        * reduce-scattered, every micro-batch; prefetch hides them behind
-       * that micro-batch's work but for the first layer. */
+       * that micro-batch's work but for the first layer's gather of each
+       * pass. */
       double per_mb = 2.0 * ag + rs;
-      dp_s = ga * mb * fmax(0.0, per_mb - stage_work) + ag / buckets;
+      dp_s = ga * mb * (fmax(0.0, per_mb - stage_work) + 2.0 * ag / buckets);
     }
   }
   if (p > 1 && m->tie_word_embeddings) {

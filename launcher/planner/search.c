@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/error.h"
@@ -384,6 +385,32 @@ int mr_plan_manual(const struct mr_plan_request *req, struct mr_strategy *out) {
   out->micro_batch_size = (int)(req->train->global_batch / per);
   struct mr_workload w = {req->model, req->train->global_batch, req->train->seq_len};
   return mr_cost_check(&w, req->cluster, out);
+}
+
+int mr_plan_choose(const struct mr_plan_request *req, struct mr_plan_candidate *out) {
+  memset(out, 0, sizeof *out);
+  if (req->hint != NULL && req->hint->auto_mode == MR_AUTO_MANUAL) {
+    int rc = mr_plan_manual(req, &out->strategy);
+    if (rc < 0)
+      return rc;
+    struct mr_workload w = {req->model, req->train->global_batch, req->train->seq_len};
+    mr_cost_evaluate(&w, req->cluster, &out->strategy, &out->cost);
+    if (!out->cost.fits)
+      return mr_error_set(MR_ENOFIT, "the job's strategy needs %.1f GiB per device, the "
+                          "device has %.1f GiB", out->cost.mem.total / 1073741824.0,
+                          req->cluster->memory_bytes / 1073741824.0);
+    return 0;
+  }
+  struct mr_plan_result *r = calloc(1, sizeof *r);
+  if (r == NULL)
+    return mr_error_set(MR_ENOMEM, "plan: out of memory");
+  int rc = mr_plan_search(req, r);
+  if (rc == 0)
+    *out = r->top[0];
+  else if (rc == MR_ENOFIT)
+    *out = r->least_memory;
+  free(r);
+  return rc;
 }
 
 void mr_plan_explain(const struct mr_plan_candidate *best, const struct mr_plan_candidate *alt,

@@ -57,6 +57,12 @@ int mr_plan_search(const struct mr_plan_request *req, struct mr_plan_result *out
  * default), checked.  Returns 0 or MR_EINVAL naming the field. */
 int mr_plan_manual(const struct mr_plan_request *req, struct mr_strategy *out);
 
+/* What `meshrun launch` calls for a job: manual mode evaluates the job's
+ * strategy as given, full and semi search; *out gets the chosen strategy
+ * and its prediction.  Returns 0, MR_ENOFIT (out holds the least-memory
+ * strategy) or MR_EINVAL, as mr_plan_search. */
+int mr_plan_choose(const struct mr_plan_request *req, struct mr_plan_candidate *out);
+
 /* Why `alt` is slower than `best`: one line naming the components that
  * cost it the most ("+12% step: pipeline bubble +0.81 s, ...").  Writes
  * into buf (NUL-terminated, truncated to n). */
