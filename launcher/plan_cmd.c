@@ -16,6 +16,7 @@
 #include "launcher/cli.h"
 #include "launcher/planner/cluster.h"
 #include "launcher/planner/cost.h"
+#include "launcher/planner/partition.h"
 #include "launcher/planner/search.h"
 
 static void usage(FILE *f) {
@@ -172,9 +173,14 @@ static cJSON *memory_json(const struct mr_memory *m) {
   return o;
 }
 
-static void candidate_json(cJSON *o, const struct mr_plan_candidate *c) {
+static void candidate_json(cJSON *o, const struct mr_plan_candidate *c,
+                           const struct mr_workload *w, const struct mr_cluster *cl) {
   const struct mr_cost *k = &c->cost;
   cJSON_AddItemToObject(o, "strategy", strategy_json(&c->strategy));
+  static int counts[MR_PARTITION_MAX_ITEMS];
+  int nk = mr_cost_partition(w, cl, &c->strategy, counts, MR_PARTITION_MAX_ITEMS);
+  if (nk > 0)
+    cJSON_AddItemToObject(o, "layers_per_chunk", cJSON_CreateIntArray(counts, nk));
   cJSON_AddNumberToObject(o, "micro_batch_size", c->strategy.micro_batch_size);
   cJSON_AddStringToObject(o, "mesh_mapping",
                           c->strategy.mapping == MR_MAP_TP_DP_PP ? "tp,dp,pp" : "tp,pp,dp");
@@ -318,6 +324,7 @@ int mr_cmd_plan(int argc, char **argv) {
     return 2;
   }
   double params = (double)mr_model_param_count(&job.model);
+  struct mr_workload wl = {&job.model, job.train.global_batch, job.train.seq_len};
   if (json) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "job", job_path);
@@ -326,11 +333,11 @@ int mr_cmd_plan(int argc, char **argv) {
     cJSON_AddNumberToObject(o, "parameters", params);
     cJSON_AddBoolToObject(o, "fits", rc == 0);
     if (rc == 0) {
-      candidate_json(o, &res->top[0]);
+      candidate_json(o, &res->top[0], &wl, &cl);
     } else {
       cJSON_AddNumberToObject(o, "least_memory_bytes", res->least_memory.cost.mem.total);
       cJSON *lm = cJSON_AddObjectToObject(o, "least_memory_plan");
-      candidate_json(lm, &res->least_memory);
+      candidate_json(lm, &res->least_memory, &wl, &cl);
       cJSON *wf = cJSON_AddObjectToObject(o, "would_fit_with");
       cJSON_AddNumberToObject(wf, "offload", res->fits_with_offload);
       cJSON_AddNumberToObject(wf, "recompute", res->fits_with_recompute);
@@ -343,7 +350,7 @@ int mr_cmd_plan(int argc, char **argv) {
     cJSON *alts = cJSON_AddArrayToObject(o, "alternatives");
     for (int i = 1; i < res->n_top; i++) {
       cJSON *a = cJSON_CreateObject();
-      candidate_json(a, &res->top[i]);
+      candidate_json(a, &res->top[i], &wl, &cl);
       char why[256];
       mr_plan_explain(&res->top[0], &res->top[i], why, sizeof why);
       cJSON_AddStringToObject(a, "why_slower", why);

@@ -312,6 +312,36 @@ START_TEST(test_cost_check_names_the_problem) {
 }
 END_TEST
 
+START_TEST(test_cost_partition_of_a_strategy) {
+  /* 529.6B-like: 105 layers over 35 stages; the head costs about a sixth
+   * of a layer, so the optimum is 3 layers everywhere (3 + head on the
+   * last beats moving a layer anywhere else, which makes a 4). */
+  struct mr_cluster c = test_cluster();
+  c.nodes = 400;
+  struct mr_model_config m = gpt(20480, 128, 105);
+  struct mr_workload w = {&m, 2520, 2048};
+  struct mr_strategy s = base_strategy();
+  s.dp = 9, s.tp = 8, s.pp = 35, s.micro_batches = 280;
+  int counts[64];
+  ck_assert_int_eq(mr_cost_partition(&w, &c, &s, counts, 64), 35);
+  for (int i = 0; i < 35; i++)
+    ck_assert_int_eq(counts[i], 3);
+  /* interleaved over 2 × 4 chunks of 10 layers: sums to 10, every chunk
+   * has one, and the head's chunk holds no more than the middle ones */
+  struct mr_model_config m2 = gpt(4096, 32, 10);
+  struct mr_workload w2 = {&m2, 64, 2048};
+  s = base_strategy();
+  s.pp = 2, s.dp = 4, s.tp = 8, s.virtual_stages = 4, s.schedule = MR_PP_INTERLEAVED;
+  ck_assert_int_eq(mr_cost_partition(&w2, &c, &s, counts, 64), 8);
+  int sum = 0;
+  for (int i = 0; i < 8; i++)
+    sum += counts[i], ck_assert(counts[i] >= 1);
+  ck_assert_int_eq(sum, 10);
+  ck_assert(counts[7] <= counts[3]);
+  ck_assert_int_eq(mr_cost_partition(&w2, &c, &s, counts, 4), MR_EINVAL);
+}
+END_TEST
+
 static Suite *cost_suite(void) {
   Suite *s = suite_create("cost");
   TCase *tc = tcase_create("formulas");
@@ -328,6 +358,7 @@ static Suite *cost_suite(void) {
   tcase_add_test(tc, test_cost_step_time_identities);
   tcase_add_test(tc, test_cost_memory_by_hand);
   tcase_add_test(tc, test_cost_check_names_the_problem);
+  tcase_add_test(tc, test_cost_partition_of_a_strategy);
   suite_add_tcase(s, tc);
   return s;
 }

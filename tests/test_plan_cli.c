@@ -72,6 +72,14 @@ START_TEST(test_plan_cli_json_has_the_job_field_names) {
     sum += cJSON_GetObjectItem(mem, kinds[i])->valuedouble;
   ck_assert(fabs(sum - cJSON_GetObjectItem(mem, "total")->valuedouble) < 1);
   ck_assert(cJSON_GetObjectItem(j, "search_time_s")->valuedouble >= 0);
+  /* 80 layers over 8 stages × virtual stages, in chunk order */
+  const cJSON *lp = cJSON_GetObjectItem(j, "layers_per_chunk");
+  int v = cJSON_GetObjectItem(cJSON_GetObjectItem(s, "pipeline_parallel"), "virtual_stages")->valueint;
+  ck_assert_int_eq(cJSON_GetArraySize(lp), 8 * v);
+  int layers = 0;
+  for (int i = 0; i < cJSON_GetArraySize(lp); i++)
+    layers += cJSON_GetArrayItem(lp, i)->valueint;
+  ck_assert_int_eq(layers, 80);
   const cJSON *alts = cJSON_GetObjectItem(j, "alternatives");
   ck_assert_int_eq(cJSON_GetArraySize(alts), 2);
   const cJSON *a0 = cJSON_GetArrayItem(alts, 0);

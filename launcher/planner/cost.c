@@ -325,6 +325,20 @@ void mr_cost_prepare(const struct mr_workload *w, const struct mr_cluster *c,
   prep->stage_layers[2] = stage_layers(counts, s->pp, v, s->pp - 1);
 }
 
+int mr_cost_partition(const struct mr_workload *w, const struct mr_cluster *c,
+                      const struct mr_strategy *s, int *counts, int n) {
+  int v = s->virtual_stages < 1 ? 1 : s->virtual_stages;
+  int k = s->pp * v;
+  if (k > n || k > w->model->num_hidden_layers)
+    return mr_error_set(MR_EINVAL, "%d pipeline chunks: room for %d, %lld layers", k, n,
+                        (long long)w->model->num_hidden_layers);
+  struct mr_layer_times lt;
+  layer_times(w, c, s, &lt);
+  double x = mr_partition_uniform((int)w->model->num_hidden_layers, lt.fwd + lt.bwd + lt.rc,
+                                  lt.emb, lt.head, k, counts);
+  return x < 0 ? (int)x : k;
+}
+
 /* Memory of the fullest stage; the first and last stage's parameters. */
 static void memory_prepared(const struct mr_workload *w, const struct mr_cluster *c,
                             const struct mr_strategy *s, const struct mr_cost_prep *prep,

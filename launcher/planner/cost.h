@@ -166,6 +166,13 @@ int mr_cost_evaluate_prepared(const struct mr_workload *w, const struct mr_clust
                               const struct mr_strategy *s, const struct mr_cost_prep *prep,
                               struct mr_cost *out);
 
+/* The layer count of each of the pp × virtual_stages pipeline chunks, in
+ * model order (chunk j runs on stage j mod pp), balanced by the cost model:
+ * the first chunk also runs the embedding, the last the head.  counts has
+ * room for n entries.  Returns the number of chunks or MR_EINVAL. */
+int mr_cost_partition(const struct mr_workload *w, const struct mr_cluster *c,
+                      const struct mr_strategy *s, int *counts, int n);
+
 /* Predicts step time and memory of s (which mr_cost_check accepted).
  * Returns 0; out is filled completely (out->fits tells whether it fits). */
 int mr_cost_evaluate(const struct mr_workload *w, const struct mr_cluster *c,
