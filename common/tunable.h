@@ -16,6 +16,8 @@
   XX(LOG_LEVEL, "MESHRUN_LOG_LEVEL", "info",                                 \
      "log level: error, warn, info, debug")                                  \
   XX(THREADS, "MESHRUN_THREADS", "1", "compute threads per CPU rank")        \
+  XX(CPU_SIMD, "MESHRUN_CPU_SIMD", "auto",                                   \
+     "CPU kernels' vector path: auto (AVX2+FMA where present) or portable")  \
   XX(HEARTBEAT_MS, "MESHRUN_HEARTBEAT_MS", "100",                            \
      "interval between a worker's heartbeats, ms")                           \
   XX(MAX_FRAME_BYTES, "MESHRUN_MAX_FRAME_BYTES", "268435456",                \
@@ -55,7 +57,9 @@
   XX(COMM_SHM_SMALL_BYTES, "MESHRUN_COMM_SHM_SMALL_BYTES", "16384",          \
      "shm AllReduce up to this size: every rank reduces all, one sync")      \
   XX(COMM_SHM_HEAP_BYTES, "MESHRUN_COMM_SHM_HEAP_BYTES", "0",                \
-     "peer-readable memory per rank per shm group for mem_alloc, bytes")
+     "peer-readable memory per rank per shm group for mem_alloc, bytes")    \
+  XX(CONFIGS_DIR, "MESHRUN_CONFIGS_DIR", "",                                 \
+     "folder holding clusters/*.json (default: configs/ beside the binary)")
 
 enum mr_tunable_id {
 #define XX(id, env, def, desc) MR_TUNABLE_##id,

@@ -5,6 +5,8 @@
 #define MR_CLI_H
 
 int mr_cmd_launch(int argc, char **argv);
+int mr_cmd_plan(int argc, char **argv);
+int mr_cmd_calibrate(int argc, char **argv);
 
 /* Shared helpers for subcommands. */
 
@@ -22,6 +24,12 @@ int mr_cli_num(const char *cmd, const char *flag, const char *value, double min,
  * into buf; returns 0 or -1. */
 int mr_cli_find_sibling(const char *name, const char *build_subdir, char *buf,
                         unsigned long n);
+
+/* The file a cluster NAME names: NAME itself when it has a '/' or ends in
+ * .json, else configs/clusters/NAME.json ($MESHRUN_CONFIGS_DIR, or configs/
+ * beside the binary or above its build folder).  Writes into path; returns
+ * 0, or MR_ENOENT after printing why. */
+int mr_plan_cluster_path(const char *name, char *path, unsigned long n);
 
 /* mkdir -p.  Returns 0 or an MR_E code with a message. */
 int mr_mkdir_p(const char *path);

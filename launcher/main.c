@@ -23,6 +23,8 @@ static void usage(FILE *f) {
           "                      a checkpoint as a Hugging Face model directory\n"
           "  sample WEIGHTS --prompt TEXT\n"
           "                      generate text from trained weights\n"
+          "  plan JOB.json       choose, rank and explain a parallel strategy\n"
+          "  calibrate           measure this machine, write a cluster spec\n"
           "  env                 list the environment variables meshrun reads\n"
           "  version             print the version\n"
           "\n"
@@ -73,6 +75,10 @@ int main(int argc, char **argv) {
     return mr_cmd_export(argc - 1, argv + 1);
   if (strcmp(cmd, "sample") == 0 || strcmp(cmd, "logits") == 0)
     return exec_worker(argc - 1, argv + 1);
+  if (strcmp(cmd, "plan") == 0)
+    return mr_cmd_plan(argc - 1, argv + 1);
+  if (strcmp(cmd, "calibrate") == 0)
+    return mr_cmd_calibrate(argc - 1, argv + 1);
   if (strcmp(cmd, "env") == 0)
     return cmd_env();
   if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {

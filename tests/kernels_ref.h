@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/tunable.h"
 #include "worker/backend/cpu/kernels.h"
 
 static inline double ref_uniform(uint64_t *s) { /* splitmix64 -> [-1, 1) */
@@ -87,6 +88,12 @@ static inline void ref_fd_check(const char *what, ref_loss_fn L, void *ctx,
                   "%s[%zu]: analytic %.9g finite difference %.9g (err %.3g)",
                   what, i, (double)analytic[i], fd, e);
   }
+}
+
+/* Makes this test process use the portable (non-AVX2) kernels; call before
+ * the first kernel (each test case runs in its own process). */
+static inline void ref_force_portable(void) {
+  mr_tunable_override(MR_TUNABLE_CPU_SIMD, "portable");
 }
 
 static inline double ref_dot(const double *a, const float *g, size_t n) {

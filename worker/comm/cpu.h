@@ -45,7 +45,10 @@ struct mr__op {
   enum mr_red_op red;
   int peer;                  /* root, or peer of send/recv (group rank) */
   uint64_t seq;              /* 1-based issue number on the group */
-  int64_t start_ns;          /* when it became the group's running op */
+  int started;               /* it has been the group's running op */
+  int64_t start_ns;          /* when it first had to wait, or 0 */
+  unsigned polls;            /* progress calls that found it pending */
+  int moved;                 /* set by a transport that moved bytes */
   _Atomic int done;          /* 1 once finished; rc holds the result */
   int rc;
   char err[768];             /* the message when rc < 0 */

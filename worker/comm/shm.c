@@ -77,6 +77,7 @@ struct shm {
   uint64_t tick;                /* my last published tick */
   uint64_t chunks;              /* collective chunks started: buffer parity */
   uint64_t *sent, *recvd;       /* (n) pair counters, my copies */
+  uint64_t *seen;               /* (n) peers' ticks last read (they only grow) */
   struct buf_use use[2];
   size_t small_bytes;
 };
@@ -106,7 +107,12 @@ static int peers_at(struct mr__group *g, struct shm *s, uint64_t t,
   for (int i = 0; i < s->n; i++) {
     if (i == s->me || (only >= 0 && i != only))
       continue;
-    if (atomic_load_explicit(&s->ctl[i]->tick, memory_order_acquire) < t) {
+    if (s->seen[i] >= t) {
+      g->waiting[i] = 0;
+      continue;
+    }
+    s->seen[i] = atomic_load_explicit(&s->ctl[i]->tick, memory_order_acquire);
+    if (s->seen[i] < t) {
       g->waiting[i] = 1;
       ok = 0;
     } else {
@@ -567,6 +573,7 @@ static void shm_free_state(struct shm *s) {
   free(s->heap);
   free(s->sent);
   free(s->recvd);
+  free(s->seen);
   free(s);
 }
 
@@ -592,8 +599,10 @@ static int shm_open_group(struct mr__group *g) {
   s->heap = calloc((size_t)n, sizeof *s->heap);
   s->sent = calloc((size_t)n, sizeof *s->sent);
   s->recvd = calloc((size_t)n, sizeof *s->recvd);
+  s->seen = calloc((size_t)n, sizeof *s->seen);
   s->use[0].p2p_peer = s->use[1].p2p_peer = -1;
-  if (!s->ctl || !s->stage || !s->heap || !s->sent || !s->recvd) {
+  if (!s->ctl || !s->stage || !s->heap || !s->sent || !s->recvd ||
+      !s->seen) {
     shm_free_state(s);
     return mr_error_set(MR_ENOMEM, "comm group %s: out of memory", g->desc);
   }

@@ -93,6 +93,7 @@ static int xprogress(struct mr__group *g, struct tcp *t, struct mr__op *op) {
       ssize_t k = send(t->fd[i], t->tx[i].ptr, t->tx[i].left,
                        MSG_NOSIGNAL | MSG_DONTWAIT);
       if (k > 0) {
+        op->moved = 1;
         t->tx[i].ptr += k;
         t->tx[i].left -= (size_t)k;
         continue;
@@ -108,6 +109,7 @@ static int xprogress(struct mr__group *g, struct tcp *t, struct mr__op *op) {
     while (t->rx[i].left > 0) {
       ssize_t k = recv(t->fd[i], t->rx[i].ptr, t->rx[i].left, MSG_DONTWAIT);
       if (k > 0) {
+        op->moved = 1;
         t->rx[i].ptr += k;
         t->rx[i].left -= (size_t)k;
         continue;

@@ -21,6 +21,19 @@
  *    token id or target out of range, or D odd for RoPE returns MR_EINVAL or
  *    MR_ERANGE with a message (mr_error_message()); 0 on success.
  *
+ *  - Workspace: none to plan.  Kernels that need tiles or partial sums take
+ *    them from the pool's per-thread scratch (grown on first use, kept for
+ *    the pool's life: attention needs about 4*D*64 + 2*64*64 + (H/Hkv)*T
+ *    floats per thread).  What the caller keeps between forward and
+ *    backward is explicit: rmsnorm rstd[N]; layernorm mean[N], rstd[N];
+ *    attention lse[B*H*T] plus its output o; xent lse[N]; RoPE tables
+ *    cos/sin[P*D/2] (shared by all layers).
+ *  - Pool lifetime: one pool per rank, made once (mr_pool_new or the CPU
+ *    backend) and kept for the run.  Making a pool sets OpenBLAS to one
+ *    thread for the whole process.  Kernels return when done (synchronous).
+ *  - GPT-2's Conv1D weights are [in, out] (y = x W + b): use mr_cpu_gemm
+ *    with tb = false, then mr_cpu_bias_add; or transpose them at load.
+ *
  * Signatures here are stable; a change is announced in this comment. */
 #ifndef MR_CPU_KERNELS_H
 #define MR_CPU_KERNELS_H
@@ -156,7 +169,8 @@ int mr_cpu_attention_fwd(struct mr_pool *pool, float *o, float *lse,
 
 /* From do, the forward inputs, its output o and lse: dq, dk, dv, all
  * OVERWRITTEN (strides as in s: ldq for dq, ldk for dk, ldv for dv, ldo for
- * do and o).  Scores are recomputed blockwise from lse.  Threads over
+ * do and o); they must not overlap q, k, v, do or o, but may be the three
+ * parts of one fused [B, T, (H+2Hkv)*D] gradient buffer.  Scores are recomputed blockwise from lse.  Threads over
  * (b, kv head), each task owning its dk, dv and the dq of its heads, so the
  * result is deterministic. */
 int mr_cpu_attention_bwd(struct mr_pool *pool, float *dq, float *dk, float *dv,

@@ -16,7 +16,7 @@
 #define GEMM_ALIGN 24
 
 struct gemm_job {
-  bool ta, tb, by_rows;
+  bool ta, tb;
   int M, N, K;
   float alpha, beta;
   const float *A, *B;
@@ -38,18 +38,11 @@ static int gemm_task(void *arg, int task, int thread) {
   int lo, hi;
   const float *A = j->A, *B = j->B;
   float *C = j->C;
-  int M = j->M, N = j->N;
-  if (j->by_rows) {
-    block_range(j->M, j->ntasks, task, &lo, &hi);
-    A += j->ta ? (size_t)lo : (size_t)lo * (size_t)j->lda;
-    C += (size_t)lo * (size_t)j->ldc;
-    M = hi - lo;
-  } else {
-    block_range(j->N, j->ntasks, task, &lo, &hi);
-    B += j->tb ? (size_t)lo * (size_t)j->ldb : (size_t)lo;
-    C += lo;
-    N = hi - lo;
-  }
+  int N = j->N;
+  block_range(j->M, j->ntasks, task, &lo, &hi);
+  A += j->ta ? (size_t)lo : (size_t)lo * (size_t)j->lda;
+  C += (size_t)lo * (size_t)j->ldc;
+  int M = hi - lo;
   if (M <= 0 || N <= 0)
     return 0;
   if (j->K == 0) {
@@ -62,7 +55,7 @@ static int gemm_task(void *arg, int task, int thread) {
                 j->lda, B, j->ldb, j->beta, C, j->ldc);
   }
   if (j->bias) {
-    const float *b = j->bias + (j->by_rows ? 0 : lo);
+    const float *b = j->bias;
     for (int i = 0; i < M; i++) {
       float *row = C + (size_t)i * j->ldc;
       for (int c = 0; c < N; c++)
@@ -86,7 +79,7 @@ static int gemm_bias(struct mr_pool *pool, bool ta, bool tb, int M, int N,
   if (M == 0 || N == 0)
     return 0;
   struct gemm_job j = {
-      .ta = ta, .tb = tb, .by_rows = true, .M = M, .N = N, .K = K,
+      .ta = ta, .tb = tb, .M = M, .N = N, .K = K,
       .alpha = alpha, .beta = beta, .A = A, .B = B, .lda = lda, .ldb = ldb,
       .ldc = ldc, .C = C, .bias = bias};
   int units = M / GEMM_ALIGN;

@@ -32,9 +32,14 @@ static int check_nc(const char *what, int N, int C) {
 
 MR_CPU_BODY void rms_fwd_k_body(float *y, float *rstd, const float *x,
                               const float *w, int C, float eps) {
-  float ss = 0;
-  for (int c = 0; c < C; c++)
-    ss += x[c] * x[c];
+  float acc[8] = {0};
+  int c0 = 0;
+  for (; c0 + 8 <= C; c0 += 8)
+    for (int l = 0; l < 8; l++)
+      acc[l] += x[c0 + l] * x[c0 + l];
+  float ss = mr__hsum8(acc);
+  for (; c0 < C; c0++)
+    ss += x[c0] * x[c0];
   float r = 1.0f / sqrtf(ss / (float)C + eps);
   for (int c = 0; c < C; c++)
     y[c] = x[c] * r * w[c];
@@ -65,9 +70,14 @@ int mr_cpu_rmsnorm_fwd(struct mr_pool *pool, float *y, float *rstd,
 /* dx = r w dy - r^3 / C * x * sum(dy w x) */
 MR_CPU_BODY void rms_bwd_k_body(float *dx, const float *dy, const float *x,
                               const float *w, float r, int C, int accum) {
-  float dot = 0;
-  for (int c = 0; c < C; c++)
-    dot += dy[c] * w[c] * x[c];
+  float acc[8] = {0};
+  int c0 = 0;
+  for (; c0 + 8 <= C; c0 += 8)
+    for (int l = 0; l < 8; l++)
+      acc[l] += dy[c0 + l] * w[c0 + l] * x[c0 + l];
+  float dot = mr__hsum8(acc);
+  for (; c0 < C; c0++)
+    dot += dy[c0] * w[c0] * x[c0];
   float k = r * r * r * dot / (float)C;
   for (int c = 0; c < C; c++) {
     float g = r * w[c] * dy[c] - k * x[c];
@@ -136,12 +146,20 @@ int mr_cpu_rmsnorm_bwd(struct mr_pool *pool, float *dx, float *dw,
 
 MR_CPU_BODY void ln_fwd_k_body(float *y, float *mean, float *rstd, const float *x,
                              const float *w, const float *b, int C, float eps) {
-  float s = 0;
-  for (int c = 0; c < C; c++)
+  float acc[8] = {0}, accv[8] = {0};
+  int c0 = 0;
+  for (; c0 + 8 <= C; c0 += 8)
+    for (int l = 0; l < 8; l++)
+      acc[l] += x[c0 + l];
+  float s = mr__hsum8(acc);
+  for (int c = c0; c < C; c++)
     s += x[c];
   float m = s / (float)C;
-  float v = 0;
-  for (int c = 0; c < C; c++)
+  for (c0 = 0; c0 + 8 <= C; c0 += 8)
+    for (int l = 0; l < 8; l++)
+      accv[l] += (x[c0 + l] - m) * (x[c0 + l] - m);
+  float v = mr__hsum8(accv);
+  for (int c = c0; c < C; c++)
     v += (x[c] - m) * (x[c] - m);
   float r = 1.0f / sqrtf(v / (float)C + eps);
   for (int c = 0; c < C; c++)
@@ -181,8 +199,16 @@ int mr_cpu_layernorm_fwd(struct mr_pool *pool, float *y, float *mean,
 /* dx = r (g - mean(g) - xhat mean(g xhat)), g = dy w, xhat = (x - m) r */
 MR_CPU_BODY void ln_bwd_k_body(float *dx, const float *dy, const float *x,
                              const float *w, float m, float r, int C, int accum) {
-  float sg = 0, sgx = 0;
-  for (int c = 0; c < C; c++) {
+  float ag[8] = {0}, agx[8] = {0};
+  int c0 = 0;
+  for (; c0 + 8 <= C; c0 += 8)
+    for (int l = 0; l < 8; l++) {
+      float g = dy[c0 + l] * w[c0 + l];
+      ag[l] += g;
+      agx[l] += g * ((x[c0 + l] - m) * r);
+    }
+  float sg = mr__hsum8(ag), sgx = mr__hsum8(agx);
+  for (int c = c0; c < C; c++) {
     float g = dy[c] * w[c];
     sg += g;
     sgx += g * ((x[c] - m) * r);

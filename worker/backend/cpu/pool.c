@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "common/tunable.h"
+#include "worker/backend/cpu/simd.h"
 
 /* Spin this many polls before sleeping: a job follows the last one within a
  * few microseconds in a training step, and a futex wake costs more. */
@@ -211,4 +212,15 @@ void *mr_pool_scratch(struct mr_pool *pool, int thread, size_t bytes) {
 
 void *mr__pool_shared_scratch(struct mr_pool *pool, size_t bytes) {
   return grow(&pool->shared, bytes);
+}
+
+int mr__cpu_has_avx2(void) {
+  static int cached = -1;
+  int c = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+  if (c < 0) {
+    c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        strcmp(mr_tunable_str(MR_TUNABLE_CPU_SIMD), "portable") != 0;
+    __atomic_store_n(&cached, c, __ATOMIC_RELAXED);
+  }
+  return c;
 }

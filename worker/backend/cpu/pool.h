@@ -5,7 +5,8 @@
  * tasks, hands them out in index order to whichever thread is free, and
  * returns when all are done; the calling thread works too.  A pool runs one
  * job at a time and must be driven from one thread at a time (the rank's
- * compute thread); communication threads never call into it.
+ * compute thread); communication threads never call into it, and a task
+ * never starts another job on its own pool (that would deadlock).
  *
  * Each thread has a scratch buffer that kernels use for block-local data
  * (attention tiles, partial sums); it grows on demand and lives as long as

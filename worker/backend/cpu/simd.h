@@ -12,17 +12,12 @@
 #include <stdint.h>
 #include <string.h>
 
+
 #define MR_CPU_BODY static inline __attribute__((always_inline))
 
-static inline int mr__cpu_has_avx2(void) {
-  static int cached = -1;
-  int c = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-  if (c < 0) {
-    c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    __atomic_store_n(&cached, c, __ATOMIC_RELAXED);
-  }
-  return c;
-}
+/* 1 when the AVX2+FMA copies run: the CPU has both and MESHRUN_CPU_SIMD is
+ * not "portable".  Decided once per process (pool.c). */
+int mr__cpu_has_avx2(void);
 
 #define MR_CPU_DISPATCH(name, params, args)                                  \
   __attribute__((target("avx2,fma"))) static void name##_avx2 params {      \
@@ -36,12 +31,20 @@ static inline int mr__cpu_has_avx2(void) {
       name##_base args;                                                      \
   }
 
+/* Sum of 8 lanes in a fixed order.  Reductions keep 8 partial sums (lane l
+ * takes elements l, l+8, ...), which the compiler can vectorize without
+ * reassociating, and which give the same bits on every target. */
+MR_CPU_BODY float mr__hsum8(const float *a) {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
 /* e^x for float, Cephes' polynomial (about 1 ulp) with the exponent built
  * from bits; branch-free so loops over it vectorize.  x < -87.3 gives 0
- * (so exp(-inf) = 0), x > 88.7 gives 2^128-ish (inf after the multiply). */
+ * (so exp(-inf) = 0), x > 88.7 gives inf, NaN stays NaN.  The clamps come
+ * first so the float-to-int conversion is always in range. */
 MR_CPU_BODY float mr__expf(float x) {
-  float xc = x > 88.7f ? 88.7f : x;
-  xc = xc < -87.3f ? -87.3f : xc;
+  float xc = x > -87.3f ? x : -87.3f; /* NaN goes to -87.3 here ... */
+  xc = xc < 88.7f ? xc : 88.7f;
   /* n = round(x / ln 2) by the 1.5 * 2^23 trick */
   float t = xc * 1.44269504088896341f + 12582912.0f;
   float n = t - 12582912.0f;
@@ -58,7 +61,8 @@ MR_CPU_BODY float mr__expf(float x) {
   float scale;
   memcpy(&scale, &e, 4);
   float y = p * scale;
-  return x < -87.3f ? 0.0f : y;
+  y = x < -87.3f ? 0.0f : y;
+  return x == x ? y : x; /* ... and comes back here */
 }
 
 #endif

@@ -17,13 +17,28 @@ struct xent_job {
 };
 
 MR_CPU_BODY float row_lse_body(const float *x, int V) {
+  float mx[8], acc[8] = {0};
+  for (int l = 0; l < 8; l++)
+    mx[l] = -INFINITY;
+  int j0 = 0;
+  for (; j0 + 8 <= V; j0 += 8)
+    for (int l = 0; l < 8; l++)
+      mx[l] = x[j0 + l] > mx[l] ? x[j0 + l] : mx[l];
   float m = -INFINITY;
-  for (int j = 0; j < V; j++)
+  for (int l = 0; l < 8; l++)
+    m = mx[l] > m ? mx[l] : m;
+  for (int j = j0; j < V; j++)
     m = x[j] > m ? x[j] : m;
-  if (m == -INFINITY || m != m)
-    return m;
-  float s = 0;
+  int nan = 0;
   for (int j = 0; j < V; j++)
+    nan |= x[j] != x[j];
+  if (m == -INFINITY || nan)
+    return nan ? NAN : m;
+  for (j0 = 0; j0 + 8 <= V; j0 += 8)
+    for (int l = 0; l < 8; l++)
+      acc[l] += mr__expf(x[j0 + l] - m);
+  float s = mr__hsum8(acc);
+  for (int j = j0; j < V; j++)
     s += mr__expf(x[j] - m);
   return m + logf(s);
 }

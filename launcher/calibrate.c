@@ -1,0 +1,390 @@
+/* calibrate.c - `meshrun calibrate`: measures this machine and writes a
+ * cluster spec.  Matmul rate with the worker's CPU kernels (one rank per
+ * core, one thread each), the FMA peak, memory bandwidth, and AllReduce
+ * latency and bus bandwidth with the CPU comm backend between forked
+ * ranks.  What it cannot measure here (the network to other nodes) comes
+ * from the cpu-local spec it starts from. */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "common/error.h"
+#include "common/jsonv.h"
+#include "common/tunable.h"
+#include "launcher/cli.h"
+#include "launcher/planner/cluster.h"
+#include "worker/backend/cpu/kernels.h"
+#include "worker/comm/comm.h"
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: meshrun calibrate [options]\n"
+          "\n"
+          "Measures this machine and writes a cluster spec for `meshrun plan`.\n"
+          "\n"
+          "  --out FILE    write the spec here (default: standard output)\n"
+          "  --ranks N     ranks (devices) per node (default: online CPUs)\n"
+          "  --base SPEC   spec whose unmeasured fields are kept (default cpu-local)\n");
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+#if defined(__x86_64__)
+/* FMA peak of one core: 12 independent 8-wide FMA chains, enough to
+ * cover two pipes' latency. */
+__attribute__((target("avx2,fma"))) static double fma_peak(void) {
+  __m256 c0 = _mm256_set1_ps(0.0f), c1 = _mm256_set1_ps(0.1f), c2 = _mm256_set1_ps(0.2f);
+  __m256 c3 = _mm256_set1_ps(0.3f), c4 = _mm256_set1_ps(0.4f), c5 = _mm256_set1_ps(0.5f);
+  __m256 c6 = _mm256_set1_ps(0.6f), c7 = _mm256_set1_ps(0.7f), c8 = _mm256_set1_ps(0.8f);
+  __m256 c9 = _mm256_set1_ps(0.9f), ca = _mm256_set1_ps(1.0f), cb = _mm256_set1_ps(1.1f);
+  const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
+  const long iters = 10000000;
+  double best = 0;
+  for (int rep = 0; rep < 5; rep++) {
+    double t0 = now_s();
+    for (long k = 0; k < iters; k++) {
+      c0 = _mm256_fmadd_ps(c0, a, b), c1 = _mm256_fmadd_ps(c1, a, b);
+      c2 = _mm256_fmadd_ps(c2, a, b), c3 = _mm256_fmadd_ps(c3, a, b);
+      c4 = _mm256_fmadd_ps(c4, a, b), c5 = _mm256_fmadd_ps(c5, a, b);
+      c6 = _mm256_fmadd_ps(c6, a, b), c7 = _mm256_fmadd_ps(c7, a, b);
+      c8 = _mm256_fmadd_ps(c8, a, b), c9 = _mm256_fmadd_ps(c9, a, b);
+      ca = _mm256_fmadd_ps(ca, a, b), cb = _mm256_fmadd_ps(cb, a, b);
+      __asm__ volatile("" : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4), "+x"(c5),
+                       "+x"(c6), "+x"(c7), "+x"(c8), "+x"(c9), "+x"(ca), "+x"(cb));
+    }
+    double dt = now_s() - t0;
+    double r = (double)iters * 12 * 8 * 2 / dt;
+    best = r > best ? r : best;
+  }
+  return best;
+}
+#else
+static double fma_peak(void) { return 0; }
+#endif
+
+/* Best FLOP/s of one-thread mr_cpu_gemm at M×N×K. */
+static int gemm_rate(struct mr_pool *pool, int m, int n, int k, double *out) {
+  float *a = malloc(sizeof(float) * (size_t)m * k), *b = malloc(sizeof(float) * (size_t)k * n);
+  float *c = malloc(sizeof(float) * (size_t)m * n);
+  if (a == NULL || b == NULL || c == NULL) {
+    free(a), free(b), free(c);
+    return mr_error_set(MR_ENOMEM, "calibrate: out of memory for a %dx%dx%d matmul", m, n, k);
+  }
+  for (size_t i = 0; i < (size_t)m * k; i++)
+    a[i] = (float)(i % 7) * 0.1f;
+  for (size_t i = 0; i < (size_t)k * n; i++)
+    b[i] = (float)(i % 5) * 0.1f;
+  double flops = 2.0 * m * n * k, best = 0;
+  int rc = 0;
+  for (int rep = 0; rep < 8 && rc == 0; rep++) {
+    double t0 = now_s();
+    rc = mr_cpu_gemm(pool, false, false, m, n, k, 1.0f, a, k, b, n, 0.0f, c, n);
+    double dt = now_s() - t0;
+    if (rep > 0 && flops / dt > best)
+      best = flops / dt;
+  }
+  free(a), free(b), free(c);
+  *out = best;
+  return rc;
+}
+
+static double memcpy_bandwidth(void) {
+  size_t bytes = (size_t)128 << 20;
+  char *src = malloc(bytes), *dst = malloc(bytes);
+  if (src == NULL || dst == NULL) {
+    free(src), free(dst);
+    return 0;
+  }
+  memset(src, 1, bytes);
+  memset(dst, 2, bytes);
+  double best = 0;
+  for (int rep = 0; rep < 4; rep++) {
+    double t0 = now_s();
+    memcpy(dst, src, bytes);
+    double dt = now_s() - t0;
+    if (rep > 0 && bytes / dt > best)
+      best = bytes / dt;
+  }
+  if (dst[bytes / 2] != 1)
+    best = 0;
+  free(src), free(dst);
+  return best;
+}
+
+struct comm_result {
+  double small_s;   // one 4 KiB AllReduce
+  double large_s;   // one 16 MiB AllReduce
+  int ok;
+};
+
+static void comm_rank(int rank, int world, struct mr_bootstrap_local *bl, const char *job,
+                      struct comm_result *res) {
+  struct mr_bootstrap bs;
+  mr_bootstrap_local_rank(bl, rank, "calibrate-host", job, 30000, &bs);
+  const struct mr_comm_ops *ops = mr_comm_cpu_ops();
+  struct mr_comm *comm = NULL;
+  if (ops->open(&bs, &comm) != 0)
+    _exit(1);
+  int *ranks = malloc(sizeof(int) * (size_t)world);
+  for (int i = 0; i < world; i++)
+    ranks[i] = i;
+  struct mr_comm_group *g = NULL;
+  if (ops->group_new(comm, "calibrate", ranks, world, &g) != 0)
+    _exit(1);
+  size_t big = (size_t)4 << 20; // floats: 16 MiB
+  float *buf = calloc(big, sizeof(float));
+  if (buf == NULL)
+    _exit(1);
+  struct mr_comm_req *req;
+  double t_small = 1e30, t_large = 1e30;
+  for (int rep = 0; rep < 5; rep++) {
+    int iters = 200;
+    double t0 = now_s();
+    for (int i = 0; i < iters; i++) {
+      if (mr_comm_all_reduce(g, buf, buf, 1024, MR_F32, MR_RED_SUM, &req) != 0 ||
+          mr_comm_wait(req) != 0)
+        _exit(1);
+    }
+    double dt = (now_s() - t0) / iters;
+    t_small = dt < t_small ? dt : t_small;
+  }
+  for (int rep = 0; rep < 4; rep++) {
+    double t0 = now_s();
+    if (mr_comm_all_reduce(g, buf, buf, big, MR_F32, MR_RED_SUM, &req) != 0 ||
+        mr_comm_wait(req) != 0)
+      _exit(1);
+    double dt = now_s() - t0;
+    if (rep > 0)
+      t_large = dt < t_large ? dt : t_large;
+  }
+  if (rank == 0) {
+    res->small_s = t_small;
+    res->large_s = t_large;
+    res->ok = 1;
+  }
+  ops->group_free(g);
+  ops->close(comm);
+  free(buf);
+  free(ranks);
+  _exit(0);
+}
+
+static int measure_comm(int world, struct comm_result *out) {
+  struct comm_result *res = mmap(NULL, sizeof *res, PROT_READ | PROT_WRITE,
+                                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  struct mr_bootstrap_local *bl = mr_bootstrap_local_new(world, 512);
+  if (res == MAP_FAILED || bl == NULL)
+    return mr_error_set(MR_ENOMEM, "calibrate: out of memory for the comm ranks");
+  memset(res, 0, sizeof *res);
+  char job[64];
+  snprintf(job, sizeof job, "calib%d", (int)getpid());
+  pid_t *pids = calloc((size_t)world, sizeof *pids);
+  fflush(stdout);
+  fflush(stderr);
+  for (int r = 0; r < world; r++) {
+    pids[r] = fork();
+    if (pids[r] == 0)
+      comm_rank(r, world, bl, job, res);
+  }
+  int bad = 0;
+  for (int r = 0; r < world; r++) {
+    int st = 0;
+    if (pids[r] < 0 || waitpid(pids[r], &st, 0) != pids[r] || !WIFEXITED(st) ||
+        WEXITSTATUS(st) != 0)
+      bad++;
+  }
+  free(pids);
+  mr_comm_shm_sweep(job);
+  mr_bootstrap_local_free(bl);
+  *out = *res;
+  munmap(res, sizeof *res);
+  if (bad || !out->ok)
+    return mr_error_set(MR_EPEER, "calibrate: %d of %d comm ranks failed", bad, world);
+  return 0;
+}
+
+static cJSON *num_obj(cJSON *parent, const char *key) {
+  cJSON *o = cJSON_GetObjectItemCaseSensitive(parent, key);
+  return o;
+}
+
+static void set_num(cJSON *o, const char *key, double v) {
+  cJSON_DeleteItemFromObjectCaseSensitive(o, key);
+  cJSON_AddNumberToObject(o, key, v);
+}
+
+static void set_str(cJSON *o, const char *key, const char *v) {
+  cJSON_DeleteItemFromObjectCaseSensitive(o, key);
+  cJSON_AddStringToObject(o, key, v);
+}
+
+int mr_cmd_calibrate(int argc, char **argv) {
+  static const struct option opts[] = {{"out", required_argument, NULL, 'o'},
+                                       {"ranks", required_argument, NULL, 'r'},
+                                       {"base", required_argument, NULL, 'b'},
+                                       {"help", no_argument, NULL, 'h'},
+                                       {NULL, 0, NULL, 0}};
+  const char *out_path = NULL, *base = "cpu-local";
+  long ranks = sysconf(_SC_NPROCESSORS_ONLN);
+  int c;
+  optind = 1;
+  while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    switch (c) {
+    case 'o': out_path = optarg; break;
+    case 'r':
+      if (mr_cli_int("calibrate", "--ranks", optarg, 1, 1024, &ranks) < 0)
+        return 2;
+      break;
+    case 'b': base = optarg; break;
+    case 'h': usage(stdout); return 0;
+    default: usage(stderr); return 2;
+    }
+  }
+  if (optind != argc) {
+    usage(stderr);
+    return 2;
+  }
+  if (ranks < 1)
+    ranks = 1;
+  char base_path[4096];
+  if (mr_plan_cluster_path(base, base_path, sizeof base_path) < 0)
+    return 2;
+  cJSON *spec = NULL;
+  if (mr_json_load(base_path, &spec) < 0) {
+    fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
+    return 2;
+  }
+  struct mr_cluster check;
+  if (mr_cluster_parse(spec, base_path, &check) < 0) {
+    fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
+    cJSON_Delete(spec);
+    return 2;
+  }
+
+  fprintf(stderr, "meshrun calibrate: FMA peak, matmul, memcpy (one core)...\n");
+  double peak = 0;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    peak = fma_peak();
+#endif
+  struct mr_pool *pool = NULL;
+  if (mr_pool_new(1, &pool) < 0) {
+    fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
+    cJSON_Delete(spec);
+    return 1;
+  }
+  double big = 0, small = 0;
+  int rc = gemm_rate(pool, 1024, 1024, 1024, &big);
+  if (rc == 0)
+    rc = gemm_rate(pool, 2048, 128, 128, &small);
+  mr_pool_free(pool);
+  if (rc < 0) {
+    fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
+    cJSON_Delete(spec);
+    return 1;
+  }
+  if (!(peak > big))
+    peak = check.peak_flops[MR_AMP_FP32];
+  /* eff = e / (1 + g·S), S = 1/M + 1/N + 1/K, from the two shapes. */
+  double s_big = 3.0 / 1024, s_small = 1.0 / 2048 + 2.0 / 128;
+  double g = (big - small) / (small * s_small - big * s_big);
+  if (!(g > 0) || g > 1e5)
+    g = 0;
+  double e = big * (1 + g * s_big) / peak;
+  if (e > 1)
+    e = 1;
+  double bw = memcpy_bandwidth();
+  fprintf(stderr, "meshrun calibrate: AllReduce over %ld ranks (CPU comm backend)...\n",
+          ranks);
+  struct comm_result cr = {0, 0, 0};
+  int world = ranks < 2 ? 2 : (int)ranks;
+  if (measure_comm(world, &cr) < 0) {
+    fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
+    cJSON_Delete(spec);
+    return 1;
+  }
+  /* α–β: small ≈ 2(n−1)α; large = 2(n−1)α + 2(n−1)/n·S/β */
+  double n = world, S = 16.0 * 1048576;
+  double alpha = cr.small_s / (2 * (n - 1));
+  double beta = 2 * (n - 1) / n * S / (cr.large_s - 2 * (n - 1) * alpha);
+  if (!(beta > 0))
+    beta = 2 * (n - 1) / n * S / cr.large_s;
+  long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+  double mem = (double)pages * (double)psz / (double)ranks;
+
+  char when[64], src[4096 + 512];
+  time_t now = time(NULL);
+  strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", gmtime(&now));
+  set_str(spec, "name", "calibrated");
+  set_num(spec, "nodes", 1);
+  set_num(spec, "devices_per_node", (double)ranks);
+  snprintf(src, sizeof src, "measured by meshrun calibrate on %s, %ld ranks; inter_node "
+           "and reserved_bytes from %s", when, ranks, base_path);
+  set_str(spec, "source", src);
+  cJSON *dev = num_obj(spec, "device");
+  cJSON *pf = num_obj(dev, "peak_flops");
+  set_num(pf, "fp32", peak);
+  set_num(pf, "bf16", peak);
+  set_num(pf, "fp16", peak);
+  set_str(pf, "source", "FMA loop, 10 chains of 8-wide fused multiply-adds, one core; "
+          "16-bit types compute in fp32");
+  set_num(dev, "matmul_efficiency", e);
+  set_num(dev, "gemm_half_dim", g);
+  set_num(dev, "memory_bytes", mem);
+  set_num(dev, "memory_bandwidth", bw);
+  snprintf(src, sizeof src, "mr_cpu_gemm one thread: %.1f GFLOP/s at 1024^3, %.1f at "
+           "2048x128x128; memcpy 128 MiB %.2f GB/s; physical memory / ranks",
+           big / 1e9, small / 1e9, bw / 1e9);
+  set_str(dev, "source", src);
+  cJSON *in = num_obj(spec, "intra_node");
+  set_num(in, "bus_bandwidth", beta);
+  set_num(in, "latency", alpha);
+  snprintf(src, sizeof src, "CPU comm backend AllReduce, %d ranks: 4 KiB in %.2f us, "
+           "16 MiB in %.2f ms", world, cr.small_s * 1e6, cr.large_s * 1e3);
+  set_str(in, "source", src);
+  cJSON *host = num_obj(spec, "host");
+  set_num(host, "link_bandwidth", bw);
+  set_num(host, "memory_bandwidth", bw);
+  set_str(host, "source", "the host is the device: memcpy bandwidth");
+
+  struct mr_cluster parsed;
+  if (mr_cluster_parse(spec, "calibrated spec", &parsed) < 0) {
+    fprintf(stderr, "meshrun calibrate: a measurement is out of range: %s\n",
+            mr_error_message());
+    cJSON_Delete(spec);
+    return 1;
+  }
+  char *text = cJSON_Print(spec);
+  cJSON_Delete(spec);
+  if (text == NULL)
+    return 1;
+  int status = 0;
+  if (out_path == NULL) {
+    printf("%s\n", text);
+  } else {
+    FILE *f = fopen(out_path, "w");
+    if (f == NULL || fprintf(f, "%s\n", text) < 0 || fclose(f) != 0) {
+      fprintf(stderr, "meshrun calibrate: cannot write %s\n", out_path);
+      status = 1;
+    } else {
+      fprintf(stderr, "meshrun calibrate: wrote %s\n", out_path);
+    }
+  }
+  free(text);
+  return status;
+}

@@ -1,0 +1,409 @@
+/* plan_cmd.c - `meshrun plan JOB.json`: the strategy search from the
+ * command line, as text or JSON.  Needs no devices and no data files. */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/error.h"
+#include "common/job.h"
+#include "common/tunable.h"
+#include "launcher/cli.h"
+#include "launcher/planner/cluster.h"
+#include "launcher/planner/cost.h"
+#include "launcher/planner/partition.h"
+#include "launcher/planner/search.h"
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: meshrun plan [options] JOB.json\n"
+          "\n"
+          "Chooses the fastest parallel strategy that fits, for a cluster spec, and\n"
+          "explains it.  Needs neither devices nor the job's data files.\n"
+          "\n"
+          "  --cluster SPEC   a spec file, a name in configs/clusters/, or NxNAME /\n"
+          "                   Nx:NAME for N nodes of it (default: the job's cluster,\n"
+          "                   else cpu-local)\n"
+          "  --nproc N        ranks to plan for (default: every device of the spec;\n"
+          "                   nodes are added to hold N)\n"
+          "  --top K          alternatives to show (default 5, at most %d)\n"
+          "  --json           machine-readable output\n",
+          MR_PLAN_TOP_MAX);
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int is_dir(const char *p) {
+  struct stat st;
+  return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* configs/: $MESHRUN_CONFIGS_DIR, else beside the binary, in the source
+ * tree above a build folder, or in share/meshrun. */
+static int find_configs(char *buf, size_t n) {
+  const char *env = mr_tunable_str(MR_TUNABLE_CONFIGS_DIR);
+  if (env != NULL && env[0] != '\0') {
+    snprintf(buf, n, "%s", env);
+    return 0;
+  }
+  char self[PATH_MAX];
+  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (len <= 0)
+    return -1;
+  self[len] = '\0';
+  char *slash = strrchr(self, '/');
+  if (slash == NULL)
+    return -1;
+  *slash = '\0';
+  static const char *const rel[] = {"configs", "../configs", "../../configs",
+                                    "../share/meshrun/configs", NULL};
+  for (int i = 0; rel[i] != NULL; i++) {
+    char probe[PATH_MAX + 64];
+    snprintf(probe, sizeof probe, "%s/%s/clusters", self, rel[i]);
+    if (is_dir(probe)) {
+      size_t pl = strlen(probe) - strlen("/clusters");
+      if (pl + 1 > n)
+        return -1;
+      memcpy(buf, probe, pl);
+      buf[pl] = '\0';
+      return 0;
+    }
+  }
+  return -1;
+}
+
+int mr_plan_cluster_path(const char *name, char *path, unsigned long n) {
+  if (strchr(name, '/') != NULL || strstr(name, ".json") != NULL) {
+    snprintf(path, n, "%s", name);
+    return 0;
+  }
+  char dir[PATH_MAX];
+  if (find_configs(dir, sizeof dir) < 0) {
+    fprintf(stderr, "meshrun: cluster %s: cannot find the configs folder; set "
+            "MESHRUN_CONFIGS_DIR or give a path\n", name);
+    return MR_ENOENT;
+  }
+  snprintf(path, n, "%s/clusters/%s.json", dir, name);
+  return 0;
+}
+
+/* SPEC: a path, a NAME, or NxNAME / Nx:NAME. */
+static int load_cluster(const char *spec, struct mr_cluster *out) {
+  long nodes = 0;
+  const char *name = spec;
+  char *end = NULL;
+  long v = strtol(spec, &end, 10);
+  if (end != spec && end[0] == 'x') {
+    if (v < 1 || v > (1 << 20)) {
+      fprintf(stderr, "meshrun plan: --cluster %s: node count must be 1..%d\n", spec, 1 << 20);
+      return MR_EINVAL;
+    }
+    nodes = v;
+    name = end + 1 + (end[1] == ':');
+  }
+  char path[PATH_MAX + 128];
+  int rc = mr_plan_cluster_path(name, path, sizeof path);
+  if (rc < 0)
+    return rc;
+  rc = mr_cluster_load(path, out);
+  if (rc < 0) {
+    fprintf(stderr, "meshrun plan: %s\n", mr_error_message());
+    return rc;
+  }
+  if (nodes > 0)
+    out->nodes = (int)nodes;
+  return 0;
+}
+
+static const char *sched_name(enum mr_pp_schedule s) {
+  return s == MR_PP_GPIPE ? "gpipe" : s == MR_PP_INTERLEAVED ? "interleaved" : "1f1b";
+}
+static const char *amp_name(enum mr_amp_dtype d) {
+  return d == MR_AMP_BF16 ? "bf16" : d == MR_AMP_FP16 ? "fp16" : "fp32";
+}
+static const char *rc_name(enum mr_recompute_mode r) {
+  return r == MR_RECOMPUTE_MODE_FULL ? "full" : r == MR_RECOMPUTE_MODE_SELECTIVE ? "selective"
+                                                                                : "none";
+}
+
+static cJSON *strategy_json(const struct mr_strategy *s) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "auto_mode", "manual");
+  cJSON_AddNumberToObject(cJSON_AddObjectToObject(o, "data_parallel"), "degree", s->dp);
+  cJSON_AddNumberToObject(cJSON_AddObjectToObject(o, "tensor_parallel"), "degree", s->tp);
+  cJSON *pp = cJSON_AddObjectToObject(o, "pipeline_parallel");
+  cJSON_AddNumberToObject(pp, "degree", s->pp);
+  cJSON_AddStringToObject(pp, "schedule", sched_name(s->schedule));
+  cJSON_AddNumberToObject(pp, "micro_batches", s->micro_batches);
+  cJSON_AddNumberToObject(pp, "virtual_stages", s->virtual_stages);
+  cJSON_AddBoolToObject(cJSON_AddObjectToObject(o, "sequence_parallel"), "enable",
+                        s->sequence_parallel);
+  cJSON *sh = cJSON_AddObjectToObject(o, "sharding");
+  cJSON_AddNumberToObject(sh, "stage", s->zero_stage);
+  cJSON_AddBoolToObject(sh, "offload", s->offload);
+  cJSON *rc = cJSON_AddObjectToObject(o, "recompute");
+  cJSON_AddBoolToObject(rc, "enable", s->recompute != MR_RECOMPUTE_NONE);
+  cJSON_AddStringToObject(rc, "granularity",
+                          s->recompute == MR_RECOMPUTE_MODE_SELECTIVE ? "selective" : "full");
+  cJSON_AddNumberToObject(rc, "checkpoint_every_n_layers", s->recompute_every_n);
+  cJSON_AddStringToObject(cJSON_AddObjectToObject(o, "amp"), "dtype", amp_name(s->amp_dtype));
+  cJSON_AddNumberToObject(o, "gradient_accumulation_steps", s->grad_accum_steps);
+  return o;
+}
+
+static cJSON *memory_json(const struct mr_memory *m) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "parameters", m->params);
+  cJSON_AddNumberToObject(o, "gradients", m->grads);
+  cJSON_AddNumberToObject(o, "optimizer", m->optimizer);
+  cJSON_AddNumberToObject(o, "activations", m->activations);
+  cJSON_AddNumberToObject(o, "buffers", m->buffers);
+  cJSON_AddNumberToObject(o, "workspace", m->workspace);
+  cJSON_AddNumberToObject(o, "total", m->total);
+  cJSON_AddNumberToObject(o, "host", m->host);
+  return o;
+}
+
+static void candidate_json(cJSON *o, const struct mr_plan_candidate *c,
+                           const struct mr_workload *w, const struct mr_cluster *cl) {
+  const struct mr_cost *k = &c->cost;
+  cJSON_AddItemToObject(o, "strategy", strategy_json(&c->strategy));
+  static int counts[MR_PARTITION_MAX_ITEMS];
+  int nk = mr_cost_partition(w, cl, &c->strategy, counts, MR_PARTITION_MAX_ITEMS);
+  if (nk > 0)
+    cJSON_AddItemToObject(o, "layers_per_chunk", cJSON_CreateIntArray(counts, nk));
+  cJSON_AddNumberToObject(o, "micro_batch_size", c->strategy.micro_batch_size);
+  cJSON_AddStringToObject(o, "mesh_mapping",
+                          c->strategy.mapping == MR_MAP_TP_DP_PP ? "tp,dp,pp" : "tp,pp,dp");
+  cJSON_AddNumberToObject(o, "step_time_s", k->step_time_s);
+  cJSON_AddNumberToObject(o, "tokens_per_s", k->tokens_per_s);
+  cJSON_AddNumberToObject(o, "model_tflops_per_device", k->model_tflops_per_device);
+  cJSON_AddNumberToObject(o, "mfu", k->mfu);
+  cJSON_AddNumberToObject(o, "bubble_fraction", k->bubble_fraction);
+  cJSON *b = cJSON_AddObjectToObject(o, "step_breakdown_s");
+  cJSON_AddNumberToObject(b, "compute", k->compute_s);
+  cJSON_AddNumberToObject(b, "tensor_parallel_comm", k->tp_comm_s);
+  cJSON_AddNumberToObject(b, "recompute", k->recompute_s);
+  cJSON_AddNumberToObject(b, "pipeline_bubble", k->bubble_s);
+  cJSON_AddNumberToObject(b, "pipeline_sends", k->p2p_s);
+  cJSON_AddNumberToObject(b, "gradient_sync", k->dp_comm_s);
+  cJSON_AddNumberToObject(b, "optimizer", k->optimizer_s);
+  cJSON_AddItemToObject(o, "memory_bytes", memory_json(&k->mem));
+}
+
+static void describe(const struct mr_strategy *s, char *buf, size_t n) {
+  snprintf(buf, n,
+           "dp %d x tp %d x pp %d (mesh %s), sequence parallel %s, ZeRO stage %d%s, "
+           "recompute %s, micro-batch %d x %d%s, schedule %s%s, %s",
+           s->dp, s->tp, s->pp, s->mapping == MR_MAP_TP_DP_PP ? "tp,dp,pp" : "tp,pp,dp",
+           s->sequence_parallel ? "on" : "off", s->zero_stage, s->offload ? " + offload" : "",
+           rc_name(s->recompute), s->micro_batch_size, s->micro_batches,
+           s->grad_accum_steps > 1 ? " (accumulated)" : "", sched_name(s->schedule),
+           s->virtual_stages > 1 ? (s->virtual_stages == 2   ? " v2"
+                                    : s->virtual_stages == 3 ? " v3"
+                                    : s->virtual_stages == 4 ? " v4"
+                                    : s->virtual_stages == 6 ? " v6"
+                                                             : " v8")
+                                 : "",
+           amp_name(s->amp_dtype));
+}
+
+static void print_memory(const struct mr_memory *m, double device) {
+  const double g = 1073741824.0;
+  printf("  memory per rank (GiB): parameters %.2f, gradients %.2f, optimizer %.2f, "
+         "activations %.2f, buffers %.2f, workspace %.2f = %.2f of %.2f",
+         m->params / g, m->grads / g, m->optimizer / g, m->activations / g, m->buffers / g,
+         m->workspace / g, m->total / g, device / g);
+  if (m->host > 0)
+    printf(" (+%.2f in host memory)", m->host / g);
+  printf("\n");
+}
+
+static void print_candidate(const struct mr_plan_candidate *c, double device) {
+  const struct mr_cost *k = &c->cost;
+  char d[512];
+  describe(&c->strategy, d, sizeof d);
+  printf("  %s\n", d);
+  printf("  step %.4g s, %.4g tokens/s, %.1f model TFLOP/s per device, MFU %.1f%%\n",
+         k->step_time_s, k->tokens_per_s, k->model_tflops_per_device, 100 * k->mfu);
+  printf("  step = compute %.4g s (tensor-parallel comm %.3g, recompute %.3g) + bubble %.3g "
+         "(%.1f%%) + pipeline sends %.3g + gradient sync %.3g + optimizer %.3g\n",
+         k->compute_s, k->tp_comm_s, k->recompute_s, k->bubble_s, 100 * k->bubble_fraction,
+         k->p2p_s, k->dp_comm_s, k->optimizer_s);
+  print_memory(&k->mem, device);
+}
+
+int mr_cmd_plan(int argc, char **argv) {
+  static const struct option opts[] = {
+      {"cluster", required_argument, NULL, 'c'}, {"nproc", required_argument, NULL, 'n'},
+      {"top", required_argument, NULL, 'k'},     {"json", no_argument, NULL, 'j'},
+      {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0}};
+  const char *cluster_arg = NULL;
+  long nproc = 0, top = 5;
+  int json = 0, c;
+  optind = 1;
+  while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    switch (c) {
+    case 'c': cluster_arg = optarg; break;
+    case 'n':
+      if (mr_cli_int("plan", "--nproc", optarg, 1, 1 << 24, &nproc) < 0)
+        return 2;
+      break;
+    case 'k':
+      if (mr_cli_int("plan", "--top", optarg, 1, MR_PLAN_TOP_MAX, &top) < 0)
+        return 2;
+      break;
+    case 'j': json = 1; break;
+    case 'h': usage(stdout); return 0;
+    default: usage(stderr); return 2;
+    }
+  }
+  if (optind != argc - 1) {
+    fprintf(stderr, "meshrun plan: expected one job file\n");
+    usage(stderr);
+    return 2;
+  }
+  const char *job_path = argv[optind];
+  struct mr_job job;
+  if (mr_job_load(job_path, &job) < 0) {
+    fprintf(stderr, "meshrun plan: %s\n", mr_error_message());
+    return 2;
+  }
+  struct mr_cluster cl;
+  int rc = load_cluster(cluster_arg != NULL ? cluster_arg
+                        : job.cluster != NULL ? job.cluster
+                                              : "cpu-local",
+                        &cl);
+  if (rc < 0) {
+    mr_job_close(&job);
+    return 2;
+  }
+  if (nproc > 0 && nproc > mr_cluster_devices(&cl))
+    cl.nodes = (int)((nproc + cl.devices_per_node - 1) / cl.devices_per_node);
+  struct mr_plan_request req = {&job.model, &job.train, &job.strategy, &cl, (int)nproc,
+                                (int)top};
+  int world = nproc > 0 ? (int)nproc : (int)mr_cluster_devices(&cl);
+  struct mr_plan_result *res = calloc(1, sizeof *res);
+  if (res == NULL) {
+    mr_job_close(&job);
+    return 1;
+  }
+  double t0 = now_s();
+  if (job.strategy.auto_mode == MR_AUTO_MANUAL) {
+    rc = mr_plan_manual(&req, &res->top[0].strategy);
+    if (rc == 0) {
+      struct mr_workload w = {&job.model, job.train.global_batch, job.train.seq_len};
+      mr_cost_evaluate(&w, &cl, &res->top[0].strategy, &res->top[0].cost);
+      res->considered = 1;
+      if (res->top[0].cost.fits) {
+        res->n_top = 1;
+      } else {
+        res->least_memory = res->top[0];
+        res->pruned_memory = 1;
+        res->fits_with_offload = res->fits_with_recompute = res->fits_with_both = -1;
+        rc = MR_ENOFIT;
+      }
+    }
+  } else {
+    rc = mr_plan_search(&req, res);
+  }
+  double search_s = now_s() - t0;
+  if (rc < 0 && rc != MR_ENOFIT) {
+    fprintf(stderr, "meshrun plan: %s: %s\n", job_path, mr_error_message());
+    free(res);
+    mr_job_close(&job);
+    return 2;
+  }
+  double params = (double)mr_model_param_count(&job.model);
+  struct mr_workload wl = {&job.model, job.train.global_batch, job.train.seq_len};
+  if (json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "job", job_path);
+    cJSON_AddStringToObject(o, "cluster", cl.name);
+    cJSON_AddNumberToObject(o, "world_size", world);
+    cJSON_AddNumberToObject(o, "parameters", params);
+    cJSON_AddBoolToObject(o, "fits", rc == 0);
+    if (rc == 0) {
+      candidate_json(o, &res->top[0], &wl, &cl);
+    } else {
+      cJSON_AddNumberToObject(o, "least_memory_bytes", res->least_memory.cost.mem.total);
+      cJSON *lm = cJSON_AddObjectToObject(o, "least_memory_plan");
+      candidate_json(lm, &res->least_memory, &wl, &cl);
+      cJSON *wf = cJSON_AddObjectToObject(o, "would_fit_with");
+      cJSON_AddNumberToObject(wf, "offload", res->fits_with_offload);
+      cJSON_AddNumberToObject(wf, "recompute", res->fits_with_recompute);
+      cJSON_AddNumberToObject(wf, "offload_recompute_any_zero", res->fits_with_both);
+      cJSON_AddNumberToObject(wf, "devices", (double)res->devices_to_fit);
+    }
+    cJSON_AddNumberToObject(o, "search_time_s", search_s);
+    cJSON_AddNumberToObject(o, "considered", (double)res->considered);
+    cJSON_AddNumberToObject(o, "pruned_memory", (double)res->pruned_memory);
+    cJSON *alts = cJSON_AddArrayToObject(o, "alternatives");
+    for (int i = 1; i < res->n_top; i++) {
+      cJSON *a = cJSON_CreateObject();
+      candidate_json(a, &res->top[i], &wl, &cl);
+      char why[256];
+      mr_plan_explain(&res->top[0], &res->top[i], why, sizeof why);
+      cJSON_AddStringToObject(a, "why_slower", why);
+      cJSON_AddItemToArray(alts, a);
+    }
+    char *text = cJSON_Print(o);
+    if (text != NULL)
+      printf("%s\n", text);
+    free(text);
+    cJSON_Delete(o);
+  } else {
+    printf("plan for %s: %.4g B parameters, batch %lld x %lld tokens, on %s: %d ranks "
+           "(%d per node)\n",
+           job_path, params / 1e9, (long long)job.train.global_batch,
+           (long long)job.train.seq_len, cl.name, world, cl.devices_per_node);
+    if (rc == 0) {
+      printf("chosen:\n");
+      print_candidate(&res->top[0], cl.memory_bytes);
+      if (res->n_top > 1)
+        printf("runners-up:\n");
+      for (int i = 1; i < res->n_top; i++) {
+        char d[512], why[256];
+        describe(&res->top[i].strategy, d, sizeof d);
+        mr_plan_explain(&res->top[0], &res->top[i], why, sizeof why);
+        printf("  %d. %s\n     %.4g s, %s\n", i + 1, d, res->top[i].cost.step_time_s, why);
+      }
+    } else {
+      const double g = 1073741824.0;
+      char d[512];
+      describe(&res->least_memory.strategy, d, sizeof d);
+      printf("does not fit: no strategy fits in %.2f GiB per device.\n", cl.memory_bytes / g);
+      printf("least memory any plan needs: %.2f GiB per rank, with\n  %s\n",
+             res->least_memory.cost.mem.total / g, d);
+      print_memory(&res->least_memory.cost.mem, cl.memory_bytes);
+      printf("what would make it fit:");
+      int any = 0;
+      if (res->fits_with_offload == 1)
+        printf(" letting the planner offload optimizer states;"), any = 1;
+      if (res->fits_with_recompute == 1)
+        printf(" letting the planner recompute activations;"), any = 1;
+      if (res->fits_with_both == 1 && !res->fits_with_offload && !res->fits_with_recompute)
+        printf(" offload with recompute and any ZeRO stage;"), any = 1;
+      if (res->devices_to_fit > 0)
+        printf(" %lld devices (--nproc %lld);", (long long)res->devices_to_fit,
+               (long long)res->devices_to_fit), any = 1;
+      if (!any)
+        printf(" nothing up to 64x the devices; a device with more memory");
+      printf("\n");
+    }
+    printf("searched %lld strategies (%lld too big for a device) in %.3f s\n",
+           (long long)res->considered, (long long)res->pruned_memory, search_s);
+  }
+  free(res);
+  mr_job_close(&job);
+  return rc == 0 ? 0 : 1;
+}
