@@ -10,6 +10,7 @@
 #include "common/tunable.h"
 #include "launcher/cli.h"
 #include "launcher/coordinator.h"
+#include "launcher/strategy_choice.h"
 #include "common/discovery.h"
 
 static void usage(FILE *f) {
@@ -135,6 +136,26 @@ int mr_cmd_launch(int argc, char **argv) {
   if (nproc == 0)
     nproc = mr_devices_default_nproc(&devices, (int)threads);
 
+  if (job_path != NULL && !selfcheck) {
+    struct mr_strategy_choice choice;
+    if (mr_strategy_choose(&job, (int)nproc, &choice) < 0) {
+      fprintf(stderr, "meshrun launch: %s: %s\n", job_path, mr_error_message());
+      mr_devices_close(&devices);
+      mr_job_close(&job);
+      return 2;
+    }
+    char *text = mr_strategy_apply(&job, &choice.chosen.strategy);
+    if (text == NULL) {
+      fprintf(stderr, "meshrun launch: out of memory\n");
+      mr_devices_close(&devices);
+      mr_job_close(&job);
+      return 1;
+    }
+    free(job.text);
+    job.text = text;
+    mr_strategy_print(&choice, stdout);
+    fflush(stdout);
+  }
   char worker[4096];
   const char *wenv = getenv("MESHRUN_WORKER");
   if (wenv != NULL && wenv[0] != '\0')
