@@ -39,7 +39,9 @@ static void make_tables(void) {
   for (int i = 0; i < 4096; i++) {
     x = x * 6364136223846793005ull + 1442695040888963407ull;
     uint64_t r = x ^ (x >> 29);
-    float f = ((float)(x >> 40) / 16777216.0f - 0.5f) * 8.0f;
+    /* varied exponents, so that the order of a sum changes its rounding */
+    float f = ((float)(x >> 40) / 16777216.0f - 0.5f) * 8.0f *
+              (float)(1u << ((x >> 20) % 9)) / 16.0f;
     uint32_t u;
     memcpy(&u, &f, 4);
     btab[MR_F32][i] = u;
