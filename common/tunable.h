@@ -52,7 +52,7 @@
      "CPU comm transport: auto (shm within a host, else tcp), shm, tcp")     \
   XX(COMM_ADDR, "MESHRUN_COMM_ADDR", "",                                     \
      "IPv4 address peers use to reach this rank (default: the host's)")     \
-  XX(COMM_SHM_CHUNK_BYTES, "MESHRUN_COMM_SHM_CHUNK_BYTES", "262144",         \
+  XX(COMM_SHM_CHUNK_BYTES, "MESHRUN_COMM_SHM_CHUNK_BYTES", "1048576",        \
      "shm staging buffer per rank (two of them), bytes")                     \
   XX(COMM_SHM_SMALL_BYTES, "MESHRUN_COMM_SHM_SMALL_BYTES", "16384",          \
      "shm AllReduce up to this size: every rank reduces all, one sync")      \

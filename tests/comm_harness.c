@@ -70,6 +70,8 @@ static void child(int rank, int world, const struct run_opts *o,
   snprintf(tmo, sizeof tmo, "%d", o->timeout_ms);
   mr_tunable_override(MR_TUNABLE_COMM_TIMEOUT_MS, tmo);
   mr_tunable_override(MR_TUNABLE_COMM_TRANSPORT, o->transport);
+  /* room for the mem_alloc buffers of the zero-copy cases */
+  mr_tunable_override(MR_TUNABLE_COMM_SHM_HEAP_BYTES, "33554432");
   struct mr_bootstrap bs;
   mr_bootstrap_local_rank(bl, rank, "host0", job_id, o->timeout_ms, &bs);
   struct rank_ctx rc = {rank, world, NULL, job_id, area->counters, arg};

@@ -1,12 +1,14 @@
 /* comm_bench.c - AllReduce latency and bus bandwidth of meshrun's CPU comm
  * backend, 2 ranks (forked, one core each), 4 KiB ... 256 MiB of float32.
  *
- * usage: comm_bench MODE [max_bytes]
+ * usage: comm_bench MODE [max_bytes [OP]]
  *   MODE: shm (ordinary buffers), shm-zc (buffers from mem_alloc, so the
  *   reduction reads the peer's buffer in place), tcp.
- * Prints one line per size: "MODE bytes time_us algbw_GBps busbw_GBps",
- * with busbw = algbw * 2(n-1)/n (nccl-tests).  Built and run by
- * scripts/bench/comm. */
+ *   OP: allreduce (default), reducescatter, allgather; bytes is the whole
+ *   message (the AllGather output, the ReduceScatter input).
+ * Prints one line per size: "MODE-OP bytes time_us algbw_GBps busbw_GBps",
+ * with busbw = algbw * 2(n-1)/n for AllReduce and * (n-1)/n for the others
+ * (nccl-tests).  Built and run by scripts/bench/comm. */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdio.h>
@@ -31,8 +33,18 @@ static int iters_for(size_t bytes) {
   return it < 5 ? 5 : it > 20000 ? 20000 : (int)it;
 }
 
+static int start(struct mr_comm_group *g, const char *op, float *send,
+                 float *recv, size_t count, struct mr_comm_req **req) {
+  if (strcmp(op, "reducescatter") == 0)
+    return mr_comm_reduce_scatter(g, send, recv, count / 2, MR_F32,
+                                  MR_RED_SUM, req);
+  if (strcmp(op, "allgather") == 0)
+    return mr_comm_all_gather(g, send, recv, count / 2, NULL, MR_F32, req);
+  return mr_comm_all_reduce(g, send, recv, count, MR_F32, MR_RED_SUM, req);
+}
+
 static int rank_main(int rank, struct mr_bootstrap_local *bl, const char *mode,
-                     size_t max_bytes) {
+                     size_t max_bytes, const char *op) {
   cpu_set_t set;
   CPU_ZERO(&set);
   CPU_SET(rank, &set);
@@ -74,7 +86,7 @@ static int rank_main(int rank, struct mr_bootstrap_local *bl, const char *mode,
     size_t count = bytes / 4;
     int iters = iters_for(bytes), warm = iters / 10 + 2;
     for (int i = 0; i < warm; i++) {
-      mr_comm_all_reduce(g, send, recv, count, MR_F32, MR_RED_SUM, &req);
+      start(g, op, send, recv, count, &req);
       if (mr_comm_wait(req) != 0) {
         fprintf(stderr, "comm_bench: %s\n", mr_error_message());
         return 1;
@@ -84,11 +96,14 @@ static int rank_main(int rank, struct mr_bootstrap_local *bl, const char *mode,
     mr_comm_wait(req);
     double t0 = now();
     for (int i = 0; i < iters; i++) {
-      mr_comm_all_reduce(g, send, recv, count, MR_F32, MR_RED_SUM, &req);
+      start(g, op, send, recv, count, &req);
       mr_comm_wait(req);
     }
     double t = (now() - t0) / iters;
-    float want = (float)(7 % 1000) * 0.5f * 2 + 1.0f;
+    int ar = strcmp(op, "allreduce") == 0;
+    float want = strcmp(op, "allgather") == 0 ? 3.5f
+                 : (float)((7 + (ar ? 0 : rank * count / 2)) % 1000) * 0.5f *
+                           2 + 1.0f;
     if (count > 7 && recv[7] != want) {
       fprintf(stderr, "comm_bench: wrong result %g, expected %g\n",
               (double)recv[7], (double)want);
@@ -96,8 +111,8 @@ static int rank_main(int rank, struct mr_bootstrap_local *bl, const char *mode,
     }
     if (rank == 0) {
       double algbw = (double)bytes / t / 1e9;
-      printf("%s %zu %.2f %.3f %.3f\n", mode, bytes, t * 1e6, algbw,
-             algbw * 2 * (2 - 1) / 2);
+      printf("%s-%s %zu %.2f %.3f %.3f\n", mode, op, bytes, t * 1e6, algbw,
+             algbw * (ar ? 2.0 : 1.0) * (2 - 1) / 2);
       fflush(stdout);
     }
   }
@@ -119,11 +134,12 @@ int main(int argc, char **argv) {
     return 2;
   }
   size_t max_bytes = argc > 2 ? strtoull(argv[2], NULL, 0) : (256u << 20);
+  const char *op = argc > 3 ? argv[3] : "allreduce";
   struct mr_bootstrap_local *bl = mr_bootstrap_local_new(2, 512);
   pid_t pids[2];
   for (int r = 0; r < 2; r++)
     if ((pids[r] = fork()) == 0)
-      _exit(rank_main(r, bl, argv[1], max_bytes));
+      _exit(rank_main(r, bl, argv[1], max_bytes, op));
   int bad = 0;
   for (int r = 0; r < 2; r++) {
     int st;
