@@ -297,7 +297,7 @@ START_TEST(test_train_init_is_the_documented_formula) {
   const char *name = "model.layers.1.mlp.down_proj.weight";
   const float *w = mr_exec_buf(x, mr_graph_find(x->g, name));
   for (uint64_t i = 0; i < 64 * 172; i += 997)
-    ck_assert_double_eq_tol(w[i], 0.02 * mr_rng_normal(42, mr_hash_str(name), i), 1e-9);
+    ck_assert_double_eq_tol(w[i], 0.02 * mr_rng_normal(42, mr_hash_str(name), i), 1e-8);
   const float *ln = mr_exec_buf(x, mr_graph_find(x->g, "model.norm.weight"));
   ck_assert_float_eq(ln[7], 1.0f);
   mr_trainer_free(t);
