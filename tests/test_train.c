@@ -19,6 +19,8 @@
 #include "common/safetensors.h"
 #include "common/tokens.h"
 #include "common/tunable.h"
+#include "worker/backend/cpu/kernels.h"
+#include "worker/backend/cpu/pool.h"
 #include "worker/exec.h"
 #include "worker/optim.h"
 #include "worker/train.h"
@@ -181,13 +183,18 @@ START_TEST(test_train_fp16_overflow_skips_step_and_halves_scale) {
 END_TEST
 
 START_TEST(test_train_adamw_matches_torch_formula) {
-  struct mr_adamw o = {0.9, 0.95, 1e-6, 0.1};
+  /* the trainer's update: the backend's AdamW with these hyperparameters */
+  struct mr_pool *pool;
+  ck_assert_int_eq(mr_pool_new(1, &pool), 0);
+  struct mr_adamw o = mr_adamw_defaults();
+  o.beta1 = 0.9f, o.beta2 = 0.95f, o.eps = 1e-6f, o.weight_decay = 0.1f;
   float p[3] = {0.5f, -1.0f, 2.0f}, m[3] = {0}, v[3] = {0};
   double pd[3] = {0.5, -1.0, 2.0}, md[3] = {0}, vd[3] = {0};
   for (int step = 1; step <= 5; step++) {
     float g[3] = {0.1f * step, -0.3f, 0.05f / step};
     double lr = 0.01 * step;
-    mr_adamw_update(&o, step, lr, p, g, m, v, 3);
+    o.lr = (float)lr;
+    ck_assert_int_eq(mr_cpu_adamw_step(pool, p, g, m, v, 3, &o, step), 0);
     for (int i = 0; i < 3; i++) { /* torch.optim.AdamW, written out */
       pd[i] *= 1 - lr * 0.1;
       md[i] = 0.9 * md[i] + 0.1 * g[i];
@@ -197,6 +204,7 @@ START_TEST(test_train_adamw_matches_torch_formula) {
       ck_assert_double_eq_tol(p[i], pd[i], 1e-5);
     }
   }
+  mr_pool_free(pool);
 }
 END_TEST
 
