@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """train_torch.py - the peer for scripts/bench/train: the same LLaMA
 (rotate-half RoPE, grouped-query attention, SwiGLU, RMSNorm, untied head),
 the same batch shape, AdamW with torch defaults and lr 1e-3, clipping at
@@ -9,9 +9,8 @@ the same batch shape, AdamW with torch defaults and lr 1e-3, clipping at
 
 Prints `summary tokens_per_s=.. gflops=.. loss_first=.. loss_last=..`,
 tokens/s the median over steps after the first two (warm-up)."""
-import argparse, math, statistics, sys, time
+import argparse, array, math, random, statistics, sys, time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -93,15 +92,18 @@ class Model(torch.nn.Module):
         return F.cross_entropy(logits.view(-1, a.vocab), tgt.view(-1))
 
 
-raw = np.fromfile(a.tokens, dtype=np.uint16)[512:].astype(np.int64)  # llm.c header
+buf = array.array("H")
+with open(a.tokens, "rb") as f:
+    buf.frombytes(f.read())
+raw = torch.tensor(buf[512:], dtype=torch.int64)  # after the llm.c header
 model = Model()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-rng = np.random.default_rng(0)
+rng = random.Random(0)
 times, losses = [], []
 for step in range(a.steps):
-    off = rng.integers(0, len(raw) - T - 1, size=B)
-    ids = torch.from_numpy(np.stack([raw[o:o + T] for o in off]))
-    tgt = torch.from_numpy(np.stack([raw[o + 1:o + T + 1] for o in off]))
+    off = [rng.randrange(0, len(raw) - T - 1) for _ in range(B)]
+    ids = torch.stack([raw[o:o + T] for o in off])
+    tgt = torch.stack([raw[o + 1:o + T + 1] for o in off])
     t0 = time.perf_counter()
     loss = model(ids, tgt)
     opt.zero_grad(set_to_none=True)
