@@ -61,29 +61,31 @@ static void cleanup(void) {
   rmdir(dir);
 }
 
-static void greedy_continues(enum mr_model_family fam) {
-  trained(fam);
+static void greedy_continues(void) {
   uint8_t out[32];
   ck_assert_int_eq(mr_sample_generate(weights, NULL, "the quick brown", 20, 0, 0, out), 20);
   ck_assert_msg(memcmp(out, " fox jumps over the ", 20) == 0, "got \"%.20s\"", out);
   /* from the middle of the sentence, across its end */
   ck_assert_int_eq(mr_sample_generate(weights, NULL, "lazy", 12, 0, 0, out), 12);
   ck_assert_msg(memcmp(out, " dog. the qu", 12) == 0, "got \"%.12s\"", out);
-  cleanup();
 }
 
+/* the LLaMA is trained once for the whole case (an unchecked fixture) */
+static void trained_llama(void) { trained(MR_MODEL_LLAMA); }
+
 START_TEST(test_sample_llama_greedy_continues_training_text) {
-  greedy_continues(MR_MODEL_LLAMA);
+  greedy_continues();
 }
 END_TEST
 
 START_TEST(test_sample_gpt2_greedy_continues_training_text) {
-  greedy_continues(MR_MODEL_GPT2);
+  trained(MR_MODEL_GPT2);
+  greedy_continues();
+  cleanup(); /* this (forked) test's own folder: trained() names it by pid */
 }
 END_TEST
 
 START_TEST(test_sample_seeded_and_bad_input) {
-  trained(MR_MODEL_LLAMA);
   uint8_t a[40], b[40], c[40];
   ck_assert_int_eq(mr_sample_generate(weights, NULL, "x", 40, 5.0, 7, a), 40);
   ck_assert_int_eq(mr_sample_generate(weights, NULL, "x", 40, 5.0, 7, b), 40);
@@ -98,7 +100,6 @@ START_TEST(test_sample_seeded_and_bad_input) {
   ck_assert_int_eq(mr_sample_main(6, bad), 2);
   char *none[] = {"sample", "--prompt", "x", NULL};
   ck_assert_int_eq(mr_sample_main(3, none), 2);
-  cleanup();
 }
 END_TEST
 
@@ -107,6 +108,7 @@ Suite *train_sample_suite(void) {
   Suite *s = suite_create("train_sample");
   TCase *tc = tcase_create("sample");
   tcase_set_timeout(tc, 300);
+  tcase_add_unchecked_fixture(tc, trained_llama, cleanup);
   tcase_add_test(tc, test_sample_llama_greedy_continues_training_text);
   tcase_add_test(tc, test_sample_gpt2_greedy_continues_training_text);
   tcase_add_test(tc, test_sample_seeded_and_bad_input);
