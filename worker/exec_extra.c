@@ -45,6 +45,36 @@ static float *scratch(struct mr_cpu_ctx *c, size_t n) {
 /* Copies the inputs listed into scratch rounded through the 16-bit type
  * and points src[i] at the copies; extra floats are reserved after them
  * and returned through *tail. */
+void mr__round_f16_n(float *dst, const float *src, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    uint32_t u;
+    memcpy(&u, &src[i], 4);
+    uint32_t a = u & 0x7fffffffu;
+    float x = src[i], y;
+    if (a >= 0x38800000u) { /* |x| >= 2^-14: keep 10 mantissa bits, RNE */
+      uint32_t r = u + 0xfffu + ((u >> 13) & 1u);
+      r &= ~0x1fffu;
+      memcpy(&y, &r, 4);
+      if (fabsf(y) > 65504.0f) /* past the largest half: infinity */
+        y = copysignf(INFINITY, x);
+    } else { /* subnormal halves: multiples of 2^-24 */
+      y = rintf(x * 0x1p24f) * 0x1p-24f;
+    }
+    dst[i] = a > 0x7f800000u ? x : y; /* NaN stays NaN */
+  }
+}
+
+static void round_bf16_n(float *dst, const float *src, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    uint32_t u;
+    memcpy(&u, &src[i], 4);
+    uint32_t r = ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+      r = u | 0x00400000u; /* quiet NaN */
+    memcpy(&dst[i], &r, 4);
+  }
+}
+
 static int round_inputs(struct mr_cpu_ctx *c, const struct mr_graph *g,
                         const int *ids, const float **src, int n, size_t extra,
                         float **tail) {
@@ -58,14 +88,10 @@ static int round_inputs(struct mr_cpu_ctx *c, const struct mr_graph *g,
   if (c->amp)
     for (int i = 0; i < n; i++) {
       size_t k = (size_t)NEL(g, ids[i]);
-      if (c->amp == MR_AMP_ROUND_BF16) {
-        for (size_t j = 0; j < k; j++)
-          s[j] = mr_bf16_to_f32(mr_f32_to_bf16(src[i][j]));
-      } else {
-        mr_f32_to_f16_n((uint16_t *)s, src[i], k); /* in place, then widen */
-        for (size_t j = k; j-- > 0;)
-          s[j] = mr_f16_to_f32(((uint16_t *)s)[j]);
-      }
+      if (c->amp == MR_AMP_ROUND_BF16)
+        round_bf16_n(s, src[i], k);
+      else
+        mr__round_f16_n(s, src[i], k);
       src[i] = s;
       s += k;
     }

@@ -22,6 +22,11 @@ struct mr_cpu_ctx {
   size_t scratch_floats;
 };
 
+/* dst[i] = src[i] rounded to the nearest fp16 value (ties to even;
+ * beyond 65504 infinity; NaN kept), as float: what mr_f16_to_f32(
+ * mr_f32_to_f16(x)) gives, branch-light for the amp emulation. */
+void mr__round_f16_n(float *dst, const float *src, size_t n);
+
 /* Binds every CPU kernel into the registry; idempotent. */
 void mr_cpu_kernels_register(void);
 
