@@ -182,7 +182,7 @@ static int infer_attention(const struct mr_graph *g, const struct mr_op *op,
                   COLS(g, k) == COLS(g, q) / h * kh,
               g, op, "expected q[B*T,H*D], k and v [B*T,KH*D], KH | H"));
   like(&o[0], T(g, q));
-  set2(&o[1], ROWS(g, q), h, MR_F32);
+  set2(&o[1], ROWS(g, q) / t * h, t, MR_F32); /* lse [B*H, T] */
   return 0;
 }
 

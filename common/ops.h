@@ -25,7 +25,7 @@
  *   swiglu_bwd       dy, gate, up                  -> dgate, dup
  *   gelu             x                             -> gelu_tanh(x)
  *   gelu_bwd         dy, x                         -> dx
- *   attention        q[N,H*D], k[N,KH*D], v        -> o[N,H*D], lse[N,H]
+ *   attention        q[N,H*D], k[N,KH*D], v        -> o[N,H*D], lse[B*H,T]
  *                    causal, scale 1/sqrt(D); a0=T a1=H a2=KH
  *   attention_bwd    do, q, k, v, o, lse           -> dq, dk, dv
  *   split3           x[N,3C]                       -> x0, x1, x2 [N,C]

@@ -333,6 +333,30 @@ START_TEST(test_graph_plan_reuses_dead_buffers) {
 }
 END_TEST
 
+START_TEST(test_graph_amp_f16_rounding_matches_dtype) {
+  /* the executor's fast fp16 rounding against common/dtype.h's
+   * conversion pair, over normal, subnormal, overflow and tie cases */
+  float src[4000], got[4000];
+  int n = 0;
+  for (int i = 0; i < 3000; i++)
+    src[n++] = (float)(gc_uniform() * pow(2.0, 40 * gc_uniform() - 15));
+  float edge[] = {65504.0f, 65519.0f, 65520.0f, -65520.0f, 1e9f, 6.1035156e-05f,
+                  6.0e-05f, 5.96e-08f, 2.98e-08f, 2.99e-08f, 1.0f + 0x1p-11f,
+                  1.0f + 0x1.8p-11f, 0.0f, -0.0f, INFINITY, -INFINITY};
+  for (size_t i = 0; i < sizeof edge / sizeof *edge; i++)
+    src[n++] = edge[i];
+  mr__round_f16_n(got, src, (size_t)n);
+  for (int i = 0; i < n; i++) {
+    float want = mr_f16_to_f32(mr_f32_to_f16(src[i]));
+    ck_assert_msg(memcmp(&want, &got[i], 4) == 0, "%.9g: got %.9g, want %.9g",
+                  src[i], got[i], want);
+  }
+  float nan = NAN;
+  mr__round_f16_n(got, &nan, 1);
+  ck_assert(isnan(got[0]));
+}
+END_TEST
+
 Suite *graph_suite(void);
 Suite *graph_suite(void) {
   Suite *s = suite_create("graph");
@@ -353,6 +377,7 @@ Suite *graph_suite(void) {
   tcase_add_test(tc, test_graph_cross_entropy_grad_and_value);
   tcase_add_test(tc, test_graph_shape_mismatch_is_an_error);
   tcase_add_test(tc, test_graph_plan_reuses_dead_buffers);
+  tcase_add_test(tc, test_graph_amp_f16_rounding_matches_dtype);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -3,35 +3,6 @@
 
 #include <math.h>
 
-void mr_adamw_update(const struct mr_adamw *o, int64_t step, double lr,
-                     float *p, const float *g, float *m, float *v, size_t n) {
-  float b1 = (float)o->beta1, b2 = (float)o->beta2;
-  double bc1 = 1.0 - pow(o->beta1, (double)step);
-  double bc2 = 1.0 - pow(o->beta2, (double)step);
-  float decay = (float)(1.0 - lr * o->weight_decay);
-  float step_size = (float)(lr / bc1), rbc2 = (float)(1.0 / sqrt(bc2));
-  float eps = (float)o->eps;
-  for (size_t i = 0; i < n; i++) {
-    float gi = g[i];
-    m[i] = b1 * m[i] + (1.0f - b1) * gi;
-    v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
-    float denom = sqrtf(v[i]) * rbc2 + eps;
-    p[i] = p[i] * decay - step_size * m[i] / denom;
-  }
-}
-
-double mr_sum_squares(const float *x, size_t n) {
-  double s = 0;
-  for (size_t i = 0; i < n; i++)
-    s += (double)x[i] * x[i];
-  return s;
-}
-
-void mr_scale_n(float *x, size_t n, float s) {
-  for (size_t i = 0; i < n; i++)
-    x[i] *= s;
-}
-
 double mr_clip_factor(double norm, double max_norm) {
   if (max_norm <= 0)
     return 1.0;

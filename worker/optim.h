@@ -1,5 +1,5 @@
-/* optim.h - the optimizer step: AdamW with torch.optim.AdamW's semantics,
- * global-norm gradient clipping as torch.nn.utils.clip_grad_norm_, the
+/* optim.h - around the optimizer step (AdamW itself is the backend's
+ * mr_cpu_adamw_step, torch.optim.AdamW's semantics): global-norm gradient clipping as torch.nn.utils.clip_grad_norm_, the
  * learning-rate schedules of the job file, and dynamic loss scaling for
  * fp16 as torch.cuda.amp.GradScaler does it. */
 #ifndef MR_OPTIM_H
@@ -9,24 +9,6 @@
 #include <stdint.h>
 
 #include "common/job.h"
-
-struct mr_adamw {
-  double beta1, beta2, eps, weight_decay;
-};
-
-/* One AdamW update of n elements at optimizer step `step` (1-based):
- *   p -= lr * wd * p
- *   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
- *   p -= lr / (1 - b1^step) * m / (sqrt(v) / sqrt(1 - b2^step) + eps)
- * exactly torch.optim.AdamW (amsgrad off).  All arrays caller-owned. */
-void mr_adamw_update(const struct mr_adamw *o, int64_t step, double lr,
-                     float *p, const float *g, float *m, float *v, size_t n);
-
-/* Sum of squares of n elements, in double; NaN/inf propagate. */
-double mr_sum_squares(const float *x, size_t n);
-
-/* Multiplies n elements by s. */
-void mr_scale_n(float *x, size_t n, float s);
 
 /* The clip factor for a total gradient norm (torch: max_norm / (norm +
  * 1e-6), capped at 1); 1 when max_norm <= 0 (clipping off). */

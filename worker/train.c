@@ -16,6 +16,7 @@
 #include "common/model.h"
 #include "common/tokens.h"
 #include "common/tunable.h"
+#include "worker/backend/cpu/kernels.h"
 #include "worker/checkpoint.h"
 #include "worker/exec.h"
 #include "worker/grad_sync.h"
@@ -170,10 +171,11 @@ int mr_trainer_new_dp(const struct mr_job *job, int threads, struct mr_comm_grou
     mr_weights_init(&t->model, &t->exec, tc->seed);
   else
     MR_TRY_GOTO(rc, mr_weights_load(&t->model, &t->exec, tc->init), fail);
-  t->adamw.beta1 = tc->beta1;
-  t->adamw.beta2 = tc->beta2;
-  t->adamw.eps = tc->eps;
-  t->adamw.weight_decay = tc->weight_decay;
+  t->adamw = mr_adamw_defaults();
+  t->adamw.beta1 = (float)tc->beta1;
+  t->adamw.beta2 = (float)tc->beta2;
+  t->adamw.eps = (float)tc->eps;
+  t->adamw.weight_decay = (float)tc->weight_decay;
   double init_scale = job->strategy.init_loss_scaling > 0
                           ? job->strategy.init_loss_scaling : 1024.0;
   mr_loss_scaler_init(&t->scaler, amp == MR_AMP_ROUND_F16, init_scale,
@@ -310,8 +312,10 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
   double ss = 0;
   for (int i = 0; i < t->n_params; i++) {
     const struct mr_tensor *p = &g->tensors[t->params[i]];
-    ss += mr_sum_squares(mr_exec_buf(&t->exec, p->grad),
-                         (size_t)mr_tensor_numel(p));
+    double part;
+    MR_TRY(mr_cpu_sumsq(t->exec.cpu.pool, &part, mr_exec_buf(&t->exec, p->grad),
+                        (size_t)mr_tensor_numel(p)));
+    ss += part;
   }
   double scale = t->scaler.scale;
   r->loss_scale = scale;
@@ -324,17 +328,17 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
             "update skipped (%lld so far), scale now %g", (long long)step,
             scale, (long long)t->scaler.skipped, t->scaler.scale);
   } else {
-    float f = (float)(mr_clip_factor(r->grad_norm, tc->grad_clip) / scale);
+    struct mr_adamw h = t->adamw;
+    h.lr = (float)r->lr;
+    h.grad_scale = (float)(mr_clip_factor(r->grad_norm, tc->grad_clip) / scale);
     /* optimizer step counts only applied updates, as GradScaler's skip */
     int64_t opt_step = step - t->scaler.skipped;
     for (int i = 0; i < t->n_params; i++) {
       const struct mr_tensor *p = &g->tensors[t->params[i]];
-      float *gr = (float *)mr_exec_buf(&t->exec, p->grad) + t->shard_begin[i];
-      float *w = (float *)mr_exec_buf(&t->exec, t->params[i]) + t->shard_begin[i];
-      size_t n = (size_t)t->shard_len[i];
-      if (f != 1.0f)
-        mr_scale_n(gr, n, f);
-      mr_adamw_update(&t->adamw, opt_step, r->lr, w, gr, t->m[i], t->v[i], n);
+      MR_TRY(mr_cpu_adamw_step(t->exec.cpu.pool,
+                               (float *)mr_exec_buf(&t->exec, t->params[i]) + t->shard_begin[i],
+                               (float *)mr_exec_buf(&t->exec, p->grad) + t->shard_begin[i],
+                               t->m[i], t->v[i], (size_t)t->shard_len[i], &h, opt_step));
     }
     if (t->zero)
       MR_TRY(gather_params(t));

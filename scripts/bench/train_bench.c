@@ -135,12 +135,21 @@ int main(int argc, char **argv) {
   int64_t n = t->steps > 1 ? t->steps - 1 : 1;
   qsort(tps + (t->steps > 1), (size_t)n, sizeof *tps, cmp);
   double med = tps[(t->steps > 1) + n / 2];
-  double tokens = (double)(t->global_batch * t->seq_len);
+  /* model FLOPs per token, the formula the peer uses too: 6 x matmul
+   * parameters (+ attention scores and values, 12 L T C, full T x T) */
+  double C = (double)c->hidden_size, kvd = (double)(c->num_key_value_heads *
+                                                    (c->hidden_size / c->num_attention_heads));
+  double mm = c->family == MR_MODEL_GPT2
+                  ? (double)c->num_hidden_layers * (4 * C * C + 2 * C * (double)c->intermediate_size)
+                  : (double)c->num_hidden_layers * (2 * C * C + 2 * C * kvd +
+                                                     3 * C * (double)c->intermediate_size);
+  mm += C * (double)c->vocab_size;
+  double per_token = 6 * mm + 12.0 * (double)c->num_hidden_layers * (double)t->seq_len * C;
   printf("summary loss_first=%.4f loss_last=%.4f loss_last10=%.4f val_loss=%.4f "
          "tokens_per_s=%.1f gflops=%.2f skipped=%lld final_scale=%g "
          "peak_mib=%.1f\n",
          first, last, tail / (double)tail_n, val, med,
-         mr_trainer_step_flops(tr) / tokens * med / 1e9, (long long)skipped,
+         per_token * med / 1e9, (long long)skipped,
          scale, (double)peak / 1048576.0);
   if (profile) {
     struct mr_exec *x = mr_trainer_exec(tr);
