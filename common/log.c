@@ -41,8 +41,10 @@ void mr_log(enum mr_log_level level, const char *subsys, const char *fmt,
   if (!mr_log_enabled(level))
     return;
   char line[2048];
-  int n = snprintf(line, sizeof line, "[%s] %s %s: ", log_prefix,
-                   level_names[level], subsys);
+  /* an empty prefix: the launcher adds `[rank N]` to our output itself */
+  int n = log_prefix[0] != '\0'
+              ? snprintf(line, sizeof line, "[%s] %s %s: ", log_prefix, level_names[level], subsys)
+              : snprintf(line, sizeof line, "%s %s: ", level_names[level], subsys);
   if (n < 0)
     return;
   va_list ap;

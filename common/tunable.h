@@ -34,8 +34,30 @@
      "length of one self-check step, ms")                                    \
   XX(SELFCHECK_STEPS, "MESHRUN_SELFCHECK_STEPS", "5",                        \
      "steps of the self-check job")                                          \
+  XX(PREEMPT_GRACE_MS, "MESHRUN_PREEMPT_GRACE_MS", "4000",                   \
+     "after SIGTERM, time to write a checkpoint before stopping anyway, ms") \
+  XX(TEST_CKPT_DELAY_MS, "MESHRUN_TEST_CKPT_DELAY_MS", "0",                  \
+     "test hook: pause a checkpoint write half way, ms")                     \
+  XX(TEST_STALL, "MESHRUN_TEST_STALL", "",                                  \
+     "test hook: \"RANK:STEP\" stalls that rank at that step")             \
   XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \
-     "lines of a failed rank's log shown on exit")
+     "lines of a failed rank's log shown on exit")                           \
+  XX(LOSS_SCALE_GROWTH, "MESHRUN_LOSS_SCALE_GROWTH_INTERVAL", "2000",        \
+     "fp16: clean steps before the loss scale doubles")                      \
+  XX(INJECT_OVERFLOW_STEP, "MESHRUN_INJECT_OVERFLOW_STEP", "0",              \
+     "testing: make step N's gradients overflow (1-based; 0: never)")         \
+  XX(COMM_TIMEOUT_MS, "MESHRUN_COMM_TIMEOUT_MS", "300000",                   \
+     "time a collective may take before it fails naming the late ranks, ms") \
+  XX(COMM_TRANSPORT, "MESHRUN_COMM_TRANSPORT", "auto",                       \
+     "CPU comm transport: auto (shm within a host, else tcp), shm, tcp")     \
+  XX(COMM_ADDR, "MESHRUN_COMM_ADDR", "",                                     \
+     "IPv4 address peers use to reach this rank (default: the host's)")     \
+  XX(COMM_SHM_CHUNK_BYTES, "MESHRUN_COMM_SHM_CHUNK_BYTES", "262144",         \
+     "shm staging buffer per rank (two of them), bytes")                     \
+  XX(COMM_SHM_SMALL_BYTES, "MESHRUN_COMM_SHM_SMALL_BYTES", "16384",          \
+     "shm AllReduce up to this size: every rank reduces all, one sync")      \
+  XX(COMM_SHM_HEAP_BYTES, "MESHRUN_COMM_SHM_HEAP_BYTES", "0",                \
+     "peer-readable memory per rank per shm group for mem_alloc, bytes")
 
 enum mr_tunable_id {
 #define XX(id, env, def, desc) MR_TUNABLE_##id,

@@ -36,7 +36,13 @@ struct mr_reporter {
   /* Nonzero once (and each time) the coordinator asked for a checkpoint;
    * reading it clears it. */
   int (*checkpoint_requested)(void *ctx);
+  /* This rank's files of the checkpoint of `step` are durable: n names
+   * (relative to the step's folder) with their SHA-256 in hex. */
+  void (*checkpoint_written)(void *ctx, int64_t step, const char *const *files,
+                             const char *const *sha256, int n);
 };
+
+struct mr_comm_group;
 
 /* Where a job runs: given to the job by the worker runtime. */
 struct mr_run_env {
@@ -48,6 +54,8 @@ struct mr_run_env {
   const char *metrics_path;     // JSON lines, one per step; NULL: none
   const char *weights_out;      // final weights (safetensors); NULL: none
   struct mr_reporter *reporter; // never NULL
+  struct mr_comm_group *dp_group; // data-parallel group; NULL: one rank
+  const char *resume_dir;       // checkpoint folder to start from; NULL: none
 };
 
 #endif

@@ -1,0 +1,218 @@
+/* ckpt.c - checkpoint folders, completion markers, verification. */
+#include "common/ckpt.h"
+
+#include <cjson/cJSON.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/error.h"
+#include "common/jsonv.h"
+#include "common/log.h"
+
+void mr_ckpt_step_dir(const char *root, int64_t step, char *buf, size_t n) {
+  snprintf(buf, n, "%s/step-%08" PRId64, root, step);
+}
+
+int mr_sha256_file(const char *path, char hex[65]) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return mr_error_set(mr_from_errno(errno), "%s: %s", path, strerror(errno));
+  crypto_hash_sha256_state st;
+  crypto_hash_sha256_init(&st);
+  static _Thread_local uint8_t buf[1 << 20];
+  ssize_t r;
+  while ((r = read(fd, buf, sizeof buf)) > 0)
+    crypto_hash_sha256_update(&st, buf, (unsigned long long)r);
+  int err = r < 0 ? errno : 0;
+  close(fd);
+  if (err != 0)
+    return mr_error_set(MR_EIO, "%s: %s", path, strerror(err));
+  uint8_t d[crypto_hash_sha256_BYTES];
+  crypto_hash_sha256_final(&st, d);
+  sodium_bin2hex(hex, 65, d, sizeof d);
+  return 0;
+}
+
+static int fsync_path(const char *path, int flags) {
+  int fd = open(path, flags | O_CLOEXEC);
+  if (fd < 0)
+    return mr_error_set(MR_EIO, "%s: %s", path, strerror(errno));
+  int rc = fsync(fd);
+  close(fd);
+  return rc == 0 ? 0 : mr_error_set(MR_EIO, "fsync %s: %s", path, strerror(errno));
+}
+
+int mr_ckpt_write_marker(const char *dir, int64_t step, const char *const *files,
+                         const char *const *sha256, int n) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "step", (double)step);
+  cJSON *arr = cJSON_AddArrayToObject(o, "files");
+  for (int i = 0; i < n; i++) {
+    cJSON *f = cJSON_CreateObject();
+    cJSON_AddStringToObject(f, "name", files[i]);
+    cJSON_AddStringToObject(f, "sha256", sha256[i]);
+    cJSON_AddItemToArray(arr, f);
+  }
+  char *text = cJSON_Print(o);
+  cJSON_Delete(o);
+  if (text == NULL)
+    return MR_ENOMEM;
+  char tmp[4200], final[4200];
+  snprintf(tmp, sizeof tmp, "%s/.%s.tmp", dir, MR_CKPT_MARKER);
+  snprintf(final, sizeof final, "%s/%s", dir, MR_CKPT_MARKER);
+  FILE *f = fopen(tmp, "w");
+  int rc = 0;
+  if (f == NULL) {
+    rc = mr_error_set(MR_EIO, "%s: %s", tmp, strerror(errno));
+  } else {
+    size_t len = strlen(text);
+    if (fwrite(text, 1, len, f) != len || fflush(f) != 0 || fsync(fileno(f)) != 0)
+      rc = mr_error_set(MR_EIO, "%s: %s", tmp, strerror(errno));
+    fclose(f);
+  }
+  free(text);
+  if (rc == 0 && rename(tmp, final) != 0)
+    rc = mr_error_set(MR_EIO, "rename %s: %s", final, strerror(errno));
+  if (rc == 0)
+    rc = fsync_path(dir, O_RDONLY | O_DIRECTORY);
+  return rc;
+}
+
+int mr_ckpt_verify(const char *dir, int64_t *step) {
+  char path[4200];
+  snprintf(path, sizeof path, "%s/%s", dir, MR_CKPT_MARKER);
+  if (access(path, F_OK) != 0)
+    return mr_error_set(MR_ENOENT, "%s: no completion marker (an interrupted save)", dir);
+  cJSON *o;
+  if (mr_json_load(path, &o) < 0)
+    return mr_error_set(MR_EFORMAT, "%s", mr_error_message());
+  int rc = 0;
+  const cJSON *st = cJSON_GetObjectItemCaseSensitive(o, "step");
+  const cJSON *files = cJSON_GetObjectItemCaseSensitive(o, "files");
+  if (!cJSON_IsNumber(st) || !cJSON_IsArray(files)) {
+    rc = mr_error_set(MR_EFORMAT, "%s: expected {step, files}", path);
+    goto out;
+  }
+  const cJSON *f;
+  cJSON_ArrayForEach(f, files) {
+    const cJSON *name = cJSON_GetObjectItemCaseSensitive(f, "name");
+    const cJSON *sha = cJSON_GetObjectItemCaseSensitive(f, "sha256");
+    if (!cJSON_IsString(name) || !cJSON_IsString(sha) || strchr(name->valuestring, '/')) {
+      rc = mr_error_set(MR_EFORMAT, "%s: a file entry lacks a plain name or sha256", path);
+      goto out;
+    }
+    char fp[4300], hex[65];
+    snprintf(fp, sizeof fp, "%s/%s", dir, name->valuestring);
+    if (mr_sha256_file(fp, hex) < 0) {
+      rc = mr_error_set(MR_EFORMAT, "%s: missing or unreadable", fp);
+      goto out;
+    }
+    if (strcmp(hex, sha->valuestring) != 0) {
+      rc = mr_error_set(MR_EFORMAT, "%s: checksum mismatch (the file is corrupt)", fp);
+      goto out;
+    }
+  }
+  if (step != NULL)
+    *step = (int64_t)st->valuedouble;
+out:
+  cJSON_Delete(o);
+  return rc;
+}
+
+/* Steps of the step-* folders under root, newest first. */
+static int list_steps(const char *root, int64_t **out) {
+  DIR *d = opendir(root);
+  if (d == NULL)
+    return 0;
+  int n = 0, cap = 16;
+  int64_t *steps = malloc((size_t)cap * sizeof *steps);
+  struct dirent *e;
+  while (steps != NULL && (e = readdir(d)) != NULL) {
+    char *end;
+    if (strncmp(e->d_name, "step-", 5) != 0)
+      continue;
+    long long s = strtoll(e->d_name + 5, &end, 10);
+    if (*end != '\0' || s < 0)
+      continue;
+    if (n == cap) {
+      int64_t *ns = realloc(steps, (size_t)(cap *= 2) * sizeof *steps);
+      if (ns == NULL)
+        break;
+      steps = ns;
+    }
+    steps[n++] = s;
+  }
+  closedir(d);
+  for (int i = 1; i < n; i++) /* insertion sort, descending */
+    for (int j = i; j > 0 && steps[j] > steps[j - 1]; j--) {
+      int64_t t = steps[j];
+      steps[j] = steps[j - 1];
+      steps[j - 1] = t;
+    }
+  *out = steps;
+  return steps != NULL ? n : 0;
+}
+
+int mr_ckpt_find_latest(const char *root, char *dir_out, size_t n, int64_t *step) {
+  int64_t *steps = NULL;
+  int count = list_steps(root, &steps);
+  int found = 0;
+  for (int i = 0; i < count && !found; i++) {
+    char dir[4096];
+    mr_ckpt_step_dir(root, steps[i], dir, sizeof dir);
+    int64_t s;
+    int rc = mr_ckpt_verify(dir, &s);
+    if (rc == 0) {
+      snprintf(dir_out, n, "%s", dir);
+      *step = s;
+      found = 1;
+    } else {
+      MR_WARN("ckpt", "skipping checkpoint %s: %s", dir, mr_error_message());
+    }
+  }
+  free(steps);
+  return found;
+}
+
+static void remove_tree(const char *dir) {
+  DIR *d = opendir(dir);
+  struct dirent *e;
+  while (d != NULL && (e = readdir(d)) != NULL) {
+    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+      continue;
+    char p[4400];
+    snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+    unlink(p);
+  }
+  if (d != NULL)
+    closedir(d);
+  rmdir(dir);
+}
+
+int mr_ckpt_prune(const char *root, int keep_last) {
+  int64_t *steps = NULL;
+  int count = list_steps(root, &steps);
+  int complete = 0, removed = 0;
+  for (int i = 0; i < count; i++) {
+    char dir[4096], marker[4200];
+    mr_ckpt_step_dir(root, steps[i], dir, sizeof dir);
+    snprintf(marker, sizeof marker, "%s/%s", dir, MR_CKPT_MARKER);
+    int has_marker = access(marker, F_OK) == 0;
+    if (has_marker)
+      complete++;
+    if ((has_marker && complete > keep_last) || (!has_marker && complete > 0)) {
+      remove_tree(dir);
+      removed++;
+    }
+  }
+  free(steps);
+  return removed;
+}

@@ -1,0 +1,459 @@
+/* job.c - the job file: parse, validate as a whole, resolve paths. */
+#include "common/job.h"
+
+#include <cjson/cJSON.h>
+#include <limits.h>
+#include <regex.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "common/jsonv.h"
+
+#define BIG ((int64_t)1 << 40)
+
+static char *resolve(const char *dir, const char *path) {
+  if (path[0] == '/' || dir == NULL || dir[0] == '\0')
+    return strdup(path);
+  size_t n = strlen(dir) + strlen(path) + 2;
+  char *out = malloc(n);
+  if (out != NULL)
+    snprintf(out, n, "%s/%s", dir, path);
+  return out;
+}
+
+static char *dir_of(const char *path) {
+  const char *slash = strrchr(path, '/');
+  if (slash == NULL)
+    return strdup(".");
+  if (slash == path)
+    return strdup("/");
+  return strndup(path, (size_t)(slash - path));
+}
+
+/* Shard(d) with d a small non-negative integer, Replicate(), Partial(op). */
+static int placement_ok(const char *s) {
+  int d, n = -1;
+  if (sscanf(s, "Shard(%d)%n", &d, &n) == 1 && n == (int)strlen(s) && d >= 0 && d < 8)
+    return 1;
+  return strcmp(s, "Replicate()") == 0 || strcmp(s, "Partial(sum)") == 0 ||
+         strcmp(s, "Partial(avg)") == 0 || strcmp(s, "Partial(max)") == 0 ||
+         strcmp(s, "Partial()") == 0;
+}
+
+static void parse_train(struct mr_jv *jv, const cJSON *t, struct mr_job *job) {
+  static const char *const keys[] = {
+      "steps", "global_batch", "seq_len", "lr", "schedule", "warmup_steps",
+      "min_lr", "weight_decay", "betas", "eps", "grad_clip", "seed", "init",
+      "eval_interval_steps", "eval_batches", "log_interval_steps", NULL};
+  static const char *const schedules[] = {"constant", "cosine", NULL};
+  struct mr_train_config *c = &job->train;
+  const char *p = "train";
+  mr_jv_only_keys(jv, t, p, keys);
+  mr_jv_int(jv, t, p, "steps", 1, BIG, &c->steps);
+  mr_jv_int(jv, t, p, "global_batch", 1, BIG, &c->global_batch);
+  mr_jv_int(jv, t, p, "seq_len", 1, BIG, &c->seq_len);
+  mr_jv_num(jv, t, p, "lr", 0, 1e3, &c->lr);
+  int sched = (int)c->schedule;
+  if (mr_jv_enum(jv, t, p, "schedule", schedules, &sched) == 1)
+    c->schedule = (enum mr_schedule)sched;
+  mr_jv_int(jv, t, p, "warmup_steps", 0, BIG, &c->warmup_steps);
+  mr_jv_num(jv, t, p, "min_lr", 0, 1e3, &c->min_lr);
+  mr_jv_num(jv, t, p, "weight_decay", 0, 1e3, &c->weight_decay);
+  const cJSON *betas = cJSON_GetObjectItemCaseSensitive(t, "betas");
+  if (betas != NULL) {
+    if (!cJSON_IsArray(betas) || cJSON_GetArraySize(betas) != 2 ||
+        !cJSON_IsNumber(cJSON_GetArrayItem(betas, 0)) ||
+        !cJSON_IsNumber(cJSON_GetArrayItem(betas, 1))) {
+      mr_jv_error(jv, p, "betas", "expected two numbers [beta1, beta2]");
+    } else {
+      c->beta1 = cJSON_GetArrayItem(betas, 0)->valuedouble;
+      c->beta2 = cJSON_GetArrayItem(betas, 1)->valuedouble;
+      if (!(c->beta1 >= 0 && c->beta1 < 1 && c->beta2 >= 0 && c->beta2 < 1))
+        mr_jv_error(jv, p, "betas", "expected each in [0, 1), got [%g, %g]",
+                    c->beta1, c->beta2);
+    }
+  }
+  mr_jv_num(jv, t, p, "eps", 0, 1, &c->eps);
+  mr_jv_num(jv, t, p, "grad_clip", 0, 1e9, &c->grad_clip);
+  int64_t seed = (int64_t)c->seed;
+  if (mr_jv_int(jv, t, p, "seed", 0, ((int64_t)1 << 53), &seed) == 1)
+    c->seed = (uint64_t)seed;
+  const char *init = NULL;
+  if (mr_jv_str(jv, t, p, "init", &init) == 1 && strcmp(init, "random") != 0) {
+    free(c->init);
+    c->init = resolve(job->dir, init);
+  }
+  mr_jv_int(jv, t, p, "eval_interval_steps", 0, BIG, &c->eval_interval_steps);
+  mr_jv_int(jv, t, p, "eval_batches", 1, BIG, &c->eval_batches);
+  mr_jv_int(jv, t, p, "log_interval_steps", 1, BIG, &c->log_interval_steps);
+  if (c->warmup_steps > c->steps)
+    mr_jv_error(jv, p, "warmup_steps", "expected at most train.steps (%lld), got %lld",
+                (long long)c->steps, (long long)c->warmup_steps);
+  if (c->min_lr > c->lr)
+    mr_jv_error(jv, p, "min_lr", "expected at most train.lr (%g), got %g", c->lr,
+                c->min_lr);
+}
+
+static void parse_degree(struct mr_jv *jv, const cJSON *s, const char *key,
+                         const char *const *extra, int *degree,
+                         const cJSON **obj_out) {
+  const cJSON *o = NULL;
+  char path[64];
+  snprintf(path, sizeof path, "strategy.%s", key);
+  if (mr_jv_obj(jv, s, "strategy", key, &o) != 1)
+    return;
+  const char *keys[8] = {"degree"};
+  int n = 1;
+  for (int i = 0; extra != NULL && extra[i] != NULL && n < 7; i++)
+    keys[n++] = extra[i];
+  keys[n] = NULL;
+  mr_jv_only_keys(jv, o, path, keys);
+  int64_t d;
+  if (mr_jv_int(jv, o, path, "degree", 1, 1 << 20, &d) == 1)
+    *degree = (int)d;
+  if (obj_out != NULL)
+    *obj_out = o;
+}
+
+static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_hint *h) {
+  static const char *const keys[] = {
+      "auto_mode", "data_parallel", "tensor_parallel", "pipeline_parallel",
+      "sequence_parallel", "sharding", "recompute", "amp",
+      "gradient_accumulation_steps", NULL};
+  static const char *const modes[] = {"full", "semi", "manual", NULL};
+  static const char *const pp_keys[] = {"schedule", "micro_batches", "virtual_stages", NULL};
+  static const char *const pp_schedules[] = {"1f1b", "gpipe", "interleaved", NULL};
+  static const char *const grans[] = {"full", "selective", NULL};
+  static const char *const amps[] = {"fp32", "bf16", "fp16", NULL};
+  mr_jv_only_keys(jv, s, "strategy", keys);
+  int mode = (int)h->auto_mode;
+  if (mr_jv_enum(jv, s, "strategy", "auto_mode", modes, &mode) == 1)
+    h->auto_mode = (enum mr_auto_mode)mode;
+  parse_degree(jv, s, "data_parallel", NULL, &h->dp, NULL);
+  parse_degree(jv, s, "tensor_parallel", NULL, &h->tp, NULL);
+  const cJSON *pp = NULL;
+  parse_degree(jv, s, "pipeline_parallel", pp_keys, &h->pp, &pp);
+  if (pp != NULL) {
+    const char *path = "strategy.pipeline_parallel";
+    int sched = 0;
+    if (mr_jv_enum(jv, pp, path, "schedule", pp_schedules, &sched) == 1) {
+      h->pp_schedule = (enum mr_pp_schedule)sched;
+      h->pp_schedule_set = 1;
+    }
+    int64_t v;
+    if (mr_jv_int(jv, pp, path, "micro_batches", 1, 1 << 20, &v) == 1)
+      h->micro_batches = (int)v;
+    if (mr_jv_int(jv, pp, path, "virtual_stages", 1, 1024, &v) == 1)
+      h->virtual_stages = (int)v;
+    if (h->virtual_stages > 1 && h->pp_schedule_set &&
+        h->pp_schedule != MR_PP_INTERLEAVED)
+      mr_jv_error(jv, path, "virtual_stages",
+                  "more than one virtual stage needs schedule \"interleaved\", got \"%s\"",
+                  pp_schedules[h->pp_schedule]);
+    if (h->pp_schedule_set && h->pp_schedule == MR_PP_INTERLEAVED && h->pp == 1)
+      mr_jv_error(jv, path, "schedule",
+                  "\"interleaved\" needs a pipeline degree of at least 2, got 1");
+  }
+  const cJSON *o = NULL;
+  if (mr_jv_obj(jv, s, "strategy", "sequence_parallel", &o) == 1) {
+    static const char *const k[] = {"enable", NULL};
+    mr_jv_only_keys(jv, o, "strategy.sequence_parallel", k);
+    mr_jv_bool(jv, o, "strategy.sequence_parallel", "enable", &h->sequence_parallel);
+    if (h->sequence_parallel == 1 && h->tp == 1)
+      mr_jv_error(jv, "strategy.sequence_parallel", "enable",
+                  "sequence parallelism shards along the tensor-parallel group; "
+                  "it needs tensor_parallel.degree > 1, got 1");
+  }
+  if (mr_jv_obj(jv, s, "strategy", "sharding", &o) == 1) {
+    static const char *const k[] = {"stage", "offload", NULL};
+    mr_jv_only_keys(jv, o, "strategy.sharding", k);
+    int64_t st;
+    if (mr_jv_int(jv, o, "strategy.sharding", "stage", 0, 3, &st) == 1)
+      h->zero_stage = (int)st;
+    mr_jv_bool(jv, o, "strategy.sharding", "offload", &h->offload);
+    if (h->offload == 1 && h->zero_stage == 0)
+      mr_jv_error(jv, "strategy.sharding", "offload",
+                  "offload moves sharded optimizer states: it needs stage >= 1, got 0");
+  }
+  if (mr_jv_obj(jv, s, "strategy", "recompute", &o) == 1) {
+    static const char *const k[] = {"enable", "granularity", "checkpoint_every_n_layers", NULL};
+    mr_jv_only_keys(jv, o, "strategy.recompute", k);
+    mr_jv_bool(jv, o, "strategy.recompute", "enable", &h->recompute);
+    int g = 0;
+    if (mr_jv_enum(jv, o, "strategy.recompute", "granularity", grans, &g) == 1)
+      h->recompute_granularity = (enum mr_recompute_granularity)g;
+    int64_t n;
+    if (mr_jv_int(jv, o, "strategy.recompute", "checkpoint_every_n_layers", 1, 100000, &n) == 1)
+      h->recompute_every_n_layers = (int)n;
+  }
+  if (mr_jv_obj(jv, s, "strategy", "amp", &o) == 1) {
+    static const char *const k[] = {"dtype", "init_loss_scaling", NULL};
+    mr_jv_only_keys(jv, o, "strategy.amp", k);
+    int a = 0;
+    if (mr_jv_enum(jv, o, "strategy.amp", "dtype", amps, &a) == 1)
+      h->amp_dtype = (enum mr_amp_dtype)a;
+    mr_jv_num(jv, o, "strategy.amp", "init_loss_scaling", 1, 1e30, &h->init_loss_scaling);
+  }
+  int64_t ga;
+  if (mr_jv_int(jv, s, "strategy", "gradient_accumulation_steps", 1, 1 << 20, &ga) == 1)
+    h->grad_accum_steps = (int)ga;
+}
+
+static void parse_shard_rules(struct mr_jv *jv, const cJSON *arr, struct mr_job *job) {
+  if (!cJSON_IsArray(arr)) {
+    mr_jv_error(jv, "", "shard_rules", "expected an array of {match, placements}");
+    return;
+  }
+  int n = cJSON_GetArraySize(arr);
+  job->shard_rules = calloc((size_t)(n > 0 ? n : 1), sizeof *job->shard_rules);
+  if (job->shard_rules == NULL)
+    return;
+  for (int i = 0; i < n; i++) {
+    const cJSON *r = cJSON_GetArrayItem(arr, i);
+    char path[64];
+    snprintf(path, sizeof path, "shard_rules[%d]", i);
+    if (!cJSON_IsObject(r)) {
+      mr_jv_error(jv, path, NULL, "expected an object {match, placements}");
+      continue;
+    }
+    static const char *const keys[] = {"match", "placements", NULL};
+    mr_jv_only_keys(jv, r, path, keys);
+    struct mr_shard_rule *rule = &job->shard_rules[job->n_shard_rules++];
+    const char *match = NULL;
+    if (mr_jv_str(jv, r, path, "match", &match) == 1) {
+      regex_t re;
+      int rc = regcomp(&re, match, REG_EXTENDED | REG_NOSUB);
+      if (rc != 0) {
+        char msg[128];
+        regerror(rc, &re, msg, sizeof msg);
+        mr_jv_error(jv, path, "match", "expected a POSIX extended regex: %s", msg);
+      } else {
+        regfree(&re);
+      }
+      rule->match = strdup(match);
+    } else if (cJSON_GetObjectItemCaseSensitive(r, "match") == NULL) {
+      mr_jv_error(jv, path, "match", "missing (a regex on parameter names)");
+    }
+    const cJSON *pl = NULL;
+    if (mr_jv_obj(jv, r, path, "placements", &pl) != 1) {
+      if (cJSON_GetObjectItemCaseSensitive(r, "placements") == NULL)
+        mr_jv_error(jv, path, "placements", "missing (mesh dim -> placement)");
+      continue;
+    }
+    int np = cJSON_GetArraySize(pl);
+    rule->placements = calloc((size_t)(np > 0 ? np : 1), sizeof *rule->placements);
+    if (rule->placements == NULL)
+      continue;
+    char ppath[96];
+    snprintf(ppath, sizeof ppath, "%s.placements", path);
+    const cJSON *it;
+    cJSON_ArrayForEach(it, pl) {
+      if (!cJSON_IsString(it) || !placement_ok(it->valuestring)) {
+        char shown[96];
+        mr_jv_error(jv, ppath, it->string,
+                    "expected \"Shard(d)\", \"Replicate()\" or \"Partial(sum|avg|max)\", got %s",
+                    mr_jv_show(it, shown, sizeof shown));
+        continue;
+      }
+      struct mr_shard_rule_placement *p = &rule->placements[rule->n_placements++];
+      p->mesh_dim = strdup(it->string);
+      p->placement = strdup(it->valuestring);
+    }
+  }
+}
+
+static void set_defaults(struct mr_job *job) {
+  struct mr_train_config *t = &job->train;
+  t->steps = 200;
+  t->global_batch = 8;
+  t->seq_len = 256;
+  t->lr = 1e-3;
+  t->schedule = MR_SCHEDULE_CONSTANT;
+  t->weight_decay = 0.01;
+  t->beta1 = 0.9;
+  t->beta2 = 0.999;
+  t->eps = 1e-8;
+  t->grad_clip = 1.0;
+  t->eval_interval_steps = 0;
+  t->eval_batches = 4;
+  t->log_interval_steps = 1;
+  struct mr_strategy_hint *s = &job->strategy;
+  s->auto_mode = MR_AUTO_FULL;
+  s->sequence_parallel = -1;
+  s->zero_stage = -1;
+  s->offload = -1;
+  s->recompute = -1;
+  s->recompute_granularity = MR_RECOMPUTE_FULL;
+  s->amp_dtype = MR_AMP_FP32;
+  s->init_loss_scaling = 1024;
+  job->checkpoint.keep_last = 3;
+}
+
+static cJSON *job_to_json(const struct mr_job *job, const cJSON *src) {
+  cJSON *out = cJSON_Duplicate(src, 1);
+  if (out == NULL)
+    return NULL;
+  char *model = mr_model_config_to_json(&job->model);
+  cJSON_DeleteItemFromObjectCaseSensitive(out, "model");
+  cJSON_AddItemToObject(out, "model", model ? cJSON_Parse(model) : cJSON_CreateNull());
+  free(model);
+  cJSON *data = cJSON_GetObjectItemCaseSensitive(out, "data");
+  cJSON_DeleteItemFromObjectCaseSensitive(data, "train");
+  cJSON_AddStringToObject(data, "train", job->data_train);
+  if (job->data_val != NULL) {
+    cJSON_DeleteItemFromObjectCaseSensitive(data, "val");
+    cJSON_AddStringToObject(data, "val", job->data_val);
+  }
+  cJSON *train = cJSON_GetObjectItemCaseSensitive(out, "train");
+  if (train != NULL && job->train.init != NULL) {
+    cJSON_DeleteItemFromObjectCaseSensitive(train, "init");
+    cJSON_AddStringToObject(train, "init", job->train.init);
+  }
+  cJSON *ck = cJSON_GetObjectItemCaseSensitive(out, "checkpoint");
+  if (ck != NULL && job->checkpoint.dir != NULL) {
+    cJSON_DeleteItemFromObjectCaseSensitive(ck, "dir");
+    cJSON_AddStringToObject(ck, "dir", job->checkpoint.dir);
+  }
+  if (job->cluster != NULL) {
+    cJSON_DeleteItemFromObjectCaseSensitive(out, "cluster");
+    cJSON_AddStringToObject(out, "cluster", job->cluster);
+  }
+  return out;
+}
+
+int mr_job_parse(const char *text, const char *name, const char *dir,
+                 struct mr_job *job) {
+  memset(job, 0, sizeof *job);
+  job->path = strdup(name);
+  job->dir = strdup(dir != NULL ? dir : ".");
+  set_defaults(job);
+  cJSON *root;
+  int rc = mr_json_parse(text, name, &root);
+  if (rc < 0) {
+    mr_job_close(job);
+    return rc;
+  }
+  struct mr_jv jv;
+  mr_jv_init(&jv, name);
+  if (!cJSON_IsObject(root)) {
+    mr_jv_error(&jv, "", NULL, "expected a JSON object with at least model and data");
+    goto done;
+  }
+  static const char *const keys[] = {"model", "data", "train", "strategy",
+                                     "shard_rules", "checkpoint", "cluster", NULL};
+  mr_jv_only_keys(&jv, root, "", keys);
+
+  const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+  if (model == NULL) {
+    mr_jv_error(&jv, "", "model", "missing (a Hugging Face config.json path, or the object)");
+  } else if (cJSON_IsString(model)) {
+    job->model_path = resolve(job->dir, model->valuestring);
+    if (mr_model_config_load(job->model_path, &job->model) < 0)
+      mr_jv_error(&jv, "", "model", "%s", mr_error_message());
+  } else if (cJSON_IsObject(model)) {
+    char where[512];
+    snprintf(where, sizeof where, "%s: model", name);
+    if (mr_model_config_parse(model, where, &job->model) < 0)
+      mr_jv_error(&jv, "", "model", "%s", mr_error_message());
+  } else {
+    char shown[96];
+    mr_jv_error(&jv, "", "model", "expected a path or an object, got %s",
+                mr_jv_show(model, shown, sizeof shown));
+  }
+
+  const cJSON *data = NULL;
+  if (mr_jv_obj(&jv, root, "", "data", &data) == 1) {
+    static const char *const dkeys[] = {"train", "val", NULL};
+    mr_jv_only_keys(&jv, data, "data", dkeys);
+    const char *s = NULL;
+    if (mr_jv_str(&jv, data, "data", "train", &s) == 1)
+      job->data_train = resolve(job->dir, s);
+    else if (cJSON_GetObjectItemCaseSensitive(data, "train") == NULL)
+      mr_jv_error(&jv, "data", "train", "missing (a token file)");
+    if (mr_jv_str(&jv, data, "data", "val", &s) == 1)
+      job->data_val = resolve(job->dir, s);
+  } else if (cJSON_GetObjectItemCaseSensitive(root, "data") == NULL) {
+    mr_jv_error(&jv, "", "data", "missing (an object with train and optional val)");
+  }
+
+  const cJSON *o = NULL;
+  if (mr_jv_obj(&jv, root, "", "train", &o) == 1)
+    parse_train(&jv, o, job);
+  if (mr_jv_obj(&jv, root, "", "strategy", &o) == 1)
+    parse_strategy(&jv, o, &job->strategy);
+  const cJSON *rules = cJSON_GetObjectItemCaseSensitive(root, "shard_rules");
+  if (rules != NULL)
+    parse_shard_rules(&jv, rules, job);
+  if (mr_jv_obj(&jv, root, "", "checkpoint", &o) == 1) {
+    static const char *const ckeys[] = {"dir", "save_interval_steps", "keep_last", NULL};
+    mr_jv_only_keys(&jv, o, "checkpoint", ckeys);
+    const char *s = NULL;
+    if (mr_jv_str(&jv, o, "checkpoint", "dir", &s) == 1)
+      job->checkpoint.dir = resolve(job->dir, s);
+    mr_jv_int(&jv, o, "checkpoint", "save_interval_steps", 0, BIG,
+              &job->checkpoint.save_interval_steps);
+    mr_jv_int(&jv, o, "checkpoint", "keep_last", 1, 1000000, &job->checkpoint.keep_last);
+  }
+  const char *cluster = NULL;
+  if (mr_jv_str(&jv, root, "", "cluster", &cluster) == 1)
+    job->cluster = resolve(job->dir, cluster);
+
+  if (jv.n_errors == 0 && job->model.family == MR_MODEL_GPT2 &&
+      job->train.seq_len > job->model.max_position_embeddings)
+    mr_jv_error(&jv, "train", "seq_len",
+                "expected at most the model's n_positions (%lld), got %lld",
+                (long long)job->model.max_position_embeddings,
+                (long long)job->train.seq_len);
+  if (jv.n_errors == 0) {
+    cJSON *canon = job_to_json(job, root);
+    job->text = canon ? cJSON_PrintUnformatted(canon) : NULL;
+    cJSON_Delete(canon);
+    if (job->text == NULL)
+      mr_jv_error(&jv, "", NULL, "out of memory");
+  }
+done:
+  cJSON_Delete(root);
+  rc = 0;
+  if (jv.n_errors > 0) {
+    rc = mr_error_set(MR_EJOB, "%s", jv.errors);
+    mr_job_close(job);
+  }
+  mr_jv_close(&jv);
+  return rc;
+}
+
+int mr_job_load(const char *path, struct mr_job *job) {
+  memset(job, 0, sizeof *job);
+  char *text;
+  MR_TRY(mr_read_file(path, &text, NULL));
+  char *dir = dir_of(path);
+  int rc = mr_job_parse(text, path, dir, job);
+  free(dir);
+  free(text);
+  return rc;
+}
+
+void mr_job_close(struct mr_job *job) {
+  free(job->path);
+  free(job->dir);
+  free(job->model_path);
+  free(job->data_train);
+  free(job->data_val);
+  free(job->train.init);
+  for (int i = 0; i < job->n_shard_rules; i++) {
+    struct mr_shard_rule *r = &job->shard_rules[i];
+    for (int j = 0; j < r->n_placements; j++) {
+      free(r->placements[j].mesh_dim);
+      free(r->placements[j].placement);
+    }
+    free(r->placements);
+    free(r->match);
+  }
+  free(job->shard_rules);
+  free(job->checkpoint.dir);
+  free(job->cluster);
+  free(job->text);
+  memset(job, 0, sizeof *job);
+}

@@ -1,0 +1,230 @@
+/* model_config.c - Hugging Face config.json for LLaMA and GPT-2. */
+#include "common/model_config.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "common/jsonv.h"
+
+#define BIG ((int64_t)1 << 40)
+
+static int detect_family(struct mr_jv *jv, const cJSON *obj,
+                         enum mr_model_family *family) {
+  const cJSON *arch = cJSON_GetObjectItemCaseSensitive(obj, "architectures");
+  const cJSON *type = cJSON_GetObjectItemCaseSensitive(obj, "model_type");
+  if (cJSON_IsArray(arch) && cJSON_GetArraySize(arch) > 0) {
+    const cJSON *a0 = cJSON_GetArrayItem(arch, 0);
+    if (cJSON_IsString(a0)) {
+      if (strcmp(a0->valuestring, "LlamaForCausalLM") == 0) {
+        *family = MR_MODEL_LLAMA;
+        return 0;
+      }
+      if (strcmp(a0->valuestring, "GPT2LMHeadModel") == 0) {
+        *family = MR_MODEL_GPT2;
+        return 0;
+      }
+      mr_jv_error(jv, "", "architectures",
+                  "expected \"LlamaForCausalLM\" or \"GPT2LMHeadModel\", got \"%s\"",
+                  a0->valuestring);
+      return -1;
+    }
+  }
+  if (cJSON_IsString(type)) {
+    if (strcmp(type->valuestring, "llama") == 0) {
+      *family = MR_MODEL_LLAMA;
+      return 0;
+    }
+    if (strcmp(type->valuestring, "gpt2") == 0) {
+      *family = MR_MODEL_GPT2;
+      return 0;
+    }
+  }
+  mr_jv_error(jv, "", "model_type",
+              "expected \"llama\" or \"gpt2\" (or architectures "
+              "[\"LlamaForCausalLM\"] / [\"GPT2LMHeadModel\"])");
+  return -1;
+}
+
+static void expect_string(struct mr_jv *jv, const cJSON *obj, const char *key,
+                          const char *want) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+  if (v == NULL || cJSON_IsNull(v))
+    return;
+  if (!cJSON_IsString(v) || strcmp(v->valuestring, want) != 0) {
+    char shown[96];
+    mr_jv_error(jv, "", key, "only \"%s\" is supported, got %s", want,
+                mr_jv_show(v, shown, sizeof shown));
+  }
+}
+
+static void expect_absent(struct mr_jv *jv, const cJSON *obj, const char *key,
+                          const char *why) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+  if (v != NULL && !cJSON_IsNull(v) && !cJSON_IsFalse(v))
+    mr_jv_error(jv, "", key, "not supported (%s)", why);
+}
+
+int mr_model_config_parse(const cJSON *obj, const char *where,
+                          struct mr_model_config *out) {
+  struct mr_jv jv;
+  mr_jv_init(&jv, where);
+  struct mr_model_config c;
+  memset(&c, 0, sizeof c);
+  if (!cJSON_IsObject(obj)) {
+    mr_jv_error(&jv, "", NULL, "expected a JSON object");
+    goto done;
+  }
+  if (detect_family(&jv, obj, &c.family) < 0)
+    goto done;
+  c.initializer_range = 0.02;
+  mr_jv_num(&jv, obj, "", "initializer_range", 0, 10, &c.initializer_range);
+  if (c.family == MR_MODEL_LLAMA) {
+    c.vocab_size = 32000;
+    c.hidden_size = 4096;
+    c.intermediate_size = 11008;
+    c.num_hidden_layers = 32;
+    c.num_attention_heads = 32;
+    c.max_position_embeddings = 2048;
+    c.rms_norm_eps = 1e-6;
+    c.rope_theta = 10000.0;
+    mr_jv_int(&jv, obj, "", "vocab_size", 1, BIG, &c.vocab_size);
+    mr_jv_int(&jv, obj, "", "hidden_size", 1, BIG, &c.hidden_size);
+    mr_jv_int(&jv, obj, "", "intermediate_size", 1, BIG, &c.intermediate_size);
+    mr_jv_int(&jv, obj, "", "num_hidden_layers", 1, 100000, &c.num_hidden_layers);
+    mr_jv_int(&jv, obj, "", "num_attention_heads", 1, 100000, &c.num_attention_heads);
+    c.num_key_value_heads = c.num_attention_heads;
+    const cJSON *kv = cJSON_GetObjectItemCaseSensitive(obj, "num_key_value_heads");
+    if (kv != NULL && !cJSON_IsNull(kv))
+      mr_jv_int(&jv, obj, "", "num_key_value_heads", 1, 100000, &c.num_key_value_heads);
+    mr_jv_int(&jv, obj, "", "max_position_embeddings", 1, BIG, &c.max_position_embeddings);
+    mr_jv_num(&jv, obj, "", "rms_norm_eps", 0, 1, &c.rms_norm_eps);
+    mr_jv_num(&jv, obj, "", "rope_theta", 1e-9, 1e12, &c.rope_theta);
+    mr_jv_bool(&jv, obj, "", "tie_word_embeddings", &c.tie_word_embeddings);
+    expect_string(&jv, obj, "hidden_act", "silu");
+    expect_absent(&jv, obj, "rope_scaling", "plain RoPE only");
+    expect_absent(&jv, obj, "attention_bias", "LLaMA projections have no bias");
+    expect_absent(&jv, obj, "mlp_bias", "LLaMA projections have no bias");
+    if (c.num_attention_heads > 0 && c.num_key_value_heads > 0 &&
+        c.num_attention_heads % c.num_key_value_heads != 0)
+      mr_jv_error(&jv, "", "num_key_value_heads",
+                  "expected a divisor of num_attention_heads (%lld), got %lld",
+                  (long long)c.num_attention_heads, (long long)c.num_key_value_heads);
+    int64_t head_dim;
+    if (c.hidden_size % c.num_attention_heads == 0 &&
+        mr_jv_int(&jv, obj, "", "head_dim", 1, BIG, &head_dim) == 1 &&
+        head_dim != c.hidden_size / c.num_attention_heads)
+      mr_jv_error(&jv, "", "head_dim", "expected hidden_size / num_attention_heads = %lld",
+                  (long long)(c.hidden_size / c.num_attention_heads));
+  } else {
+    c.vocab_size = 50257;
+    c.hidden_size = 768;
+    c.num_hidden_layers = 12;
+    c.num_attention_heads = 12;
+    c.max_position_embeddings = 1024;
+    c.layer_norm_epsilon = 1e-5;
+    mr_jv_int(&jv, obj, "", "vocab_size", 1, BIG, &c.vocab_size);
+    mr_jv_int(&jv, obj, "", "n_embd", 1, BIG, &c.hidden_size);
+    mr_jv_int(&jv, obj, "", "n_layer", 1, 100000, &c.num_hidden_layers);
+    mr_jv_int(&jv, obj, "", "n_head", 1, 100000, &c.num_attention_heads);
+    mr_jv_int(&jv, obj, "", "n_positions", 1, BIG, &c.max_position_embeddings);
+    mr_jv_num(&jv, obj, "", "layer_norm_epsilon", 0, 1, &c.layer_norm_epsilon);
+    c.intermediate_size = 4 * c.hidden_size;
+    const cJSON *inner = cJSON_GetObjectItemCaseSensitive(obj, "n_inner");
+    if (inner != NULL && !cJSON_IsNull(inner))
+      mr_jv_int(&jv, obj, "", "n_inner", 1, BIG, &c.intermediate_size);
+    c.num_key_value_heads = c.num_attention_heads;
+    c.tie_word_embeddings = 1;
+    int tie = 1;
+    if (mr_jv_bool(&jv, obj, "", "tie_word_embeddings", &tie) == 1 && !tie)
+      mr_jv_error(&jv, "", "tie_word_embeddings", "GPT-2's head is always tied");
+    expect_string(&jv, obj, "activation_function", "gelu_new");
+    expect_absent(&jv, obj, "scale_attn_by_inverse_layer_idx", "standard scaling only");
+    expect_absent(&jv, obj, "reorder_and_upcast_attn", "standard attention only");
+  }
+  if (jv.n_errors == 0 && c.hidden_size % c.num_attention_heads != 0)
+    mr_jv_error(&jv, "", c.family == MR_MODEL_GPT2 ? "n_head" : "num_attention_heads",
+                "expected a divisor of the hidden size (%lld), got %lld",
+                (long long)c.hidden_size, (long long)c.num_attention_heads);
+  if (jv.n_errors == 0 && c.family == MR_MODEL_LLAMA &&
+      mr_model_head_dim(&c) % 2 != 0)
+    mr_jv_error(&jv, "", "hidden_size", "RoPE needs an even head dimension, got %lld",
+                (long long)mr_model_head_dim(&c));
+done:;
+  int rc = 0;
+  if (jv.n_errors > 0)
+    rc = mr_error_set(MR_EJOB, "%s", jv.errors);
+  else
+    *out = c;
+  mr_jv_close(&jv);
+  return rc;
+}
+
+int mr_model_config_load(const char *path, struct mr_model_config *out) {
+  cJSON *obj;
+  MR_TRY(mr_json_load(path, &obj));
+  int rc = mr_model_config_parse(obj, path, out);
+  cJSON_Delete(obj);
+  return rc;
+}
+
+char *mr_model_config_to_json(const struct mr_model_config *c) {
+  cJSON *o = cJSON_CreateObject();
+  if (o == NULL)
+    return NULL;
+  if (c->family == MR_MODEL_LLAMA) {
+    cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
+    cJSON_AddItemToArray(arch, cJSON_CreateString("LlamaForCausalLM"));
+    cJSON_AddStringToObject(o, "model_type", "llama");
+    cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
+    cJSON_AddNumberToObject(o, "hidden_size", (double)c->hidden_size);
+    cJSON_AddNumberToObject(o, "intermediate_size", (double)c->intermediate_size);
+    cJSON_AddNumberToObject(o, "num_hidden_layers", (double)c->num_hidden_layers);
+    cJSON_AddNumberToObject(o, "num_attention_heads", (double)c->num_attention_heads);
+    cJSON_AddNumberToObject(o, "num_key_value_heads", (double)c->num_key_value_heads);
+    cJSON_AddNumberToObject(o, "max_position_embeddings",
+                            (double)c->max_position_embeddings);
+    cJSON_AddNumberToObject(o, "rms_norm_eps", c->rms_norm_eps);
+    cJSON_AddNumberToObject(o, "rope_theta", c->rope_theta);
+    cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_word_embeddings);
+    cJSON_AddStringToObject(o, "hidden_act", "silu");
+  } else {
+    cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
+    cJSON_AddItemToArray(arch, cJSON_CreateString("GPT2LMHeadModel"));
+    cJSON_AddStringToObject(o, "model_type", "gpt2");
+    cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
+    cJSON_AddNumberToObject(o, "n_embd", (double)c->hidden_size);
+    cJSON_AddNumberToObject(o, "n_inner", (double)c->intermediate_size);
+    cJSON_AddNumberToObject(o, "n_layer", (double)c->num_hidden_layers);
+    cJSON_AddNumberToObject(o, "n_head", (double)c->num_attention_heads);
+    cJSON_AddNumberToObject(o, "n_positions", (double)c->max_position_embeddings);
+    cJSON_AddNumberToObject(o, "layer_norm_epsilon", c->layer_norm_epsilon);
+    cJSON_AddStringToObject(o, "activation_function", "gelu_new");
+    cJSON_AddBoolToObject(o, "tie_word_embeddings", 1);
+  }
+  cJSON_AddNumberToObject(o, "initializer_range", c->initializer_range);
+  cJSON_AddStringToObject(o, "torch_dtype", "float32");
+  char *s = cJSON_Print(o);
+  cJSON_Delete(o);
+  return s;
+}
+
+int64_t mr_model_head_dim(const struct mr_model_config *c) {
+  return c->num_attention_heads > 0 ? c->hidden_size / c->num_attention_heads : 0;
+}
+
+int64_t mr_model_param_count(const struct mr_model_config *c) {
+  int64_t h = c->hidden_size, f = c->intermediate_size, v = c->vocab_size;
+  int64_t l = c->num_hidden_layers, d = mr_model_head_dim(c);
+  int64_t kv = c->num_key_value_heads * d;
+  if (c->family == MR_MODEL_LLAMA) {
+    int64_t layer = h * h /* q */ + 2 * h * kv /* k, v */ + h * h /* o */ +
+                    3 * h * f /* gate, up, down */ + 2 * h /* norms */;
+    return v * h * (c->tie_word_embeddings ? 1 : 2) + l * layer + h;
+  }
+  int64_t layer = 4 * h /* ln_1, ln_2 */ + 3 * h * h + 3 * h /* c_attn */ +
+                  h * h + h /* attn c_proj */ + h * f + f /* c_fc */ + f * h + h;
+  return v * h + c->max_position_embeddings * h + l * layer + 2 * h;
+}

@@ -1,0 +1,85 @@
+/* cli.c - helpers shared by the subcommands. */
+#include "launcher/cli.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/error.h"
+
+int mr_cli_int(const char *cmd, const char *flag, const char *value, long min, long max,
+               long *out) {
+  char *end;
+  errno = 0;
+  long v = value != NULL ? strtol(value, &end, 10) : 0;
+  if (value == NULL || errno != 0 || end == value || *end != '\0' || v < min || v > max) {
+    fprintf(stderr, "meshrun %s: %s: expected an integer in [%ld, %ld], got \"%s\"\n", cmd,
+            flag, min, max, value != NULL ? value : "");
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+int mr_cli_num(const char *cmd, const char *flag, const char *value, double min,
+               double max, double *out) {
+  char *end;
+  errno = 0;
+  double v = value != NULL ? strtod(value, &end) : 0;
+  if (value == NULL || errno != 0 || end == value || *end != '\0' || !(v >= min && v <= max)) {
+    fprintf(stderr, "meshrun %s: %s: expected a number in [%g, %g], got \"%s\"\n", cmd, flag,
+            min, max, value != NULL ? value : "");
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+int mr_cli_find_sibling(const char *name, const char *build_subdir, char *buf,
+                        unsigned long n) {
+  char self[PATH_MAX];
+  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (len > 0) {
+    self[len] = '\0';
+    char *slash = strrchr(self, '/');
+    if (slash != NULL) {
+      *slash = '\0';
+      snprintf(buf, n, "%s/%s", self, name);
+      if (access(buf, X_OK) == 0)
+        return 0;
+      snprintf(buf, n, "%s/../%s/%s", self, build_subdir, name);
+      if (access(buf, X_OK) == 0)
+        return 0;
+    }
+  }
+  const char *path = getenv("PATH");
+  while (path != NULL && *path != '\0') {
+    const char *colon = strchr(path, ':');
+    size_t dl = colon ? (size_t)(colon - path) : strlen(path);
+    snprintf(buf, n, "%.*s/%s", (int)dl, path, name);
+    if (dl > 0 && access(buf, X_OK) == 0)
+      return 0;
+    path = colon ? colon + 1 : NULL;
+  }
+  return -1;
+}
+
+int mr_mkdir_p(const char *path) {
+  char tmp[4096];
+  snprintf(tmp, sizeof tmp, "%s", path);
+  for (char *p = tmp + 1; *p != '\0'; p++) {
+    if (*p != '/')
+      continue;
+    *p = '\0';
+    if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+      return mr_error_set(mr_from_errno(errno), "mkdir %s: %s", tmp, strerror(errno));
+    *p = '/';
+  }
+  if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+    return mr_error_set(mr_from_errno(errno), "mkdir %s: %s", tmp, strerror(errno));
+  return 0;
+}

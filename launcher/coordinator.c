@@ -1,0 +1,854 @@
+/* coordinator.c - the launcher's event loop: ranks, connections, plan,
+ * supervision and restarts.  Worker processes and their output live in
+ * launcher/ranks.c; this file decides what happens to them. */
+#include "launcher/coordinator.h"
+
+#include <errno.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/auth.h"
+#include "common/ckpt.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/rpc.h"
+#include "common/tunable.h"
+#include "launcher/conn.h"
+#include "launcher/ranks.h"
+
+enum phase {
+  PHASE_RUNNING,   // the group is starting or training
+  PHASE_STOPPING,  // a failure or a signal: waiting for every worker to exit
+  PHASE_FINISHED,  // the loop is closing down
+};
+
+struct rendezvous {
+  char *key;
+  ProtobufCBinaryData *blobs; // world_size entries, owned
+  int have;
+  struct rendezvous *next;
+};
+
+/* A checkpoint the ranks are writing: which have reported their files. */
+struct pending_ckpt {
+  int64_t step;
+  int reported;             // ranks that reported
+  char **files, **sha;      // gathered from every rank
+  int n_files;
+  unsigned char *seen;      // [world] reported already
+  struct pending_ckpt *next;
+};
+
+struct coordinator {
+  uv_loop_t loop;
+  const struct mr_launch_opts *opts;
+  uv_pipe_t unix_server;
+  uv_tcp_t tcp_server;
+  uv_signal_t sigint, sigterm;
+  uv_timer_t tick;
+  uint8_t token[MR_TOKEN_BYTES];
+  int token_fd;
+  char job_id[17];
+  char sock_dir[64];
+  char unix_path[128];
+  char master_addr[64];
+  int master_port;
+  struct mr_ranks ranks;
+  enum phase phase;
+  int restart;              // group restarts so far
+  int stop_signal;          // SIGINT/SIGTERM that stopped us, or 0
+  int exit_code;
+  int next_conn_id;
+  int64_t stop_started_ms;
+  int64_t restart_at_ms;    // back-off: when the next group may start
+  int killed;               // SIGKILL already sent in this stop
+  struct rendezvous *rdv;
+  struct pending_ckpt *ckpts;
+  char resume_dir[4096];    // the checkpoint the current group resumes from
+  int64_t resume_step;
+  int64_t last_ckpt_step;   // newest complete checkpoint of this job, -1 none
+  int preempting;           // SIGTERM: checkpoint, then stop and exit 0
+  int64_t preempt_started_ms;
+  FILE *metrics;
+  int64_t last_step_printed;
+  int failure_reported;
+  char failure[512];        // why the current group is stopping
+  int failed_rank;
+};
+
+static void rendezvous_clear(struct coordinator *co) {
+  while (co->rdv != NULL) {
+    struct rendezvous *r = co->rdv;
+    co->rdv = r->next;
+    for (int i = 0; i < co->opts->nproc; i++)
+      free(r->blobs[i].data);
+    free(r->blobs);
+    free(r->key);
+    free(r);
+  }
+}
+
+/* The first failure of a group names it; later ones are consequences. */
+static void group_fail(struct coordinator *co, int rank, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void begin_stop(struct coordinator *co) {
+  if (co->phase == PHASE_STOPPING)
+    return;
+  co->phase = PHASE_STOPPING;
+  co->stop_started_ms = mr_now_ms();
+  co->killed = 0;
+  mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__STOP);
+  mr_ranks_signal_all(&co->ranks, SIGTERM);
+}
+
+static void group_fail(struct coordinator *co, int rank, const char *fmt, ...) {
+  if (co->phase != PHASE_RUNNING)
+    return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(co->failure, sizeof co->failure, fmt, ap);
+  va_end(ap);
+  co->failed_rank = rank;
+  MR_ERROR("launch", "%s", co->failure);
+  begin_stop(co);
+}
+
+static void on_signal(uv_signal_t *h, int signum) {
+  struct coordinator *co = h->data;
+  const struct mr_job *job = co->opts->job;
+  /* a scheduler's preemption: save a checkpoint first, then exit 0 */
+  if (signum == SIGTERM && !co->preempting && co->stop_signal == 0 &&
+      co->phase == PHASE_RUNNING && !co->opts->selfcheck && job != NULL &&
+      job->checkpoint.dir != NULL) {
+    co->preempting = 1;
+    co->preempt_started_ms = mr_now_ms();
+    MR_WARN("launch", "SIGTERM: writing a checkpoint, then stopping");
+    mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
+    return;
+  }
+  if (co->stop_signal != 0) { /* second signal: no more patience */
+    mr_ranks_signal_all(&co->ranks, SIGKILL);
+    return;
+  }
+  co->stop_signal = signum;
+  MR_WARN("launch", "%s: stopping all workers", strsignal(signum));
+  co->failure[0] = '\0';
+  co->phase = PHASE_RUNNING; /* so begin_stop runs even mid-restart */
+  begin_stop(co);
+}
+
+/* ---- messages from workers ------------------------------------------- */
+
+static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
+                                  int rank) {
+  const struct mr_launch_opts *o = co->opts;
+  int32_t shape[1] = {o->nproc};
+  char *names[1] = {"world"};
+  int32_t *ids = calloc((size_t)o->nproc, sizeof *ids);
+  for (int i = 0; ids != NULL && i < o->nproc; i++)
+    ids[i] = i;
+  Meshrun__Mesh mesh = MESHRUN__MESH__INIT;
+  mesh.n_shape = 1;
+  mesh.shape = shape;
+  mesh.n_dim_names = 1;
+  mesh.dim_names = names;
+  mesh.n_process_ids = ids != NULL ? (size_t)o->nproc : 0;
+  mesh.process_ids = ids;
+  Meshrun__Welcome w = MESHRUN__WELCOME__INIT;
+  w.rank = rank;
+  w.world_size = o->nproc;
+  w.local_rank = rank;
+  w.local_world_size = o->nproc;
+  w.mesh = &mesh;
+  w.job_id = co->job_id;
+  w.restart = (uint32_t)co->restart;
+  Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
+  env.msg_case = MESHRUN__ENVELOPE__MSG_WELCOME;
+  env.welcome = &w;
+  mr_conn_send(c, &env);
+  free(ids);
+
+  Meshrun__Plan plan = MESHRUN__PLAN__INIT;
+  plan.kind = o->selfcheck ? MESHRUN__PLAN__KIND__SELFCHECK : MESHRUN__PLAN__KIND__TRAIN;
+  if (o->job != NULL && o->job->text != NULL) {
+    plan.body.data = (uint8_t *)o->job->text;
+    plan.body.len = strlen(o->job->text);
+  }
+  plan.seed = o->job != NULL ? o->job->train.seed : 0;
+  plan.resume_dir = co->resume_dir;
+  plan.resume_step = co->resume_step;
+  plan.steps = o->selfcheck ? mr_tunable_int(MR_TUNABLE_SELFCHECK_STEPS)
+                            : (o->job != NULL ? o->job->train.steps : 0);
+  Meshrun__Envelope penv = MESHRUN__ENVELOPE__INIT;
+  penv.msg_case = MESHRUN__ENVELOPE__MSG_PLAN;
+  penv.plan = &plan;
+  mr_conn_send(c, &penv);
+}
+
+static void on_hello(struct coordinator *co, struct mr_conn *c,
+                     const Meshrun__Hello *h) {
+  int rank = h->requested_rank;
+  struct mr_rank *r = rank >= 0 && rank < co->opts->nproc ? &co->ranks.r[rank] : NULL;
+  if (r == NULL || r->conn != NULL || r->pid != (int)h->pid || h->restart != (uint32_t)co->restart) {
+    char why[160];
+    snprintf(why, sizeof why, "hello from pid %u for rank %d (restart %u) matches no waiting worker",
+             h->pid, rank, h->restart);
+    mr_conn_close(c, why);
+    return;
+  }
+  c->rank = rank;
+  r->conn = c;
+  r->last_seen_ms = mr_now_ms();
+  MR_DEBUG("launch", "rank %d registered (pid %u, host %s, %zu devices)", rank, h->pid,
+           h->host, h->n_devices);
+  send_welcome_and_plan(co, c, rank);
+}
+
+static void on_rendezvous(struct coordinator *co, struct mr_conn *c,
+                          const Meshrun__Rendezvous *rv) {
+  struct rendezvous *r;
+  for (r = co->rdv; r != NULL && strcmp(r->key, rv->key) != 0; r = r->next)
+    ;
+  if (r == NULL) {
+    r = calloc(1, sizeof *r);
+    if (r == NULL)
+      return;
+    r->key = strdup(rv->key);
+    r->blobs = calloc((size_t)co->opts->nproc, sizeof *r->blobs);
+    r->next = co->rdv;
+    co->rdv = r;
+  }
+  ProtobufCBinaryData *b = &r->blobs[c->rank];
+  if (b->data != NULL || b->len != 0) {
+    group_fail(co, c->rank, "rank %d joined rendezvous \"%s\" twice", c->rank, rv->key);
+    return;
+  }
+  b->len = rv->blob.len;
+  b->data = malloc(rv->blob.len > 0 ? rv->blob.len : 1);
+  if (b->data != NULL && rv->blob.len > 0)
+    memcpy(b->data, rv->blob.data, rv->blob.len);
+  if (++r->have < co->opts->nproc)
+    return;
+  Meshrun__RendezvousDone done = MESHRUN__RENDEZVOUS_DONE__INIT;
+  done.key = r->key;
+  done.n_blobs = (size_t)co->opts->nproc;
+  done.blobs = r->blobs;
+  Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
+  env.msg_case = MESHRUN__ENVELOPE__MSG_RENDEZVOUS_DONE;
+  env.rendezvous_done = &done;
+  for (int i = 0; i < co->opts->nproc; i++)
+    if (co->ranks.r[i].conn != NULL)
+      mr_conn_send(co->ranks.r[i].conn, &env);
+  /* unlink and free this rendezvous */
+  struct rendezvous **pp = &co->rdv;
+  while (*pp != r)
+    pp = &(*pp)->next;
+  *pp = r->next;
+  r->next = NULL;
+  struct rendezvous *keep = co->rdv;
+  co->rdv = r;
+  rendezvous_clear(co);
+  co->rdv = keep;
+}
+
+/* The self-check's expected digest for a rank: SHA-256 of the job id, the
+ * rank and the world size, which each worker computes independently. */
+static void selfcheck_digest(const char *job_id, int rank, int world,
+                             uint8_t out[crypto_hash_sha256_BYTES]) {
+  char msg[96];
+  int n = snprintf(msg, sizeof msg, "meshrun-selfcheck:%s:%d:%d", job_id, rank, world);
+  crypto_hash_sha256(out, (const uint8_t *)msg, (unsigned long long)n);
+}
+
+static void pending_free(struct pending_ckpt *p) {
+  for (int i = 0; i < p->n_files; i++) {
+    free(p->files[i]);
+    free(p->sha[i]);
+  }
+  free(p->files);
+  free(p->sha);
+  free(p->seen);
+  free(p);
+}
+
+static void pending_clear(struct coordinator *co) {
+  while (co->ckpts != NULL) {
+    struct pending_ckpt *p = co->ckpts;
+    co->ckpts = p->next;
+    pending_free(p);
+  }
+}
+
+/* Every rank has written its part of step `p->step`: write the marker that
+ * makes it a checkpoint, then drop the ones beyond keep_last. */
+static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) {
+  const struct mr_checkpoint_config *cc = &co->opts->job->checkpoint;
+  char dir[4096];
+  mr_ckpt_step_dir(cc->dir, p->step, dir, sizeof dir);
+  if (mr_ckpt_write_marker(dir, p->step, (const char *const *)p->files,
+                           (const char *const *)p->sha, p->n_files) < 0) {
+    MR_ERROR("ckpt", "checkpoint of step %lld not completed: %s", (long long)p->step,
+             mr_error_message());
+    return;
+  }
+  co->last_ckpt_step = p->step;
+  int removed = mr_ckpt_prune(cc->dir, (int)cc->keep_last);
+  MR_INFO("ckpt", "checkpoint of step %lld complete: %s%s", (long long)p->step, dir,
+          removed > 0 ? " (older ones pruned)" : "");
+  if (co->preempting && co->phase == PHASE_RUNNING) {
+    MR_WARN("launch", "checkpoint written: stopping for preemption (the next launch resumes "
+                      "from step %lld)", (long long)p->step);
+    begin_stop(co);
+  }
+}
+
+static void on_checkpoint_written(struct coordinator *co, int rank,
+                                  const Meshrun__Report__CheckpointWritten *cw) {
+  if (co->opts->job == NULL || co->opts->job->checkpoint.dir == NULL ||
+      cw->n_files != cw->n_sha256)
+    return;
+  struct pending_ckpt *p;
+  for (p = co->ckpts; p != NULL && p->step != cw->step; p = p->next)
+    ;
+  if (p == NULL) {
+    p = calloc(1, sizeof *p);
+    if (p == NULL || (p->seen = calloc((size_t)co->opts->nproc, 1)) == NULL) {
+      free(p);
+      return;
+    }
+    p->step = cw->step;
+    p->next = co->ckpts;
+    co->ckpts = p;
+  }
+  if (p->seen[rank])
+    return;
+  p->seen[rank] = 1;
+  p->reported++;
+  char **nf = realloc(p->files, (size_t)(p->n_files + (int)cw->n_files + 1) * sizeof *nf);
+  char **ns = nf ? realloc(p->sha, (size_t)(p->n_files + (int)cw->n_files + 1) * sizeof *ns) : NULL;
+  if (nf != NULL)
+    p->files = nf;
+  if (ns != NULL)
+    p->sha = ns;
+  for (size_t i = 0; nf != NULL && ns != NULL && i < cw->n_files; i++) {
+    if (strchr(cw->files[i], '/') != NULL || strlen(cw->sha256[i]) != 64)
+      continue; /* a file outside the step's folder is never trusted */
+    p->files[p->n_files] = strdup(cw->files[i]);
+    p->sha[p->n_files] = strdup(cw->sha256[i]);
+    p->n_files++;
+  }
+  if (p->reported < co->opts->nproc)
+    return;
+  struct pending_ckpt **pp = &co->ckpts;
+  while (*pp != p)
+    pp = &(*pp)->next;
+  *pp = p->next;
+  complete_checkpoint(co, p);
+  pending_free(p);
+}
+
+static void on_report(struct coordinator *co, struct mr_conn *c,
+                      const Meshrun__Report *rep) {
+  struct mr_rank *r = &co->ranks.r[c->rank];
+  switch (rep->what_case) {
+  case MESHRUN__REPORT__WHAT_ERROR:
+    snprintf(r->error, sizeof r->error, "%s", rep->error->message);
+    MR_ERROR("launch", "rank %d reported an error: %s", c->rank, rep->error->message);
+    break;
+  case MESHRUN__REPORT__WHAT_DONE:
+    if (co->opts->selfcheck) {
+      uint8_t want[crypto_hash_sha256_BYTES];
+      selfcheck_digest(co->job_id, c->rank, co->opts->nproc, want);
+      if (rep->done->result.len != sizeof want ||
+          memcmp(rep->done->result.data, want, sizeof want) != 0) {
+        group_fail(co, c->rank, "rank %d: self-check result does not match", c->rank);
+        return;
+      }
+    }
+    r->done = 1;
+    break;
+  case MESHRUN__REPORT__WHAT_CHECKPOINT:
+    on_checkpoint_written(co, c->rank, rep->checkpoint);
+    break;
+  default:
+    break;
+  }
+}
+
+static void on_metrics(struct coordinator *co, struct mr_conn *c,
+                       const Meshrun__Metrics *m) {
+  struct mr_rank *r = &co->ranks.r[c->rank];
+  r->step = m->step;
+  if (m->peak_memory_bytes > r->peak_memory)
+    r->peak_memory = m->peak_memory_bytes;
+  if (c->rank != 0 || co->opts->selfcheck)
+    return;
+  uint64_t peak = 0;
+  for (int i = 0; i < co->opts->nproc; i++)
+    if (co->ranks.r[i].peak_memory > peak)
+      peak = co->ranks.r[i].peak_memory;
+  if (co->metrics != NULL) {
+    fprintf(co->metrics,
+            "{\"step\": %lld, \"loss\": %.9g, \"lr\": %.9g, \"grad_norm\": %.9g, "
+            "\"tokens_per_s\": %.6g, \"loss_scale\": %.9g, \"step_time_s\": %.6g, "
+            "\"comm_wait_s\": %.6g, \"peak_memory_bytes\": %llu, \"skipped\": %s",
+            (long long)m->step, m->loss, m->lr, m->grad_norm, m->tokens_per_s,
+            m->loss_scale, m->step_time_s, m->comm_wait_s, (unsigned long long)peak,
+            m->skipped ? "true" : "false");
+    if (!isnan(m->val_loss))
+      fprintf(co->metrics, ", \"val_loss\": %.9g", m->val_loss);
+    fprintf(co->metrics, ", \"restart\": %d}\n", co->restart);
+    fflush(co->metrics);
+  }
+  mr_ranks_progress(&co->ranks, m, peak,
+                    co->opts->job != NULL ? co->opts->job->train.steps : 0,
+                    co->opts->job != NULL ? co->opts->job->train.log_interval_steps : 1);
+}
+
+static void on_message(void *ctx, struct mr_conn *c, const Meshrun__Envelope *env) {
+  struct coordinator *co = ctx;
+  if (c->rank < 0) {
+    if (env->msg_case == MESHRUN__ENVELOPE__MSG_HELLO)
+      on_hello(co, c, env->hello);
+    else
+      mr_conn_close(c, "expected hello after authenticating");
+    return;
+  }
+  co->ranks.r[c->rank].last_seen_ms = mr_now_ms();
+  switch (env->msg_case) {
+  case MESHRUN__ENVELOPE__MSG_HEARTBEAT:
+    mr_ranks_heartbeat(&co->ranks, c->rank, env->heartbeat);
+    break;
+  case MESHRUN__ENVELOPE__MSG_METRICS:
+    on_metrics(co, c, env->metrics);
+    break;
+  case MESHRUN__ENVELOPE__MSG_REPORT:
+    on_report(co, c, env->report);
+    break;
+  case MESHRUN__ENVELOPE__MSG_RENDEZVOUS:
+    on_rendezvous(co, c, env->rendezvous);
+    break;
+  default: {
+    char why[96];
+    snprintf(why, sizeof why, "unexpected %s from a worker", mr_rpc_name(env));
+    mr_conn_close(c, why);
+  }
+  }
+}
+
+static void on_conn_close(void *ctx, struct mr_conn *c) {
+  struct coordinator *co = ctx;
+  if (c->rank >= 0 && c->rank < co->opts->nproc && co->ranks.r[c->rank].conn == c)
+    co->ranks.r[c->rank].conn = NULL;
+}
+
+static void on_connection(uv_stream_t *server, int status) {
+  struct coordinator *co = server->data;
+  if (status < 0) {
+    MR_WARN("rpc", "accept: %s", uv_strerror(status));
+    return;
+  }
+  struct mr_conn_callbacks cb = {.ctx = co, .on_message = on_message,
+                                 .on_close = on_conn_close};
+  int is_tcp = server == (uv_stream_t *)&co->tcp_server;
+  mr_conn_accept(server, is_tcp, co->token, &cb, ++co->next_conn_id);
+}
+
+/* Appends, for every open rendezvous, the ranks that have not joined it. */
+static void describe_rendezvous(const struct coordinator *co, char *buf, size_t n) {
+  size_t used = strlen(buf);
+  for (const struct rendezvous *r = co->rdv; r != NULL && used < n; r = r->next) {
+    int w = snprintf(buf + used, n - used, "\n  rendezvous \"%s\": %d of %d arrived; missing:",
+                     r->key, r->have, co->opts->nproc);
+    if (w < 0)
+      return;
+    used += (size_t)w;
+    for (int i = 0; i < co->opts->nproc && used < n; i++)
+      if (r->blobs[i].data == NULL) {
+        w = snprintf(buf + used, n - used, " rank %d", i);
+        if (w < 0)
+          return;
+        used += (size_t)w;
+      }
+  }
+}
+
+/* No rank has completed an instruction for the hang timeout: say what
+ * each one is doing and who the others wait for, then fail the group. */
+static void check_hang(struct coordinator *co, int64_t now) {
+  if (co->opts->hang_timeout_s <= 0)
+    return;
+  int64_t limit = (int64_t)(co->opts->hang_timeout_s * 1000.0);
+  int64_t newest = 0;
+  int live = 0;
+  for (int i = 0; i < co->opts->nproc; i++) {
+    const struct mr_rank *r = &co->ranks.r[i];
+    if (r->exited || r->conn == NULL || r->done)
+      continue;
+    live++;
+    if (r->progress_ms > newest)
+      newest = r->progress_ms;
+  }
+  if (live == 0 || now - newest <= limit)
+    return;
+  char where[4096];
+  mr_ranks_describe_positions(&co->ranks, where, sizeof where);
+  describe_rendezvous(co, where, sizeof where);
+  /* the culprit: a rank that waits on nothing while others wait */
+  int culprit = -1;
+  for (int i = 0; i < co->opts->nproc && culprit < 0; i++) {
+    const struct mr_rank *r = &co->ranks.r[i];
+    if (!r->exited && !r->done && r->waiting_on < 0)
+      culprit = i;
+  }
+  char who[96] = "";
+  if (culprit >= 0)
+    snprintf(who, sizeof who, "; rank %d is stuck outside communication", culprit);
+  group_fail(co, culprit, "hang: no rank made progress for %.1f s%s:%s",
+             (double)(now - newest) / 1000.0, who, where);
+}
+
+/* ---- the group ----------------------------------------------------------- */
+
+static void on_rank_exit(void *ctx, int rank, int64_t status, int signal);
+
+/* A training job with a checkpoint folder resumes from its newest complete
+ * checkpoint (an incomplete or corrupt one is skipped with a warning). */
+static void choose_resume(struct coordinator *co) {
+  co->resume_dir[0] = '\0';
+  co->resume_step = 0;
+  const struct mr_job *job = co->opts->job;
+  if (co->opts->selfcheck || job == NULL || job->checkpoint.dir == NULL)
+    return;
+  int64_t step;
+  if (mr_ckpt_find_latest(job->checkpoint.dir, co->resume_dir, sizeof co->resume_dir, &step) == 1) {
+    co->resume_step = step;
+    MR_INFO("ckpt", "resuming from %s (step %lld)", co->resume_dir, (long long)step);
+  } else {
+    co->resume_dir[0] = '\0';
+  }
+}
+
+static int start_group(struct coordinator *co) {
+  rendezvous_clear(co);
+  pending_clear(co);
+  choose_resume(co);
+  co->phase = PHASE_RUNNING;
+  co->failure[0] = '\0';
+  co->failed_rank = -1;
+  struct mr_spawn_env env = {
+      .worker_bin = co->opts->worker_bin,
+      .coord_address = co->unix_path,
+      .master_addr = co->master_addr,
+      .master_port = co->master_port,
+      .job_id = co->job_id,
+      .token_fd = co->token_fd,
+      .restart = co->restart,
+      .threads = co->opts->threads,
+      .log_dir = co->opts->log_dir,
+  };
+  int rc = mr_ranks_spawn_all(&co->ranks, &env);
+  if (rc < 0)
+    group_fail(co, -1, "could not start the workers: %s", mr_error_message());
+  return rc;
+}
+
+static void finish(struct coordinator *co, int code) {
+  if (co->phase == PHASE_FINISHED)
+    return;
+  co->phase = PHASE_FINISHED;
+  co->exit_code = code;
+  uv_timer_stop(&co->tick);
+  uv_close((uv_handle_t *)&co->tick, NULL);
+  uv_close((uv_handle_t *)&co->unix_server, NULL);
+  uv_close((uv_handle_t *)&co->tcp_server, NULL);
+  uv_close((uv_handle_t *)&co->sigint, NULL);
+  uv_close((uv_handle_t *)&co->sigterm, NULL);
+  mr_ranks_close_conns(&co->ranks);
+}
+
+/* Called when every worker of a stopping group has exited. */
+static void group_stopped(struct coordinator *co) {
+  if (co->preempting && co->stop_signal == 0) {
+    finish(co, 0);
+    return;
+  }
+  if (co->stop_signal != 0) {
+    finish(co, 128 + co->stop_signal);
+    return;
+  }
+  if (co->restart < co->opts->max_restarts) {
+    co->restart++;
+    int64_t backoff = mr_tunable_int(MR_TUNABLE_RESTART_BACKOFF_MS);
+    for (int i = 1; i < co->restart && backoff < 60000; i++)
+      backoff *= 2;
+    MR_WARN("launch", "restarting the group (restart %d of %d)%s", co->restart,
+            co->opts->max_restarts, backoff > 0 ? " after a pause" : "");
+    co->restart_at_ms = mr_now_ms() + backoff;
+    co->phase = PHASE_RUNNING;
+    co->failed_rank = -1;
+    if (backoff <= 0)
+      start_group(co);
+    else
+      co->ranks.waiting_restart = 1;
+    return;
+  }
+  mr_ranks_report_failure(&co->ranks, co->failed_rank, co->failure, co->opts->max_restarts);
+  finish(co, 1);
+}
+
+static void on_rank_exit(void *ctx, int rank, int64_t status, int signal) {
+  struct coordinator *co = ctx;
+  struct mr_rank *r = &co->ranks.r[rank];
+  if (co->phase == PHASE_RUNNING) {
+    if (signal != 0)
+      group_fail(co, rank, "rank %d (pid %d) was killed by signal %d (%s)", rank, r->pid,
+                 signal, sigabbrev_np(signal) ? sigabbrev_np(signal) : "?");
+    else if (status != 0)
+      group_fail(co, rank, "rank %d (pid %d) exited with status %lld%s%s", rank, r->pid,
+                 (long long)status, r->error[0] ? ": " : "", r->error);
+    else if (!r->done)
+      group_fail(co, rank, "rank %d (pid %d) exited before finishing its job", rank, r->pid);
+  }
+}
+
+static void on_tick(uv_timer_t *t) {
+  struct coordinator *co = t->data;
+  int64_t now = mr_now_ms();
+  if (co->phase == PHASE_RUNNING && co->ranks.waiting_restart) {
+    if (now >= co->restart_at_ms) {
+      co->ranks.waiting_restart = 0;
+      start_group(co);
+    }
+    return;
+  }
+  if (co->phase == PHASE_RUNNING && co->preempting &&
+      now - co->preempt_started_ms > mr_tunable_int(MR_TUNABLE_PREEMPT_GRACE_MS)) {
+    MR_ERROR("launch", "no checkpoint within %.1f s of SIGTERM: stopping without one",
+             (double)mr_tunable_int(MR_TUNABLE_PREEMPT_GRACE_MS) / 1000.0);
+    co->stop_signal = SIGTERM;
+    begin_stop(co);
+    return;
+  }
+  if (co->phase == PHASE_RUNNING) {
+    int64_t hb = (int64_t)(co->opts->heartbeat_timeout_s * 1000.0);
+    int64_t conn_timeout = mr_tunable_int(MR_TUNABLE_CONNECT_TIMEOUT_MS);
+    int all_done = 1;
+    for (int i = 0; i < co->opts->nproc; i++) {
+      struct mr_rank *r = &co->ranks.r[i];
+      if (!r->exited || !r->done || r->exit_status != 0)
+        all_done = 0;
+      if (r->exited)
+        continue;
+      if (r->conn == NULL && now - r->spawn_ms > conn_timeout) {
+        group_fail(co, i, "rank %d (pid %d) did not register within %.1f s", i, r->pid,
+                   (double)conn_timeout / 1000.0);
+        return;
+      }
+      if (r->conn != NULL && now - r->last_seen_ms > hb) {
+        group_fail(co, i, "rank %d (pid %d) sent no heartbeat for %.1f s (stopped or hung)",
+                   i, r->pid, (double)(now - r->last_seen_ms) / 1000.0);
+        /* a stopped process cannot act on SIGTERM */
+        mr_ranks_signal(&co->ranks, i, SIGKILL);
+        return;
+      }
+    }
+    check_hang(co, now);
+    if (co->phase != PHASE_RUNNING)
+      return;
+    if (all_done && mr_ranks_all_closed(&co->ranks)) {
+      if (co->opts->selfcheck)
+        printf("meshrun: self-check passed: %d ranks registered, authenticated, "
+               "exchanged a rendezvous and reported the expected digests\n",
+               co->opts->nproc);
+      mr_ranks_print_summary(&co->ranks);
+      finish(co, 0);
+    }
+    return;
+  }
+  if (co->phase == PHASE_STOPPING) {
+    if (mr_ranks_all_exited(&co->ranks)) {
+      if (mr_ranks_all_closed(&co->ranks))
+        group_stopped(co);
+      return;
+    }
+    if (!co->killed && now - co->stop_started_ms > mr_tunable_int(MR_TUNABLE_STOP_GRACE_MS)) {
+      MR_WARN("launch", "workers still running after %.1f s: killing them",
+              (double)mr_tunable_int(MR_TUNABLE_STOP_GRACE_MS) / 1000.0);
+      mr_ranks_signal_all(&co->ranks, SIGKILL);
+      co->killed = 1;
+    }
+  }
+}
+
+/* ---- setup ----------------------------------------------------------- */
+
+static int parse_bind(const char *bind, char *host, size_t hn, int *port) {
+  const char *colon = strrchr(bind, ':');
+  if (colon == NULL || colon == bind || (size_t)(colon - bind) >= hn)
+    return mr_error_set(MR_EINVAL, "--bind %s: expected HOST:PORT", bind);
+  char *end;
+  long p = strtol(colon + 1, &end, 10);
+  if (*end != '\0' || p < 0 || p > 65535)
+    return mr_error_set(MR_EINVAL, "--bind %s: port must be 0..65535", bind);
+  memcpy(host, bind, (size_t)(colon - bind));
+  host[colon - bind] = '\0';
+  if (host[0] == '[') { /* [::1] */
+    size_t l = strlen(host);
+    memmove(host, host + 1, l);
+    if (l >= 2 && host[l - 2] == ']')
+      host[l - 2] = '\0';
+  }
+  *port = (int)p;
+  return 0;
+}
+
+static int listen_all(struct coordinator *co) {
+  char tmpl[] = "/tmp/meshrun-XXXXXX";
+  if (mkdtemp(tmpl) == NULL)
+    return mr_error_set(MR_ESYS, "mkdtemp: %s", strerror(errno));
+  snprintf(co->sock_dir, sizeof co->sock_dir, "%s", tmpl);
+  snprintf(co->unix_path, sizeof co->unix_path, "%s/coord.sock", tmpl);
+  int rc = uv_pipe_init(&co->loop, &co->unix_server, 0);
+  if (rc == 0)
+    rc = uv_pipe_bind(&co->unix_server, co->unix_path);
+  if (rc == 0)
+    rc = uv_listen((uv_stream_t *)&co->unix_server, 128, on_connection);
+  if (rc < 0)
+    return mr_error_set(MR_ESYS, "listen on %s: %s", co->unix_path, uv_strerror(rc));
+  co->unix_server.data = co;
+
+  char host[64];
+  int port = 0;
+  MR_TRY(parse_bind(co->opts->bind, host, sizeof host, &port));
+  struct sockaddr_storage sa;
+  if (uv_ip4_addr(host, port, (struct sockaddr_in *)&sa) != 0 &&
+      uv_ip6_addr(host, port, (struct sockaddr_in6 *)&sa) != 0)
+    return mr_error_set(MR_EINVAL, "--bind %s: not an IP address", co->opts->bind);
+  uv_tcp_init(&co->loop, &co->tcp_server);
+  co->tcp_server.data = co;
+  rc = uv_tcp_bind(&co->tcp_server, (struct sockaddr *)&sa, 0);
+  if (rc == 0)
+    rc = uv_listen((uv_stream_t *)&co->tcp_server, 128, on_connection);
+  if (rc < 0)
+    return mr_error_set(MR_ESYS, "listen on %s: %s", co->opts->bind, uv_strerror(rc));
+  int len = sizeof sa;
+  uv_tcp_getsockname(&co->tcp_server, (struct sockaddr *)&sa, &len);
+  co->master_port = sa.ss_family == AF_INET ? ntohs(((struct sockaddr_in *)&sa)->sin_port)
+                                            : ntohs(((struct sockaddr_in6 *)&sa)->sin6_port);
+  snprintf(co->master_addr, sizeof co->master_addr, "%s", host);
+  return 0;
+}
+
+static int write_coordinator_file(struct coordinator *co) {
+  char path[1024];
+  snprintf(path, sizeof path, "%s/coordinator.json", co->opts->log_dir);
+  FILE *f = fopen(path, "w");
+  if (f == NULL)
+    return mr_error_set(MR_EIO, "%s: %s", path, strerror(errno));
+  fprintf(f,
+          "{\"job_id\": \"%s\", \"pid\": %d, \"unix\": \"unix:%s\", "
+          "\"tcp\": \"tcp:%s:%d\", \"world_size\": %d}\n",
+          co->job_id, (int)getpid(), co->unix_path, co->master_addr, co->master_port,
+          co->opts->nproc);
+  fclose(f);
+  return 0;
+}
+
+static int make_token_fd(struct coordinator *co) {
+  co->token_fd = memfd_create("meshrun-token", MFD_CLOEXEC);
+  if (co->token_fd < 0)
+    return mr_error_set(MR_ESYS, "memfd_create: %s", strerror(errno));
+  char hex[65];
+  mr_auth_token_hex(co->token, hex);
+  if (write(co->token_fd, hex, 64) != 64)
+    return mr_error_set(MR_EIO, "writing the job token: %s", strerror(errno));
+  sodium_memzero(hex, sizeof hex);
+  return 0;
+}
+
+/* Closes whatever an early failure left open, so the loop can close. */
+static void close_walk(uv_handle_t *h, void *arg) {
+  (void)arg;
+  if (!uv_is_closing(h))
+    uv_close(h, NULL);
+}
+
+int mr_coordinator_run(const struct mr_launch_opts *opts) {
+  struct coordinator *co = calloc(1, sizeof *co);
+  if (co == NULL)
+    return 1;
+  co->opts = opts;
+  co->token_fd = -1;
+  co->failed_rank = -1;
+  co->last_ckpt_step = -1;
+  int code = 1;
+  if (mr_auth_init() < 0)
+    goto out;
+  mr_auth_random(co->token, sizeof co->token);
+  uint8_t id[8];
+  mr_auth_random(id, sizeof id);
+  sodium_bin2hex(co->job_id, sizeof co->job_id, id, sizeof id);
+  uv_loop_init(&co->loop);
+  if (listen_all(co) < 0 || make_token_fd(co) < 0 || write_coordinator_file(co) < 0) {
+    MR_ERROR("launch", "%s", mr_error_message());
+    goto close_loop;
+  }
+  const char *mpath = opts->metrics_path;
+  char mbuf[1024];
+  if (mpath == NULL && !opts->selfcheck) {
+    snprintf(mbuf, sizeof mbuf, "%s/metrics.jsonl", opts->log_dir);
+    mpath = mbuf;
+  }
+  if (mpath != NULL && (co->metrics = fopen(mpath, "a")) == NULL) {
+    MR_ERROR("launch", "metrics file %s: %s", mpath, strerror(errno));
+    goto close_loop;
+  }
+  if (mr_ranks_init(&co->ranks, &co->loop, opts->nproc, opts->log_dir, co, on_rank_exit) < 0) {
+    MR_ERROR("launch", "%s", mr_error_message());
+    goto close_loop;
+  }
+  uv_signal_init(&co->loop, &co->sigint);
+  uv_signal_init(&co->loop, &co->sigterm);
+  co->sigint.data = co->sigterm.data = co;
+  uv_signal_start(&co->sigint, on_signal, SIGINT);
+  uv_signal_start(&co->sigterm, on_signal, SIGTERM);
+  uv_timer_init(&co->loop, &co->tick);
+  co->tick.data = co;
+  uv_timer_start(&co->tick, on_tick, 20, 20);
+  MR_INFO("launch", "job %s: %d ranks, logs in %s, coordinator on unix:%s and tcp:%s:%d",
+          co->job_id, opts->nproc, opts->log_dir, co->unix_path, co->master_addr,
+          co->master_port);
+  start_group(co);
+  uv_run(&co->loop, UV_RUN_DEFAULT);
+  code = co->exit_code;
+  mr_ranks_close(&co->ranks);
+  uv_run(&co->loop, UV_RUN_DEFAULT);
+close_loop:
+  rendezvous_clear(co);
+  pending_clear(co);
+  if (co->metrics != NULL)
+    fclose(co->metrics);
+  if (co->token_fd >= 0)
+    close(co->token_fd);
+  if (co->unix_path[0] != '\0')
+    unlink(co->unix_path);
+  if (co->sock_dir[0] != '\0')
+    rmdir(co->sock_dir);
+  uv_walk(&co->loop, close_walk, NULL);
+  uv_run(&co->loop, UV_RUN_DEFAULT);
+  uv_loop_close(&co->loop);
+out:
+  sodium_memzero(co->token, sizeof co->token);
+  free(co);
+  return code;
+}

@@ -1,0 +1,42 @@
+/* coordinator.h - `meshrun launch`: spawn one worker per rank, authenticate
+ * and register them, send the plan, supervise.
+ *
+ * The coordinator is one libuv loop.  It listens on a Unix socket (local
+ * workers) and a TCP socket (loopback by default, for remote nodes), spawns
+ * N `meshrun-worker` processes with the environment torchrun gives
+ * (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+ * MASTER_PORT) and the job token on an inherited descriptor, prefixes
+ * their output with `[rank N]` on the console and copies it to per-rank log
+ * files, and watches them: a worker that exits non-zero or by a signal, or
+ * that falls silent past the heartbeat timeout, fails the group; the group
+ * is stopped and restarted up to max_restarts times (torchrun's semantics),
+ * after which the launcher exits non-zero naming the rank, its status and
+ * the last lines of its log.  SIGINT/SIGTERM stop every worker; workers die
+ * with the launcher (PR_SET_PDEATHSIG, and the closed connection). */
+#ifndef MR_COORDINATOR_H
+#define MR_COORDINATOR_H
+
+#include "common/job.h"
+#include "common/discovery.h"
+
+struct mr_launch_opts {
+  int nproc;                    // ranks to run
+  int max_restarts;             // group restarts allowed
+  const char *log_dir;          // per-rank logs, coordinator.json, metrics
+  double heartbeat_timeout_s;   // silence that fails a rank
+  double hang_timeout_s;        // no rank progressing this long: a hang
+  const char *bind;             // TCP listen address, "HOST:PORT"
+  const char *worker_bin;       // path of meshrun-worker
+  int threads;                  // compute threads per rank
+  int selfcheck;                // run the built-in check instead of the job
+  const struct mr_job *job;     // borrowed; NULL only with selfcheck
+  const char *metrics_path;     // JSON lines; NULL: log_dir/metrics.jsonl
+  const struct mr_devices *devices; // borrowed
+};
+
+/* Runs the job to completion.  Returns the process exit code: 0 when every
+ * rank finished, 1 when the group failed past its restarts, 130/143 when
+ * stopped by SIGINT/SIGTERM. */
+int mr_coordinator_run(const struct mr_launch_opts *opts);
+
+#endif

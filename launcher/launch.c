@@ -1,0 +1,180 @@
+/* launch.c - `meshrun launch [flags] JOB.json`. */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "common/job.h"
+#include "common/log.h"
+#include "common/tunable.h"
+#include "launcher/cli.h"
+#include "launcher/coordinator.h"
+#include "common/discovery.h"
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: meshrun launch [options] JOB.json\n"
+          "       meshrun launch --selfcheck [options] [JOB.json]\n"
+          "\n"
+          "Starts one worker per rank, sends each the plan and supervises them.\n"
+          "\n"
+          "  --nproc N              ranks (default: one per GPU, else cores / threads)\n"
+          "  --threads T            compute threads per CPU rank (default MESHRUN_THREADS or 1)\n"
+          "  --max-restarts K       group restarts after a failure (default 0)\n"
+          "  --log-dir DIR          per-rank logs and metrics (default runs/JOBNAME)\n"
+          "  --metrics FILE         per-step metrics, JSON lines (default LOG_DIR/metrics.jsonl)\n"
+          "  --heartbeat-timeout S  silence after which a rank is failed (default 30)\n"
+          "  --hang-timeout S       no rank progressing this long is a hang: diagnose,\n"
+          "                         then restart (default 300; 0 turns it off)\n"
+          "  --bind HOST:PORT       TCP address for remote workers (default 127.0.0.1:0)\n"
+          "  --selfcheck            run the built-in end-to-end check instead of the job\n");
+}
+
+static char *job_stem(const char *path) {
+  const char *base = strrchr(path, '/');
+  base = base ? base + 1 : path;
+  char *s = strdup(base);
+  char *dot = s ? strrchr(s, '.') : NULL;
+  if (dot != NULL && dot != s)
+    *dot = '\0';
+  return s;
+}
+
+int mr_cmd_launch(int argc, char **argv) {
+  static const struct option longopts[] = {
+      {"nproc", required_argument, NULL, 'n'},
+      {"threads", required_argument, NULL, 't'},
+      {"max-restarts", required_argument, NULL, 'r'},
+      {"log-dir", required_argument, NULL, 'l'},
+      {"metrics", required_argument, NULL, 'm'},
+      {"heartbeat-timeout", required_argument, NULL, 'h'},
+      {"bind", required_argument, NULL, 'b'},
+      {"hang-timeout", required_argument, NULL, 'H'},
+      {"selfcheck", no_argument, NULL, 's'},
+      {"help", no_argument, NULL, '?'},
+      {NULL, 0, NULL, 0}};
+  long nproc = 0, threads = 0, restarts = 0;
+  double hb = 30.0, hang = 300.0;
+  const char *log_dir = NULL, *metrics = NULL, *bind = "127.0.0.1:0";
+  int selfcheck = 0;
+  optind = 1;
+  opterr = 0;
+  int c;
+  while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+    switch (c) {
+    case 'n':
+      if (mr_cli_int("launch", "--nproc", optarg, 1, 100000, &nproc) < 0)
+        return 2;
+      break;
+    case 't':
+      if (mr_cli_int("launch", "--threads", optarg, 1, 4096, &threads) < 0)
+        return 2;
+      break;
+    case 'r':
+      if (mr_cli_int("launch", "--max-restarts", optarg, 0, 1000000, &restarts) < 0)
+        return 2;
+      break;
+    case 'l':
+      log_dir = optarg;
+      break;
+    case 'm':
+      metrics = optarg;
+      break;
+    case 'h':
+      if (mr_cli_num("launch", "--heartbeat-timeout", optarg, 0.05, 1e6, &hb) < 0)
+        return 2;
+      break;
+    case 'b':
+      bind = optarg;
+      break;
+    case 'H':
+      if (mr_cli_num("launch", "--hang-timeout", optarg, 0, 1e7, &hang) < 0)
+        return 2;
+      break;
+    case 's':
+      selfcheck = 1;
+      break;
+    default:
+      if (optopt == 0 && strcmp(argv[optind - 1], "--help") == 0) {
+        usage(stdout);
+        return 0;
+      }
+      fprintf(stderr, "meshrun launch: unknown or incomplete option \"%s\"\n",
+              argv[optind - 1]);
+      usage(stderr);
+      return 2;
+    }
+  }
+  int rest = argc - optind;
+  if (rest > 1 || (rest == 0 && !selfcheck)) {
+    fprintf(stderr, rest == 0 ? "meshrun launch: missing JOB.json\n"
+                              : "meshrun launch: expected one job file, got %d arguments\n",
+            rest);
+    usage(stderr);
+    return 2;
+  }
+  const char *job_path = rest == 1 ? argv[optind] : NULL;
+
+  struct mr_job job;
+  memset(&job, 0, sizeof job);
+  if (job_path != NULL && mr_job_load(job_path, &job) < 0) {
+    fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
+    return 2;
+  }
+  if (threads == 0)
+    threads = (long)mr_tunable_int(MR_TUNABLE_THREADS);
+  if (threads < 1)
+    threads = 1;
+  struct mr_devices devices;
+  if (mr_discover_devices(&devices) < 0) {
+    fprintf(stderr, "meshrun launch: device discovery failed: %s\n", mr_error_message());
+    mr_job_close(&job);
+    return 1;
+  }
+  if (nproc == 0)
+    nproc = mr_devices_default_nproc(&devices, (int)threads);
+
+  char worker[4096];
+  const char *wenv = getenv("MESHRUN_WORKER");
+  if (wenv != NULL && wenv[0] != '\0')
+    snprintf(worker, sizeof worker, "%s", wenv);
+  else if (mr_cli_find_sibling("meshrun-worker", "worker", worker, sizeof worker) < 0) {
+    fprintf(stderr, "meshrun launch: cannot find meshrun-worker beside meshrun or on PATH\n");
+    mr_devices_close(&devices);
+    mr_job_close(&job);
+    return 1;
+  }
+  char dir_buf[4096];
+  if (log_dir == NULL) {
+    char *stem = job_path != NULL ? job_stem(job_path) : strdup("selfcheck");
+    snprintf(dir_buf, sizeof dir_buf, "runs/%s", stem != NULL ? stem : "job");
+    free(stem);
+    log_dir = dir_buf;
+  }
+  if (mr_mkdir_p(log_dir) < 0) {
+    fprintf(stderr, "meshrun launch: --log-dir: %s\n", mr_error_message());
+    mr_devices_close(&devices);
+    mr_job_close(&job);
+    return 2;
+  }
+  mr_log_set_prefix("launcher");
+  struct mr_launch_opts opts = {
+      .nproc = (int)nproc,
+      .max_restarts = (int)restarts,
+      .log_dir = log_dir,
+      .heartbeat_timeout_s = hb,
+      .hang_timeout_s = hang,
+      .bind = bind,
+      .worker_bin = worker,
+      .threads = (int)threads,
+      .selfcheck = selfcheck,
+      .job = job_path != NULL ? &job : NULL,
+      .metrics_path = metrics,
+      .devices = &devices,
+  };
+  int code = mr_coordinator_run(&opts);
+  mr_devices_close(&devices);
+  mr_job_close(&job);
+  return code;
+}

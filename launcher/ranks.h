@@ -1,0 +1,127 @@
+/* ranks.h - the worker processes of one job: spawning them with their
+ * environment, their output (prefixed on the console, copied to per-rank
+ * logs, the last lines kept for failure messages), their exits, and the
+ * job's progress line.  The coordinator decides; this module carries out. */
+#ifndef MR_RANKS_H
+#define MR_RANKS_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <uv.h>
+
+#include "meshrun.pb-c.h"
+
+struct mr_conn;
+struct mr_ranks;
+
+#define MR_TAIL_LINES_MAX 64
+
+struct mr_line_buf {
+  char buf[4096];
+  size_t len;
+};
+
+struct mr_rank {
+  struct mr_ranks *set;
+  int rank;
+  uv_process_t proc;
+  uv_pipe_t out, err;
+  struct mr_line_buf obuf, ebuf;
+  int handles_open;        // process and pipe handles not yet closed
+  int running;             // spawned and not yet exited
+  int exited;
+  int64_t exit_status;
+  int term_signal;
+  int pid;
+  struct mr_conn *conn;    // borrowed; NULL until registered
+  int done;                // reported its job finished
+  int64_t spawn_ms;
+  int64_t last_seen_ms;    // last message of any kind
+  int64_t step;
+  uint64_t peak_memory;    // bytes
+  char error[256];         // last error it reported
+  FILE *log;               // log_dir/rank-N.log
+  char tail[MR_TAIL_LINES_MAX][256];
+  int tail_n, tail_pos;
+  int64_t last_done, waiting_on; // from heartbeats: instruction ids
+  char waiting_detail[160];
+  int64_t progress_ms;     // when step or last_done last changed
+};
+
+struct mr_spawn_env {
+  const char *worker_bin;
+  const char *coord_address;  // path of the Unix socket
+  const char *master_addr;
+  int master_port;
+  const char *job_id;
+  int token_fd;               // inherited as descriptor 3
+  int restart;
+  int threads;
+  const char *log_dir;
+};
+
+struct mr_ranks {
+  uv_loop_t *loop;
+  int n;
+  struct mr_rank *r;       // n entries, owned
+  const char *log_dir;     // borrowed
+  void *ctx;
+  void (*on_exit)(void *ctx, int rank, int64_t status, int signal);
+  int waiting_restart;     // a restart is pending its back-off
+  int tty;                 // stdout is a terminal: progress line in place
+  int progress_shown;      // a progress line is on screen (tty)
+  int64_t start_ms;
+  int64_t steps_total;
+  Meshrun__Metrics last;   // rank 0's last metrics
+  int have_last;
+};
+
+/* Monotonic milliseconds. */
+int64_t mr_now_ms(void);
+
+/* Prepares n ranks; opens nothing yet.  on_exit is called once per worker
+ * exit.  Returns 0 or MR_ENOMEM. */
+int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, const char *log_dir,
+                  void *ctx, void (*on_exit)(void *, int, int64_t, int));
+
+/* Frees what init allocated; every handle must be closed already. */
+void mr_ranks_close(struct mr_ranks *s);
+
+/* Spawns every rank.  Returns 0, or an error after spawning none (those
+ * already started are signalled). */
+int mr_ranks_spawn_all(struct mr_ranks *s, const struct mr_spawn_env *env);
+
+/* Sends sig to rank i / to every running rank. */
+void mr_ranks_signal(struct mr_ranks *s, int i, int sig);
+void mr_ranks_signal_all(struct mr_ranks *s, int sig);
+
+/* Sends a Control message to every registered rank. */
+void mr_ranks_send_control(struct mr_ranks *s, Meshrun__Control__Kind kind);
+
+/* Closes every rank's RPC connection. */
+void mr_ranks_close_conns(struct mr_ranks *s);
+
+/* True when no rank process is running / when every handle is closed. */
+int mr_ranks_all_exited(const struct mr_ranks *s);
+int mr_ranks_all_closed(const struct mr_ranks *s);
+
+/* Describes, on one line per rank, where every rank is: what it completed
+ * and what it waits on.  Writes into buf (NUL-terminated). */
+void mr_ranks_describe_positions(const struct mr_ranks *s, char *buf, size_t n);
+
+/* Records a heartbeat's position. */
+void mr_ranks_heartbeat(struct mr_ranks *s, int rank, const Meshrun__Heartbeat *hb);
+
+/* Shows rank 0's step metrics as the job's progress. */
+void mr_ranks_progress(struct mr_ranks *s, const Meshrun__Metrics *m, uint64_t peak,
+                       int64_t steps_total, int64_t log_interval);
+
+/* Prints the final failure: what failed, and the failed rank's last log
+ * lines, on stderr. */
+void mr_ranks_report_failure(struct mr_ranks *s, int rank, const char *failure,
+                             int max_restarts);
+
+/* Prints the job's closing summary (training jobs). */
+void mr_ranks_print_summary(struct mr_ranks *s);
+
+#endif

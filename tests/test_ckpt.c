@@ -1,0 +1,293 @@
+/* test_ckpt.c - checkpoints and recovery end to end: ranks killed at random
+ * moments (during a checkpoint write too) and the job's final weights
+ * bitwise those of an uninterrupted run; corrupt and half-written
+ * checkpoints never loaded; SIGTERM preemption; resume on another world
+ * size. */
+#include <check.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "check_main.h"
+#include "common/ckpt.h"
+#include "common/error.h"
+#include "testutil.h"
+
+static void write_job(const char *dir, const char *name, int steps, int every,
+                      const char *ckpt) {
+  char path[200];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "w");
+  fprintf(f,
+          "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"
+          " \"intermediate_size\": 128, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
+          " \"num_key_value_heads\": 2, \"max_position_embeddings\": 64},"
+          " \"data\": {\"train\": \"train.bin\"},"
+          " \"train\": {\"steps\": %d, \"global_batch\": 4, \"seq_len\": 32, \"lr\": 0.01, \"seed\": 5},"
+          " \"checkpoint\": {\"dir\": \"%s\", \"save_interval_steps\": %d, \"keep_last\": 2}}\n",
+          steps, ckpt, every);
+  fclose(f);
+}
+
+static void start(struct mr_tproc *p, const char *dir, const char *job, const char *run,
+                  int nproc, int restarts, char *const env[]) {
+  static char jobp[200], logdir[200], n[8], r[8];
+  snprintf(jobp, sizeof jobp, "%s/%s", dir, job);
+  snprintf(logdir, sizeof logdir, "%s/%s", dir, run);
+  snprintf(n, sizeof n, "%d", nproc);
+  snprintf(r, sizeof r, "%d", restarts);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", n, "--threads", "1",
+                  "--max-restarts", r, "--log-dir", logdir, jobp, NULL};
+  mr_t_spawn(p, dir, argv, env);
+}
+
+static int run_to_end(const char *dir, const char *job, const char *run, int nproc) {
+  struct mr_tproc p;
+  start(&p, dir, job, run, nproc, 0, NULL);
+  int code = mr_t_wait(&p, 120);
+  if (code != 0) {
+    char *err = mr_t_slurp(p.err_path);
+    fprintf(stderr, "%s failed (%d):\n%s\n", run, code, err);
+    free(err);
+  }
+  return code;
+}
+
+static void setup(char *dir, size_t n) {
+  mr_t_tmpdir(dir, n);
+  char data[160];
+  snprintf(data, sizeof data, "%s/train.bin", dir);
+  mr_t_write_tokens(data, 40000);
+}
+
+START_TEST(test_ckpt_killed_ranks_resume_bitwise) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "ref.json", 24, 3, "ck-ref");
+  write_job(dir, "faulty.json", 24, 3, "ck-faulty");
+  ck_assert_int_eq(run_to_end(dir, "ref.json", "ref", 2), 0);
+
+  /* five kills of a random rank at random moments; the third lands while a
+   * checkpoint write is paused half way (rank 0 writes the files) */
+  static char delay[] = "MESHRUN_TEST_CKPT_DELAY_MS=150";
+  char *env[] = {delay, NULL};
+  struct mr_tproc p;
+  start(&p, dir, "faulty.json", "faulty", 2, 10, env);
+  srand(12345);
+  int kills = 0;
+  char ckroot[160];
+  snprintf(ckroot, sizeof ckroot, "%s/ck-faulty", dir);
+  char metrics[200];
+  snprintf(metrics, sizeof metrics, "%s/faulty/metrics.jsonl", dir);
+  int64_t at_step = 1;
+  while (kills < 5) {
+    /* let the restarted group make progress first: a random step ahead */
+    at_step += 2 + rand() % 4;
+    if (at_step > 22)
+      break;
+    char want[64];
+    snprintf(want, sizeof want, "\"step\": %lld, ", (long long)at_step);
+    char tag[32];
+    snprintf(tag, sizeof tag, "\"restart\": %d}", kills);
+    int reached = 0;
+    for (double end = mr_t_now() + 60; !reached && mr_t_now() < end;) {
+      char *m = mr_t_slurp(metrics);
+      for (char *line = strstr(m, want); line != NULL && !reached; line = strstr(line + 1, want)) {
+        char *eol = strchr(line, '\n');
+        char *t = strstr(line, tag);
+        reached = t != NULL && (eol == NULL || t < eol);
+      }
+      free(m);
+      if (!reached)
+        usleep(2000);
+    }
+    ck_assert_msg(reached, "step %lld of restart %d never came", (long long)at_step, kills);
+    usleep((useconds_t)(1000 * (rand() % 40)));
+    pid_t kids[8];
+    int n = mr_t_children(p.pid, kids, 8);
+    if (n < 1)
+      break;
+    if (kills == 2) {
+      /* wait for a step folder with rank 0's file but no marker yet */
+      int caught = 0;
+      for (int tries = 0; tries < 3000 && !caught; tries++) {
+        for (int st = 3; st <= 24 && !caught; st += 3) {
+          char d[200], f[260], mk[260];
+          mr_ckpt_step_dir(ckroot, st, d, sizeof d);
+          snprintf(f, sizeof f, "%s/rank-0.safetensors", d);
+          snprintf(mk, sizeof mk, "%s/COMPLETE", d);
+          caught = access(f, F_OK) == 0 && access(mk, F_OK) != 0;
+        }
+        if (!caught)
+          usleep(1000);
+      }
+      ck_assert_msg(caught, "never saw a checkpoint half written");
+      n = mr_t_children(p.pid, kids, 8);
+      ck_assert_int_ge(n, 1);
+      kill(kids[0], SIGKILL);
+    } else {
+      kill(kids[rand() % n], SIGKILL);
+    }
+    kills++;
+  }
+  int code = mr_t_wait(&p, 120);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "the faulty run failed (%d):\n%s", code, err);
+  ck_assert_msg(kills == 5, "only %d kills landed", kills);
+  ck_assert_ptr_nonnull(strstr(err, "restarting the group"));
+  ck_assert_ptr_nonnull(strstr(err, "resuming from"));
+  free(err);
+  char a[200], b[200];
+  snprintf(a, sizeof a, "%s/ref/model.safetensors", dir);
+  snprintf(b, sizeof b, "%s/faulty/model.safetensors", dir);
+  ck_assert_msg(mr_t_same_file(a, b), "final weights differ from the uninterrupted run");
+}
+END_TEST
+
+START_TEST(test_ckpt_corrupt_or_incomplete_checkpoint_skipped) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "a.json", 6, 2, "ck");
+  ck_assert_int_eq(run_to_end(dir, "a.json", "a", 1), 0);
+  char ck[160], d6[200], d4[200], f[260];
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  mr_ckpt_step_dir(ck, 6, d6, sizeof d6);
+  mr_ckpt_step_dir(ck, 4, d4, sizeof d4);
+  int64_t step;
+  ck_assert_int_eq(mr_ckpt_verify(d6, &step), 0);
+  ck_assert_int_eq(step, 6);
+  /* flip one byte of the newest checkpoint's data */
+  snprintf(f, sizeof f, "%s/rank-0.safetensors", d6);
+  FILE *fp = fopen(f, "r+b");
+  fseek(fp, -5, SEEK_END);
+  int ch = fgetc(fp);
+  fseek(fp, -5, SEEK_END);
+  fputc(ch ^ 0x40, fp);
+  fclose(fp);
+  ck_assert_int_eq(mr_ckpt_verify(d6, &step), MR_EFORMAT);
+  /* an incomplete one, newer still: files but no marker */
+  char d8[200];
+  mr_ckpt_step_dir(ck, 8, d8, sizeof d8);
+  mkdir(d8, 0755);
+  char junk[260];
+  snprintf(junk, sizeof junk, "%s/rank-0.safetensors", d8);
+  fclose(fopen(junk, "w"));
+  write_job(dir, "b.json", 8, 0, "ck");
+  struct mr_tproc p;
+  start(&p, dir, "b.json", "b", 1, 0, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 60), 0);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(strstr(err, "step-00000008: no completion marker") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "checksum mismatch") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "resuming from") != NULL && strstr(err, "step-00000004") != NULL,
+                "%s", err);
+  free(err);
+  /* resumed from step 4: the log shows steps 5..8 only */
+  char metrics[200];
+  snprintf(metrics, sizeof metrics, "%s/b/metrics.jsonl", dir);
+  double loss[16];
+  ck_assert_int_eq(mr_t_read_losses(metrics, loss, 16), 4);
+}
+END_TEST
+
+START_TEST(test_ckpt_sigterm_checkpoints_and_exits_0) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "long.json", 100000, 0, "ck");
+  struct mr_tproc p;
+  start(&p, dir, "long.json", "run", 2, 0, NULL);
+  char metrics[200];
+  snprintf(metrics, sizeof metrics, "%s/run/metrics.jsonl", dir);
+  ck_assert(mr_t_wait_for_text(metrics, "\"step\": 3,", 60) >= 0);
+  double t0 = mr_t_now();
+  kill(p.pid, SIGTERM);
+  int code = mr_t_wait(&p, 30);
+  double took = mr_t_now() - t0;
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "exit %d:\n%s", code, err);
+  ck_assert_msg(took < 5.0, "took %.2f s", took);
+  ck_assert_ptr_nonnull(strstr(err, "stopping for preemption"));
+  free(err);
+  char ck[160], latest[4096];
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  int64_t step;
+  ck_assert_int_eq(mr_ckpt_find_latest(ck, latest, sizeof latest, &step), 1);
+  ck_assert_int_ge(step, 3);
+  /* the relaunch continues from it */
+  write_job(dir, "more.json", (int)step + 2, 0, "ck");
+  start(&p, dir, "more.json", "run2", 2, 0, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 60), 0);
+  snprintf(metrics, sizeof metrics, "%s/run2/metrics.jsonl", dir);
+  char want[32];
+  snprintf(want, sizeof want, "\"step\": %lld,", (long long)step + 1);
+  char *m = mr_t_slurp(metrics);
+  ck_assert_msg(strstr(m, want) != NULL && strstr(m, "\"step\": 1,") == NULL, "%s", m);
+  free(m);
+}
+END_TEST
+
+START_TEST(test_ckpt_resume_on_another_world_size) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "full.json", 8, 0, "ck-full");
+  write_job(dir, "first.json", 4, 4, "ck");
+  write_job(dir, "second.json", 8, 0, "ck");
+  ck_assert_int_eq(run_to_end(dir, "full.json", "full", 4), 0);
+  ck_assert_int_eq(run_to_end(dir, "first.json", "first", 4), 0);  /* dp4 saves step 4 */
+  ck_assert_int_eq(run_to_end(dir, "second.json", "second", 2), 0); /* dp2 resumes */
+  double full[8], second[8];
+  char m[200];
+  snprintf(m, sizeof m, "%s/full/metrics.jsonl", dir);
+  ck_assert_int_eq(mr_t_read_losses(m, full, 8), 8);
+  snprintf(m, sizeof m, "%s/second/metrics.jsonl", dir);
+  ck_assert_int_eq(mr_t_read_losses(m, second, 8), 4);
+  for (int s = 0; s < 4; s++)
+    ck_assert_msg(fabs(second[s] - full[4 + s]) <= 1e-4 * fabs(full[4 + s]),
+                  "step %d: %.7f after resuming on 2 ranks vs %.7f uninterrupted on 4", 5 + s,
+                  second[s], full[4 + s]);
+}
+END_TEST
+
+START_TEST(test_ckpt_hang_in_collective_diagnosed_then_restarted) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "h.json", 6, 2, "ck");
+  static char stall[] = "MESHRUN_TEST_STALL=1:4";
+  char *env[] = {stall, NULL};
+  static char jobp[200], logdir[200];
+  snprintf(jobp, sizeof jobp, "%s/h.json", dir);
+  snprintf(logdir, sizeof logdir, "%s/h", dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--hang-timeout", "1",
+                  "--log-dir", logdir, jobp, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, env);
+  int code = mr_t_wait(&p, 60);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
+  ck_assert_msg(strstr(err, "rank 1 is stuck outside communication") != NULL, "%s", err);
+  /* the others wait in the gradient AllReduce on the data group, and say
+   * which rank has not arrived */
+  ck_assert_msg(strstr(err, "AllReduce") != NULL && strstr(err, "data{0,1}") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "rank 0: step 3") != NULL, "%s", err);
+  free(err);
+}
+END_TEST
+
+static Suite *ckpt_suite(void) {
+  Suite *s = suite_create("ckpt");
+  TCase *tc = tcase_create("recovery");
+  tcase_set_timeout(tc, 300);
+  tcase_add_test(tc, test_ckpt_killed_ranks_resume_bitwise);
+  tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
+  tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
+  tcase_add_test(tc, test_ckpt_resume_on_another_world_size);
+  tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed_then_restarted);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+MR_TEST_MAIN(ckpt_suite)

@@ -1,0 +1,312 @@
+/* test_job.c - the job file and model configs: what parses, what is
+ * rejected and how the message names the file and field; and the CLI's
+ * exit code 2 on bad input. */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check_main.h"
+#include "common/error.h"
+#include "common/job.h"
+#include "common/model_config.h"
+#include "testutil.h"
+
+static const char *llama_inline =
+    "{\"model_type\": \"llama\", \"vocab_size\": 256, \"hidden_size\": 64, "
+    "\"intermediate_size\": 172, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, "
+    "\"num_key_value_heads\": 2, \"max_position_embeddings\": 128}";
+
+static int parse(const char *fmt, const char *inner, struct mr_job *job) {
+  char text[4096];
+  snprintf(text, sizeof text, fmt, llama_inline, inner);
+  return mr_job_parse(text, "job.json", "/jobs", job);
+}
+
+START_TEST(test_job_smallest_job_gets_defaults) {
+  struct mr_job job;
+  ck_assert_int_eq(parse("{\"model\": %s, \"data\": {\"train\": \"d/train.bin\"}%s}", "", &job), 0);
+  ck_assert_str_eq(job.data_train, "/jobs/d/train.bin");
+  ck_assert_ptr_null(job.data_val);
+  ck_assert_int_eq(job.train.steps, 200);
+  ck_assert_int_eq(job.train.global_batch, 8);
+  ck_assert_int_eq(job.train.seq_len, 256);
+  ck_assert(job.train.lr == 1e-3 && job.train.beta1 == 0.9 && job.train.beta2 == 0.999);
+  ck_assert(job.train.eps == 1e-8 && job.train.weight_decay == 0.01);
+  ck_assert_int_eq(job.strategy.auto_mode, MR_AUTO_FULL);
+  ck_assert_int_eq(job.strategy.dp, 0);
+  ck_assert_int_eq(job.strategy.zero_stage, -1);
+  ck_assert_int_eq(job.strategy.sequence_parallel, -1);
+  ck_assert_int_eq(job.model.family, MR_MODEL_LLAMA);
+  ck_assert_int_eq(job.model.num_key_value_heads, 2);
+  ck_assert(job.model.rms_norm_eps == 1e-6 && job.model.rope_theta == 10000.0);
+  ck_assert_int_eq(job.model.tie_word_embeddings, 0);
+  ck_assert_ptr_nonnull(job.text);
+  /* the canonical text re-parses to the same job, model inline */
+  struct mr_job again;
+  ck_assert_int_eq(mr_job_parse(job.text, "canon", "/elsewhere", &again), 0);
+  ck_assert_str_eq(again.data_train, "/jobs/d/train.bin");
+  ck_assert_int_eq(again.model.hidden_size, 64);
+  ck_assert_int_eq(again.model.intermediate_size, 172);
+  mr_job_close(&again);
+  mr_job_close(&job);
+}
+END_TEST
+
+START_TEST(test_job_full_example_parses) {
+  const char *full =
+      ", \"train\": {\"steps\": 20, \"global_batch\": 16, \"seq_len\": 64, \"lr\": 3e-4,"
+      " \"schedule\": \"cosine\", \"warmup_steps\": 2, \"min_lr\": 1e-5,"
+      " \"weight_decay\": 0.1, \"betas\": [0.9, 0.95], \"eps\": 1e-6, \"grad_clip\": 0.5,"
+      " \"seed\": 7, \"init\": \"random\", \"eval_interval_steps\": 5, \"eval_batches\": 2,"
+      " \"log_interval_steps\": 10},"
+      " \"strategy\": {\"auto_mode\": \"semi\", \"data_parallel\": {\"degree\": 2},"
+      " \"tensor_parallel\": {\"degree\": 2}, \"pipeline_parallel\": {\"degree\": 2,"
+      " \"schedule\": \"interleaved\", \"micro_batches\": 4, \"virtual_stages\": 2},"
+      " \"sequence_parallel\": {\"enable\": true}, \"sharding\": {\"stage\": 2, \"offload\": true},"
+      " \"recompute\": {\"enable\": true, \"granularity\": \"selective\","
+      " \"checkpoint_every_n_layers\": 2}, \"amp\": {\"dtype\": \"bf16\", \"init_loss_scaling\": 512},"
+      " \"gradient_accumulation_steps\": 2},"
+      " \"shard_rules\": [{\"match\": \"q_proj|k_proj\", \"placements\": {\"model\": \"Shard(0)\"}},"
+      " {\"match\": \"o_proj\", \"placements\": {\"model\": \"Shard(1)\", \"data\": \"Replicate()\"}}],"
+      " \"checkpoint\": {\"dir\": \"ck\", \"save_interval_steps\": 10, \"keep_last\": 2},"
+      " \"cluster\": \"/c/cpu.json\"";
+  struct mr_job job;
+  int rc = parse("{\"model\": %s, \"data\": {\"train\": \"t.bin\", \"val\": \"/abs/v.bin\"}%s}",
+                 full, &job);
+  ck_assert_msg(rc == 0, "%s", mr_error_message());
+  ck_assert_str_eq(job.data_val, "/abs/v.bin");
+  ck_assert_int_eq(job.train.schedule, MR_SCHEDULE_COSINE);
+  ck_assert(job.train.beta2 == 0.95 && job.train.grad_clip == 0.5);
+  ck_assert_int_eq(job.train.seed, 7);
+  ck_assert_ptr_null(job.train.init);
+  ck_assert_int_eq(job.strategy.auto_mode, MR_AUTO_SEMI);
+  ck_assert_int_eq(job.strategy.dp * job.strategy.tp * job.strategy.pp, 8);
+  ck_assert_int_eq(job.strategy.pp_schedule, MR_PP_INTERLEAVED);
+  ck_assert_int_eq(job.strategy.virtual_stages, 2);
+  ck_assert_int_eq(job.strategy.micro_batches, 4);
+  ck_assert_int_eq(job.strategy.sequence_parallel, 1);
+  ck_assert_int_eq(job.strategy.zero_stage, 2);
+  ck_assert_int_eq(job.strategy.offload, 1);
+  ck_assert_int_eq(job.strategy.recompute_granularity, MR_RECOMPUTE_SELECTIVE);
+  ck_assert_int_eq(job.strategy.amp_dtype, MR_AMP_BF16);
+  ck_assert(job.strategy.init_loss_scaling == 512);
+  ck_assert_int_eq(job.n_shard_rules, 2);
+  ck_assert_str_eq(job.shard_rules[1].match, "o_proj");
+  ck_assert_int_eq(job.shard_rules[1].n_placements, 2);
+  ck_assert_str_eq(job.shard_rules[1].placements[0].mesh_dim, "model");
+  ck_assert_str_eq(job.shard_rules[1].placements[0].placement, "Shard(1)");
+  ck_assert_str_eq(job.checkpoint.dir, "/jobs/ck");
+  ck_assert_str_eq(job.cluster, "/c/cpu.json");
+  mr_job_close(&job);
+}
+END_TEST
+
+/* Parses and expects MR_EJOB with every listed fragment in the message. */
+static void expect_error(const char *body, const char *const *fragments) {
+  struct mr_job job;
+  int rc = parse(body, "", &job);
+  ck_assert_msg(rc == MR_EJOB, "accepted: %s", body);
+  const char *msg = mr_error_message();
+  for (int i = 0; fragments[i] != NULL; i++)
+    ck_assert_msg(strstr(msg, fragments[i]) != NULL, "message lacks \"%s\":\n%s",
+                  fragments[i], msg);
+}
+
+START_TEST(test_job_wrong_type_names_field_path) {
+  const char *want[] = {"job.json: strategy.pipeline_parallel.degree: expected a positive integer, got \"two\"",
+                        NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"strategy\": "
+               "{\"pipeline_parallel\": {\"degree\": \"two\"}}}",
+               want);
+}
+END_TEST
+
+START_TEST(test_job_unknown_fields_all_reported) {
+  const char *want[] = {"job.json: trian: unknown field", "job.json: train.stpes: unknown field",
+                        "job.json: strategy.sharding.stag: unknown field", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"trian\": 1,"
+               " \"train\": {\"stpes\": 3}, \"strategy\": {\"sharding\": {\"stag\": 1}}}",
+               want);
+}
+END_TEST
+
+START_TEST(test_job_out_of_range_and_inconsistent_values) {
+  const char *w1[] = {"strategy.sharding.stage: expected an integer in [0, 3], got 4", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"strategy\": {\"sharding\": {\"stage\": 4}}}", w1);
+  const char *w2[] = {"train.steps: expected a positive integer, got 2.5", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"train\": {\"steps\": 2.5}}", w2);
+  const char *w3[] = {"virtual_stages: more than one virtual stage needs schedule \"interleaved\"", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"strategy\": {\"pipeline_parallel\":"
+               " {\"degree\": 2, \"schedule\": \"1f1b\", \"virtual_stages\": 2}}}", w3);
+  const char *w4[] = {"sequence_parallel.enable: sequence parallelism shards along the tensor-parallel group", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"strategy\": {\"tensor_parallel\":"
+               " {\"degree\": 1}, \"sequence_parallel\": {\"enable\": true}}}", w4);
+  const char *w5[] = {"train.schedule: expected \"constant\" or \"cosine\", got \"linear\"", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"train\": {\"schedule\": \"linear\"}}", w5);
+  const char *w6[] = {"shard_rules[0].placements.model: expected \"Shard(d)\"", "got \"Shard(x)\"", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"shard_rules\": [{\"match\": \"q\","
+               " \"placements\": {\"model\": \"Shard(x)\"}}]}", w6);
+  const char *w7[] = {"shard_rules[0].match: expected a POSIX extended regex", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"shard_rules\": [{\"match\": \"q(\","
+               " \"placements\": {\"model\": \"Shard(0)\"}}]}", w7);
+  const char *w8[] = {"job.json: data: missing", NULL};
+  expect_error("{\"model\": %s%s}", w8);
+  const char *w9[] = {"train.betas: expected each in [0, 1)", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"train\": {\"betas\": [0.9, 1.5]}}", w9);
+}
+END_TEST
+
+START_TEST(test_model_config_errors_name_key) {
+  struct mr_model_config c;
+  const char *cases[][2] = {
+      {"{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_attention_heads\": 5}",
+       "num_attention_heads: expected a divisor of the hidden size (64), got 5"},
+      {"{\"model_type\": \"llama\", \"num_attention_heads\": 8, \"num_key_value_heads\": 3}",
+       "num_key_value_heads: expected a divisor of num_attention_heads (8), got 3"},
+      {"{\"model_type\": \"bert\"}", "model_type: expected \"llama\" or \"gpt2\""},
+      {"{\"model_type\": \"llama\", \"hidden_act\": \"gelu\"}", "hidden_act: only \"silu\" is supported"},
+      {"{\"model_type\": \"gpt2\", \"n_embd\": \"big\"}", "n_embd: expected a positive integer, got \"big\""},
+      {"{\"model_type\": \"llama\", \"rope_scaling\": {\"type\": \"linear\"}}", "rope_scaling: not supported"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    struct mr_job job;
+    char text[1024];
+    snprintf(text, sizeof text, "{\"model\": %s, \"data\": {\"train\": \"t\"}}", cases[i][0]);
+    ck_assert_int_eq(mr_job_parse(text, "j.json", ".", &job), MR_EJOB);
+    ck_assert_msg(strstr(mr_error_message(), cases[i][1]) != NULL, "case %zu: %s", i,
+                  mr_error_message());
+  }
+  /* GPT-2 defaults as in transformers' GPT2Config */
+  struct mr_job job;
+  ck_assert_int_eq(mr_job_parse("{\"model\": {\"architectures\": [\"GPT2LMHeadModel\"]},"
+                                " \"data\": {\"train\": \"t\"}, \"train\": {\"seq_len\": 1024}}",
+                                "j.json", ".", &job), 0);
+  c = job.model;
+  ck_assert_int_eq(c.family, MR_MODEL_GPT2);
+  ck_assert_int_eq(c.vocab_size, 50257);
+  ck_assert_int_eq(c.hidden_size, 768);
+  ck_assert_int_eq(c.intermediate_size, 3072);
+  ck_assert_int_eq(c.num_hidden_layers, 12);
+  ck_assert_int_eq(c.max_position_embeddings, 1024);
+  ck_assert(c.layer_norm_epsilon == 1e-5 && c.tie_word_embeddings == 1);
+  /* 124,439,808: GPT-2 small's published parameter count */
+  ck_assert_int_eq(mr_model_param_count(&c), 124439808);
+  mr_job_close(&job);
+  /* seq_len beyond GPT-2's positions is caught */
+  ck_assert_int_eq(mr_job_parse("{\"model\": {\"model_type\": \"gpt2\", \"n_positions\": 64},"
+                                " \"data\": {\"train\": \"t\"}, \"train\": {\"seq_len\": 65}}",
+                                "j.json", ".", &job), MR_EJOB);
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "train.seq_len: expected at most the model's n_positions (64)"));
+}
+END_TEST
+
+START_TEST(test_model_config_llama_param_count) {
+  /* Llama-2-7B's config gives its published 6,738,415,616 parameters */
+  struct mr_job job;
+  ck_assert_int_eq(mr_job_parse("{\"model\": {\"architectures\": [\"LlamaForCausalLM\"],"
+                                " \"vocab_size\": 32000, \"hidden_size\": 4096,"
+                                " \"intermediate_size\": 11008, \"num_hidden_layers\": 32,"
+                                " \"num_attention_heads\": 32, \"num_key_value_heads\": 32,"
+                                " \"rms_norm_eps\": 1e-05, \"tie_word_embeddings\": false,"
+                                " \"torch_dtype\": \"float16\", \"bos_token_id\": 1},"
+                                " \"data\": {\"train\": \"t\"}}", "j.json", ".", &job), 0);
+  ck_assert_int_eq(mr_model_param_count(&job.model), 6738415616LL);
+  mr_job_close(&job);
+}
+END_TEST
+
+/* Runs `meshrun launch` on a job file and returns the exit code; the
+ * stderr text is left in *err (caller frees). */
+static int launch_job(const char *dir, const char *job_text, char **err) {
+  char path[128];
+  snprintf(path, sizeof path, "%s/job.json", dir);
+  if (job_text != NULL) {
+    FILE *f = fopen(path, "w");
+    fputs(job_text, f);
+    fclose(f);
+  } else {
+    snprintf(path, sizeof path, "%s/missing.json", dir);
+  }
+  char logdir[160];
+  snprintf(logdir, sizeof logdir, "%s/logs", dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "1", "--log-dir", logdir, path, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, NULL);
+  int code = mr_t_wait(&p, 20);
+  *err = mr_t_slurp(p.err_path);
+  return code;
+}
+
+START_TEST(test_cli_bad_job_files_exit_2_naming_file_and_field) {
+  char dir[64], *err;
+  mr_t_tmpdir(dir, sizeof dir);
+  ck_assert_int_eq(launch_job(dir, NULL, &err), 2);
+  ck_assert_msg(strstr(err, "missing.json: No such file or directory") != NULL, "%s", err);
+  free(err);
+  ck_assert_int_eq(launch_job(dir, "{\"model\": {\n  \"model_type\": \"llama\",,\n}", &err), 2);
+  ck_assert_msg(strstr(err, "job.json: not valid JSON: line 2") != NULL, "%s", err);
+  free(err);
+  ck_assert_int_eq(launch_job(dir, "{\"model\": {\"model_type\": \"llama\"}, \"data\": {\"train\": \"t\"},"
+                                   " \"strategy\": {\"pipeline_parallel\": {\"degree\": \"two\"}}}", &err), 2);
+  ck_assert_msg(strstr(err, "job.json: strategy.pipeline_parallel.degree: expected a positive integer, got \"two\"") != NULL, "%s", err);
+  free(err);
+  ck_assert_int_eq(launch_job(dir, "{\"model\": {\"model_type\": \"llama\"}, \"data\": {\"train\": \"t\"},"
+                                   " \"optimizer\": {}}", &err), 2);
+  ck_assert_msg(strstr(err, "job.json: optimizer: unknown field") != NULL, "%s", err);
+  free(err);
+  ck_assert_int_eq(launch_job(dir, "{\"model\": \"nope/config.json\", \"data\": {\"train\": \"t\"}}", &err), 2);
+  ck_assert_msg(strstr(err, "nope/config.json: No such file or directory") != NULL, "%s", err);
+  free(err);
+}
+END_TEST
+
+START_TEST(test_cli_bad_flags_exit_2) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct {
+    char *args[6];
+    const char *want;
+  } cases[] = {
+      {{"launch", "--nproc", "zero", "--selfcheck", NULL}, "--nproc: expected an integer in [1, 100000], got \"zero\""},
+      {{"launch", "--heartbeat-timeout", "-1", "--selfcheck", NULL}, "--heartbeat-timeout: expected a number"},
+      {{"launch", "--frobnicate", "--selfcheck", NULL}, "unknown or incomplete option \"--frobnicate\""},
+      {{"launch", NULL}, "missing JOB.json"},
+      {{"teleport", NULL}, "unknown command \"teleport\""},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char *argv[8] = {(char *)mr_t_meshrun()};
+    int n = 1;
+    for (int k = 0; cases[i].args[k] != NULL; k++)
+      argv[n++] = cases[i].args[k];
+    argv[n] = NULL;
+    struct mr_tproc p;
+    mr_t_spawn(&p, dir, argv, NULL);
+    ck_assert_int_eq(mr_t_wait(&p, 10), 2);
+    char *err = mr_t_slurp(p.err_path);
+    ck_assert_msg(strstr(err, cases[i].want) != NULL, "case %zu: %s", i, err);
+    free(err);
+  }
+}
+END_TEST
+
+static Suite *job_suite(void) {
+  Suite *s = suite_create("job");
+  TCase *tc = tcase_create("parse");
+  tcase_add_test(tc, test_job_smallest_job_gets_defaults);
+  tcase_add_test(tc, test_job_full_example_parses);
+  tcase_add_test(tc, test_job_wrong_type_names_field_path);
+  tcase_add_test(tc, test_job_unknown_fields_all_reported);
+  tcase_add_test(tc, test_job_out_of_range_and_inconsistent_values);
+  tcase_add_test(tc, test_model_config_errors_name_key);
+  tcase_add_test(tc, test_model_config_llama_param_count);
+  suite_add_tcase(s, tc);
+  TCase *cli = tcase_create("cli");
+  tcase_set_timeout(cli, 60);
+  tcase_add_test(cli, test_cli_bad_job_files_exit_2_naming_file_and_field);
+  tcase_add_test(cli, test_cli_bad_flags_exit_2);
+  suite_add_tcase(s, cli);
+  return s;
+}
+
+MR_TEST_MAIN(job_suite)

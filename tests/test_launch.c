@@ -1,0 +1,363 @@
+/* test_launch.c - `meshrun launch` end to end: the real launcher and real
+ * workers on the self-check job, with failures injected from outside. */
+#include <check.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "check_main.h"
+#include "common/auth.h"
+#include "common/frame.h"
+#include "common/rpc.h"
+#include "testutil.h"
+
+/* Starts `meshrun launch --selfcheck` with nproc ranks and extra flags. */
+static void launch(struct mr_tproc *p, const char *dir, int nproc, const char *steps,
+                   char *const flags[]) {
+  static char steps_env[64], nproc_s[16], logdir[300];
+  snprintf(steps_env, sizeof steps_env, "MESHRUN_SELFCHECK_STEPS=%s", steps);
+  snprintf(nproc_s, sizeof nproc_s, "%d", nproc);
+  snprintf(logdir, sizeof logdir, "%s/logs", dir);
+  char *argv[32] = {(char *)mr_t_meshrun(), "launch", "--selfcheck", "--nproc", nproc_s,
+                    "--log-dir", logdir};
+  int n = 7;
+  for (int i = 0; flags != NULL && flags[i] != NULL && n < 30; i++)
+    argv[n++] = flags[i];
+  argv[n] = NULL;
+  char *env[] = {steps_env, NULL};
+  mr_t_spawn(p, dir, argv, env);
+}
+
+/* Waits until every rank has registered (its log shows the job started). */
+static void wait_registered(const char *dir, int nproc) {
+  for (int i = 0; i < nproc; i++) {
+    char path[320];
+    snprintf(path, sizeof path, "%s/logs/rank-%d.log", dir, i);
+    ck_assert_msg(mr_t_wait_for_text(path, "steps of", 10) >= 0, "rank %d never started", i);
+  }
+}
+
+START_TEST(test_launch_selfcheck_four_ranks_fast) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  /* a wrapper records each worker's environment, then becomes the worker */
+  char wrapper[128], script[1024];
+  snprintf(wrapper, sizeof wrapper, "%s/worker.sh", dir);
+  snprintf(script, sizeof script,
+           "#!/bin/sh\nenv > \"$MESHRUN_LOG_DIR/env-$RANK\"\nexec %s\n", mr_t_worker());
+  FILE *f = fopen(wrapper, "w");
+  fputs(script, f);
+  fclose(f);
+  chmod(wrapper, 0755);
+  static char wenv[160];
+  snprintf(wenv, sizeof wenv, "MESHRUN_WORKER=%s", wrapper);
+  putenv(wenv);
+  struct mr_tproc p;
+  double t0 = mr_t_now();
+  launch(&p, dir, 4, "3", NULL);
+  int code = mr_t_wait(&p, 20);
+  double took = mr_t_now() - t0;
+  ck_assert_int_eq(code, 0);
+  ck_assert_msg(took < 2.0, "self-check took %.2f s", took);
+  char *out = mr_t_slurp(p.out_path);
+  ck_assert_ptr_nonnull(strstr(out, "self-check passed: 4 ranks"));
+  for (int i = 0; i < 4; i++) {
+    char want[64], path[160];
+    snprintf(want, sizeof want, "[rank %d] self-check ok: rank %d of 4", i, i);
+    ck_assert_msg(strstr(out, want) != NULL, "console lacks \"%s\"", want);
+    snprintf(path, sizeof path, "%s/logs/rank-%d.log", dir, i);
+    char *log = mr_t_slurp(path);
+    snprintf(want, sizeof want, "self-check ok: rank %d of 4", i);
+    ck_assert_msg(strstr(log, want) != NULL, "rank %d log lacks its line", i);
+    free(log);
+    snprintf(path, sizeof path, "%s/logs/env-%d", dir, i);
+    char *env = mr_t_slurp(path);
+    char line[64];
+    snprintf(line, sizeof line, "\nRANK=%d\n", i);
+    ck_assert_msg(strstr(env, line) != NULL, "rank %d: RANK missing", i);
+    snprintf(line, sizeof line, "\nLOCAL_RANK=%d\n", i);
+    ck_assert(strstr(env, line) != NULL);
+    ck_assert(strstr(env, "\nWORLD_SIZE=4\n") != NULL);
+    ck_assert(strstr(env, "\nLOCAL_WORLD_SIZE=4\n") != NULL);
+    ck_assert(strstr(env, "\nMASTER_ADDR=127.0.0.1\n") != NULL);
+    ck_assert(strstr(env, "\nMASTER_PORT=") != NULL);
+    /* the token travels on a descriptor, never in the environment */
+    ck_assert(strstr(env, "MESHRUN_TOKEN_FD=3") != NULL);
+    ck_assert(strstr(env, "TOKEN=") == NULL || strstr(env, "TOKEN_FD=3") != NULL);
+    free(env);
+  }
+  free(out);
+}
+END_TEST
+
+START_TEST(test_launch_sigkill_detected_fast_and_group_restarts) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct mr_tproc p;
+  char *flags[] = {"--max-restarts", "1", NULL};
+  launch(&p, dir, 3, "40", flags);
+  wait_registered(dir, 3);
+  pid_t kids[16];
+  int n = mr_t_children(p.pid, kids, 16);
+  ck_assert_int_eq(n, 3);
+  double t_kill = mr_t_now();
+  kill(kids[1], SIGKILL);
+  double seen = mr_t_wait_for_text(p.err_path, "was killed by signal 9", 5);
+  ck_assert_msg(seen >= 0, "the kill was never reported");
+  double detect = mr_t_now() - t_kill;
+  ck_assert_msg(detect < 1.0, "detected after %.3f s", detect);
+  int code = mr_t_wait(&p, 30);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "exit %d, stderr:\n%s", code, err);
+  ck_assert_ptr_nonnull(strstr(err, "restarting the group (restart 1 of 1)"));
+  free(err);
+  char *out = mr_t_slurp(p.out_path);
+  ck_assert_ptr_nonnull(strstr(out, "self-check passed: 3 ranks"));
+  free(out);
+}
+END_TEST
+
+START_TEST(test_launch_no_restarts_left_names_rank_and_signal) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct mr_tproc p;
+  char *flags[] = {"--max-restarts", "0", NULL};
+  launch(&p, dir, 2, "200", flags);
+  wait_registered(dir, 2);
+  pid_t kids[16];
+  ck_assert_int_eq(mr_t_children(p.pid, kids, 16), 2);
+  /* which rank is it?  its environment says */
+  char path[64], *env;
+  snprintf(path, sizeof path, "/proc/%d/environ", (int)kids[0]);
+  int fd = open(path, O_RDONLY);
+  char buf[16384];
+  ssize_t r = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  ck_assert_int_gt(r, 0);
+  buf[r] = '\0';
+  int rank = -1;
+  for (char *s = buf; s < buf + r; s += strlen(s) + 1)
+    if (strncmp(s, "RANK=", 5) == 0)
+      rank = atoi(s + 5);
+  ck_assert_int_ge(rank, 0);
+  kill(kids[0], SIGKILL);
+  int code = mr_t_wait(&p, 20);
+  ck_assert_int_ne(code, 0);
+  ck_assert_int_lt(code, 128); /* an orderly failure exit, not a crash */
+  env = mr_t_slurp(p.err_path);
+  char want[96];
+  snprintf(want, sizeof want, "job failed after 0 restarts: rank %d (pid %d) was killed by signal 9",
+           rank, (int)kids[0]);
+  ck_assert_msg(strstr(env, want) != NULL, "stderr lacks \"%s\":\n%s", want, env);
+  snprintf(want, sizeof want, "last 1 line of rank %d's log", rank);
+  ck_assert_msg(strstr(env, want) != NULL, "stderr lacks the log tail:\n%s", env);
+  free(env);
+}
+END_TEST
+
+START_TEST(test_launch_sigstopped_worker_caught_by_heartbeat_timeout) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct mr_tproc p;
+  char *flags[] = {"--heartbeat-timeout", "0.5", NULL};
+  launch(&p, dir, 2, "500", flags);
+  wait_registered(dir, 2);
+  pid_t kids[16];
+  ck_assert_int_eq(mr_t_children(p.pid, kids, 16), 2);
+  double t0 = mr_t_now();
+  kill(kids[1], SIGSTOP);
+  int code = mr_t_wait(&p, 20);
+  double took = mr_t_now() - t0;
+  ck_assert_int_eq(code, 1);
+  ck_assert_msg(took < 3.0, "took %.2f s to give up", took);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(strstr(err, "sent no heartbeat") != NULL, "stderr:\n%s", err);
+  free(err);
+  ck_assert(mr_t_gone(kids[1]));
+}
+END_TEST
+
+START_TEST(test_launch_no_orphans_after_launcher_sigkill) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct mr_tproc p;
+  launch(&p, dir, 3, "500", NULL);
+  wait_registered(dir, 3);
+  pid_t kids[16];
+  int n = mr_t_children(p.pid, kids, 16);
+  ck_assert_int_eq(n, 3);
+  kill(p.pid, SIGKILL);
+  mr_t_wait(&p, 5);
+  double end = mr_t_now() + 2.0;
+  int alive = n;
+  while (alive > 0 && mr_t_now() < end) {
+    alive = 0;
+    for (int i = 0; i < n; i++)
+      alive += !mr_t_gone(kids[i]);
+    usleep(5000);
+  }
+  ck_assert_msg(alive == 0, "%d workers outlived the launcher", alive);
+}
+END_TEST
+
+START_TEST(test_launch_sigterm_stops_every_worker) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct mr_tproc p;
+  launch(&p, dir, 2, "500", NULL);
+  wait_registered(dir, 2);
+  pid_t kids[16];
+  int n = mr_t_children(p.pid, kids, 16);
+  ck_assert_int_eq(n, 2);
+  kill(p.pid, SIGTERM);
+  int code = mr_t_wait(&p, 10);
+  ck_assert_int_eq(code, 128 + SIGTERM);
+  for (int i = 0; i < n; i++)
+    ck_assert(mr_t_gone(kids[i]));
+}
+END_TEST
+
+/* Reads coordinator.json's "unix" address. */
+static void coordinator_address(const char *dir, char *addr, size_t n) {
+  char path[160];
+  snprintf(path, sizeof path, "%s/logs/coordinator.json", dir);
+  ck_assert(mr_t_wait_for_text(path, "\"tcp\"", 10) >= 0);
+  char *s = mr_t_slurp(path);
+  char *u = strstr(s, "\"unix\": \"unix:");
+  ck_assert_ptr_nonnull(u);
+  u += strlen("\"unix\": \"unix:");
+  char *q = strchr(u, '"');
+  snprintf(addr, n, "%.*s", (int)(q - u), u);
+  free(s);
+}
+
+static int connect_unix(const char *path) {
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+  ck_assert_int_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  return fd;
+}
+
+/* True when the peer closes fd within timeout (reading and dropping). */
+static int closed_within(int fd, double timeout_s) {
+  double end = mr_t_now() + timeout_s;
+  struct timeval tv = {.tv_sec = 0, .tv_usec = 50000};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  while (mr_t_now() < end) {
+    char buf[4096];
+    ssize_t r = recv(fd, buf, sizeof buf, 0);
+    if (r == 0)
+      return 1;
+  }
+  return 0;
+}
+
+START_TEST(test_launch_bad_clients_refused_job_still_finishes) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct mr_tproc p;
+  launch(&p, dir, 2, "60", NULL);
+  char addr[128];
+  coordinator_address(dir, addr, sizeof addr);
+
+  /* 1. skips the handshake: sends a Hello straight away */
+  int fd = connect_unix(addr);
+  Meshrun__Hello hello = MESHRUN__HELLO__INIT;
+  hello.protocol_version = MR_PROTOCOL_VERSION;
+  hello.requested_rank = 0;
+  Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
+  env.msg_case = MESHRUN__ENVELOPE__MSG_HELLO;
+  env.hello = &hello;
+  ck_assert_int_eq(mr_rpc_send_fd(fd, &env), 0);
+  ck_assert_msg(closed_within(fd, 3), "a client without a handshake was not dropped");
+  close(fd);
+
+  /* 2. an oversized frame header */
+  fd = connect_unix(addr);
+  uint8_t h[4];
+  mr_frame_put_header(h, 0xfffffff0u);
+  ck_assert_int_eq(send(fd, h, 4, MSG_NOSIGNAL), 4);
+  ck_assert(closed_within(fd, 3));
+  close(fd);
+
+  /* 3. garbage bytes */
+  fd = connect_unix(addr);
+  uint8_t junk[] = {5, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff};
+  ck_assert_int_eq(send(fd, junk, sizeof junk, MSG_NOSIGNAL), (ssize_t)sizeof junk);
+  ck_assert(closed_within(fd, 3));
+  close(fd);
+
+  /* 4. a real worker with the wrong token, from a 0600 file */
+  char tok_path[128];
+  snprintf(tok_path, sizeof tok_path, "%s/wrong.token", dir);
+  uint8_t wrong[32];
+  mr_auth_random(wrong, sizeof wrong);
+  ck_assert_int_eq(mr_auth_token_write_file(tok_path, wrong), 0);
+  static char e_coord[200], e_tok[200];
+  snprintf(e_coord, sizeof e_coord, "MESHRUN_COORD=unix:%s", addr);
+  snprintf(e_tok, sizeof e_tok, "MESHRUN_TOKEN_FILE=%s", tok_path);
+  char *wenv[] = {e_coord, e_tok, "RANK=0", NULL};
+  char *wargv[] = {(char *)mr_t_worker(), NULL};
+  struct mr_tproc w;
+  mr_t_spawn(&w, dir, wargv, wenv);
+  int wcode = mr_t_wait(&w, 10);
+  ck_assert_int_eq(wcode, 1);
+  char *werr = mr_t_slurp(w.err_path);
+  ck_assert_msg(strstr(werr, "refused our job token") != NULL, "worker said:\n%s", werr);
+  free(werr);
+
+  int code = mr_t_wait(&p, 20);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "the job did not survive the bad clients: %d\n%s", code, err);
+  ck_assert_ptr_nonnull(strstr(err, "sent a message before authenticating"));
+  ck_assert_ptr_nonnull(strstr(err, "bad frame"));
+  ck_assert_ptr_nonnull(strstr(err, "bad message"));
+  ck_assert_ptr_nonnull(strstr(err, "wrong job token"));
+  free(err);
+}
+END_TEST
+
+START_TEST(test_launch_hang_diagnosed_naming_rank_and_operation) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct mr_tproc p;
+  static char stall[] = "MESHRUN_TEST_STALL=2:3";
+  putenv(stall);
+  char *flags[] = {"--hang-timeout", "0.5", NULL};
+  launch(&p, dir, 3, "20", flags);
+  int code = mr_t_wait(&p, 20);
+  ck_assert_int_eq(code, 1);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(strstr(err, "hang: no rank made progress") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "rank 2 is stuck outside communication") != NULL, "%s", err);
+  ck_assert(strstr(err, "rank 0: step 3, completed #5, waits on #6: rendezvous \"selfcheck/step-3\"") != NULL);
+  ck_assert(strstr(err, "rank 1: step 3") != NULL);
+  ck_assert(strstr(err, "rendezvous \"selfcheck/step-3\": 2 of 3 arrived; missing: rank 2") != NULL);
+  free(err);
+}
+END_TEST
+
+static Suite *launch_suite(void) {
+  Suite *s = suite_create("launch");
+  TCase *tc = tcase_create("e2e");
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, test_launch_selfcheck_four_ranks_fast);
+  tcase_add_test(tc, test_launch_sigkill_detected_fast_and_group_restarts);
+  tcase_add_test(tc, test_launch_no_restarts_left_names_rank_and_signal);
+  tcase_add_test(tc, test_launch_sigstopped_worker_caught_by_heartbeat_timeout);
+  tcase_add_test(tc, test_launch_no_orphans_after_launcher_sigkill);
+  tcase_add_test(tc, test_launch_sigterm_stops_every_worker);
+  tcase_add_test(tc, test_launch_bad_clients_refused_job_still_finishes);
+  tcase_add_test(tc, test_launch_hang_diagnosed_naming_rank_and_operation);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+MR_TEST_MAIN(launch_suite)

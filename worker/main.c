@@ -1,0 +1,207 @@
+/* main.c - `meshrun-worker`: one rank.  Started by `meshrun launch` (or by
+ * hand on a remote node with MESHRUN_COORD and MESHRUN_TOKEN_FILE), it
+ * registers with the coordinator, receives the plan, runs it and reports. */
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include "common/auth.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/job.h"
+#include "common/tunable.h"
+#include "worker/bootstrap_rpc.h"
+#include "worker/client.h"
+#include "worker/comm/comm.h"
+#include "worker/selfcheck.h"
+#include "worker/train.h"
+
+static struct mr_client client;
+
+static void on_sigterm(int sig) {
+  (void)sig;
+  atomic_store(&client.stop_requested, 1);
+}
+
+static int env_int(const char *name, int def) {
+  const char *v = getenv(name);
+  if (v == NULL || v[0] == '\0')
+    return def;
+  char *end;
+  long x = strtol(v, &end, 10);
+  return *end == '\0' ? (int)x : def;
+}
+
+/* Dies with the launcher: the kernel sends SIGKILL when the parent exits;
+ * a launcher that died before the prctl is caught by the pid check. */
+static void bind_to_launcher(void) {
+  int launcher = env_int("MESHRUN_LAUNCHER_PID", 0);
+  if (launcher <= 0)
+    return;
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != launcher) {
+    fprintf(stderr, "meshrun-worker: the launcher (pid %d) is gone\n", launcher);
+    _exit(1);
+  }
+}
+
+static int read_token(uint8_t token[MR_TOKEN_BYTES]) {
+  const char *file = getenv("MESHRUN_TOKEN_FILE");
+  if (file != NULL && file[0] != '\0')
+    return mr_auth_token_read_file(file, token);
+  int fd = env_int("MESHRUN_TOKEN_FD", -1);
+  if (fd < 0)
+    return mr_error_set(MR_EAUTH, "no job token: set MESHRUN_TOKEN_FILE (a 0600 file) "
+                                  "or start the worker with meshrun launch");
+  int rc = mr_auth_token_read_fd(fd, token);
+  close(fd); /* the job's children never see it */
+  return rc;
+}
+
+static const char *comm_blocked(void *ctx, char *buf, size_t len) {
+  struct mr_comm *comm = ctx;
+  return comm->ops->blocked(comm, buf, len);
+}
+
+/* A training plan: the job travels in the plan as its canonical text, with
+ * every path already resolved by the launcher. */
+static int run_training(struct mr_client *c) {
+  const Meshrun__Plan *plan = c->plan;
+  char *text = malloc(plan->body.len + 1);
+  if (text == NULL)
+    return MR_ENOMEM;
+  memcpy(text, plan->body.data, plan->body.len);
+  text[plan->body.len] = '\0';
+  struct mr_job job;
+  int rc = mr_job_parse(text, "the plan's job", "/", &job);
+  free(text);
+  MR_TRY(rc);
+  const char *log_dir = getenv("MESHRUN_LOG_DIR");
+  if (log_dir == NULL || log_dir[0] == '\0')
+    log_dir = ".";
+  char weights[4096];
+  snprintf(weights, sizeof weights, "%s/model.safetensors", log_dir);
+  /* what this runtime executes today: data parallelism over every rank */
+  const struct mr_strategy_hint *h = &job.strategy;
+  if ((h->tp > 1) || (h->pp > 1) || (h->dp > 0 && h->dp != c->world_size) ||
+      h->zero_stage > 0 || h->sequence_parallel == 1) {
+    mr_job_close(&job);
+    return mr_error_set(MR_ENOTSUP,
+                        "this worker runs data parallelism over all %d ranks only "
+                        "(no tensor/pipeline/sequence parallelism or ZeRO yet)",
+                        c->world_size);
+  }
+  struct mr_comm *comm = NULL;
+  struct mr_comm_group *world = NULL;
+  if (c->world_size > 1) {
+    struct mr_bootstrap_rpc boot;
+    mr_bootstrap_rpc_init(&boot, c);
+    rc = mr_comm_cpu_ops()->open(&boot.bs, &comm);
+    int *ranks = calloc((size_t)c->world_size, sizeof *ranks);
+    for (int i = 0; rc == 0 && ranks != NULL && i < c->world_size; i++)
+      ranks[i] = i;
+    if (rc == 0)
+      rc = ranks != NULL ? comm->ops->group_new(comm, "data", ranks, c->world_size, &world)
+                         : MR_ENOMEM;
+    free(ranks);
+    if (rc < 0) {
+      if (comm != NULL)
+        comm->ops->close(comm);
+      mr_job_close(&job);
+      return rc;
+    }
+  }
+  if (comm != NULL)
+    mr_client_set_blocked_probe(c, comm_blocked, comm);
+  struct mr_reporter rep;
+  mr_client_reporter(c, &rep);
+  struct mr_run_env env = {
+      .rank = c->rank,
+      .world_size = c->world_size,
+      .local_rank = c->local_rank,
+      .threads = (int)mr_tunable_int(MR_TUNABLE_THREADS),
+      .log_dir = log_dir,
+      .metrics_path = NULL, /* the coordinator writes the job's metrics file */
+      .weights_out = c->rank == 0 ? weights : NULL,
+      .reporter = &rep,
+      .dp_group = world,
+      .resume_dir = plan->resume_dir != NULL && plan->resume_dir[0] != '\0' ? plan->resume_dir
+                                                                             : NULL,
+  };
+  rc = mr_train_run(&job, &env);
+  mr_client_set_blocked_probe(c, NULL, NULL);
+  if (comm != NULL)
+    comm->ops->close(comm);
+  if (rc == 0 && rep.stop_requested(rep.ctx))
+    rc = mr_error_set(MR_ECANCELED, "stopped by the coordinator");
+  if (rc == 0)
+    rc = mr_client_report_done(c, job.train.steps, NULL, 0);
+  mr_job_close(&job);
+  return rc;
+}
+
+static int run(void) {
+  const char *coord = getenv("MESHRUN_COORD");
+  if (coord == NULL || coord[0] == '\0')
+    return mr_error_set(MR_EINVAL, "MESHRUN_COORD is not set (unix:PATH or tcp:HOST:PORT)");
+  uint8_t token[MR_TOKEN_BYTES];
+  MR_TRY(mr_auth_init());
+  MR_TRY(read_token(token));
+  int rc = mr_client_connect(&client, coord, token, env_int("RANK", -1),
+                             env_int("MESHRUN_RESTART", 0));
+  memset(token, 0, sizeof token);
+  MR_TRY(rc);
+  if (getenv("MESHRUN_LAUNCHER_PID") == NULL) {
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "rank %d", client.rank);
+    mr_log_set_prefix(prefix);
+  }
+  MR_TRY(mr_client_start(&client));
+  mr_client_set_state(&client, MESHRUN__HEARTBEAT__STATE__RUNNING);
+  switch (client.plan->kind) {
+  case MESHRUN__PLAN__KIND__SELFCHECK:
+    rc = mr_selfcheck_run(&client);
+    break;
+  case MESHRUN__PLAN__KIND__TRAIN:
+    rc = run_training(&client);
+    break;
+  default:
+    rc = mr_error_set(MR_ENOTSUP, "this worker cannot run plans of kind %d",
+                      (int)client.plan->kind);
+  }
+  if (rc < 0 && rc != MR_ECANCELED)
+    mr_client_report_error(&client, rc, mr_error_message());
+  mr_client_set_state(&client, MESHRUN__HEARTBEAT__STATE__DONE);
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1) {
+    fprintf(stderr, "meshrun-worker: unknown command \"%s\" (workers are started by "
+                    "meshrun launch)\n", argv[1]);
+    return 2;
+  }
+  bind_to_launcher();
+  if (getenv("MESHRUN_LAUNCHER_PID") != NULL)
+    mr_log_set_prefix(""); /* the launcher prefixes our lines with [rank N] */
+  else
+    mr_log_set_prefix("worker");
+  signal(SIGPIPE, SIG_IGN);
+  signal(SIGINT, SIG_IGN); /* the launcher decides; it stops us with SIGTERM */
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_sigterm;
+  sigaction(SIGTERM, &sa, NULL);
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  int rc = run();
+  if (rc < 0 && rc != MR_ECANCELED)
+    MR_ERROR("worker", "%s", mr_error_message());
+  mr_client_close(&client);
+  if (rc == MR_ECANCELED)
+    return 143;
+  return rc < 0 ? 1 : 0;
+}
