@@ -1,7 +1,8 @@
 /* kernels.c - microbenchmark of the CPU backend's kernels at the shapes of
  * the LLaMA models this project trains.
  *
- *   bench_kernels [threads]      (default: MESHRUN_THREADS, else 2)
+ *   bench_kernels [threads [repetitions]]   (default: MESHRUN_THREADS, else
+ *                                            2; 7 repetitions)
  *
  * Prints, per matmul shape, GFLOP/s of our row-split sgemm on the pool next
  * to OpenBLAS's own multi-threaded sgemm with the same thread count and
@@ -38,7 +39,7 @@ static float *randf(size_t n) {
   return x;
 }
 
-enum { REPS = 7 };
+static int REPS = 7; /* repetitions; the best is kept */
 
 struct mm {
   const char *what;
@@ -231,7 +232,7 @@ static void bench_llama_step(struct mr_pool *pool, const struct llama *m) {
   struct mr_attn_shape as = {.B = m->B, .T = m->T, .H = m->H, .Hkv = m->Hkv, .D = D};
   struct mr_adamw h = mr_adamw_defaults();
   double best = 1e9, t_attn = 0, t_mm = 0;
-  for (int rep = 0; rep < 3; rep++) {
+  for (int rep = 0; rep < (REPS + 1) / 2; rep++) {
     double t0 = now(), ta = 0, tm = 0, q0;
     float *emb = P + (size_t)m->L * per_layer, *head = emb + (size_t)m->V * C;
     CHECK(mr_cpu_embedding_fwd(pool, x, emb, tok, N, m->V, C));
@@ -377,6 +378,8 @@ int main(int argc, char **argv) {
   }
   if (threads <= 0)
     threads = 2;
+  if (argc > 2 && atoi(argv[2]) > 0)
+    REPS = atoi(argv[2]);
   struct mr_pool *pool = NULL;
   if (mr_pool_new(threads, &pool) < 0) {
     fprintf(stderr, "pool: %s\n", mr_error_message());
@@ -390,7 +393,7 @@ int main(int argc, char **argv) {
   bench_attention(pool, 8, 256, 8, 2, 32);
   bench_attention(pool, 4, 256, 8, 8, 64);
   bench_streaming(pool);
-  printf("one training step's kernels, back to back (best of 3)\n");
+  printf("one training step's kernels, back to back (best of %d)\n", (REPS + 1) / 2);
   bench_llama_step(pool, &(struct llama){4, 256, 688, 8, 8, 256, 8, 256});
   bench_llama_step(pool, &(struct llama){8, 512, 1376, 8, 8, 256, 8, 256});
   mr_pool_free(pool);
