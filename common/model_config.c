@@ -206,7 +206,7 @@ char *mr_model_config_to_json(const struct mr_model_config *c) {
   }
   cJSON_AddNumberToObject(o, "initializer_range", c->initializer_range);
   cJSON_AddStringToObject(o, "torch_dtype", "float32");
-  char *s = cJSON_Print(o);
+  char *s = cJSON_PrintUnformatted(o);
   cJSON_Delete(o);
   return s;
 }
