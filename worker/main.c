@@ -17,6 +17,7 @@
 #include "worker/bootstrap_rpc.h"
 #include "worker/client.h"
 #include "worker/logits.h"
+#include "worker/sample.h"
 #include "worker/comm/comm.h"
 #include "worker/selfcheck.h"
 #include "worker/train.h"
@@ -182,6 +183,8 @@ static int run(void) {
 }
 
 int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "sample") == 0)
+    return mr_sample_main(argc - 1, argv + 1);
   if (argc > 1 && strcmp(argv[1], "logits") == 0)
     return mr_logits_main(argc - 1, argv + 1);
   if (argc > 1) {
