@@ -1,0 +1,493 @@
+/* ops.c - the op registry table: inference, gradient builders, costs. */
+#include "common/ops.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "common/error.h"
+
+#define T(g, id) (&(g)->tensors[(id)])
+#define ROWS(g, id) (T(g, id)->shape[0])
+#define COLS(g, id) (T(g, id)->ndim > 1 ? T(g, id)->shape[1] : 1)
+#define NUMEL(g, id) ((double)mr_tensor_numel(T(g, id)))
+
+static void set2(struct mr_shape *s, int64_t a, int64_t b, enum mr_dtype dt) {
+  s->ndim = 2;
+  s->d[0] = a;
+  s->d[1] = b;
+  s->dtype = dt;
+}
+
+static void set1(struct mr_shape *s, int64_t a, enum mr_dtype dt) {
+  s->ndim = 1;
+  s->d[0] = a;
+  s->dtype = dt;
+}
+
+static void like(struct mr_shape *s, const struct mr_tensor *t) {
+  s->ndim = t->ndim;
+  memcpy(s->d, t->shape, sizeof s->d);
+  s->dtype = t->dtype;
+}
+
+static int need(int ok, const struct mr_graph *g, const struct mr_op *op,
+                const char *what) {
+  if (ok)
+    return 0;
+  char ins[400];
+  int n = 0;
+  ins[0] = 0;
+  for (int i = 0; i < op->n_in && n < 300; i++) {
+    if (op->in[i] < 0)
+      continue;
+    const struct mr_tensor *t = T(g, op->in[i]);
+    n += snprintf(ins + n, sizeof ins - (size_t)n, " %s[", t->name);
+    for (int d = 0; d < t->ndim && n < 380; d++)
+      n += snprintf(ins + n, sizeof ins - (size_t)n, d ? ",%lld" : "%lld",
+                    (long long)t->shape[d]);
+    if (n < 390)
+      n += snprintf(ins + n, sizeof ins - (size_t)n, "]");
+  }
+  return mr_error_set(MR_ESHAPE, "op %s: %s (inputs:%s)",
+                      mr_op_def(op->kind)->name, what, ins);
+}
+
+static int is2d(const struct mr_graph *g, int id) { return T(g, id)->ndim == 2; }
+
+static int same_shape(const struct mr_graph *g, int a, int b) {
+  const struct mr_tensor *x = T(g, a), *y = T(g, b);
+  if (x->ndim != y->ndim)
+    return 0;
+  for (int i = 0; i < x->ndim; i++)
+    if (x->shape[i] != y->shape[i])
+      return 0;
+  return 1;
+}
+
+/* ---- inference ---- */
+
+static int infer_embedding(const struct mr_graph *g, const struct mr_op *op,
+                           struct mr_shape *o) {
+  int ids = op->in[0], w = op->in[1];
+  MR_TRY(need(T(g, ids)->ndim == 1 && T(g, ids)->dtype == MR_I32 && is2d(g, w),
+              g, op, "expected ids[N] int32 and table[V,C]"));
+  set2(o, ROWS(g, ids), COLS(g, w), MR_F32);
+  return 0;
+}
+
+static int infer_embedding_bwd(const struct mr_graph *g, const struct mr_op *op,
+                               struct mr_shape *o) {
+  int ids = op->in[0], d = op->in[1];
+  MR_TRY(need(T(g, ids)->dtype == MR_I32 && is2d(g, d) &&
+                  ROWS(g, d) == ROWS(g, ids) && op->attr[0] >= 1,
+              g, op, "expected ids[N], dout[N,C] and a0 = vocab"));
+  set2(o, (int64_t)op->attr[0], COLS(g, d), MR_F32);
+  return 0;
+}
+
+static void mm_dims(const struct mr_graph *g, const struct mr_op *op,
+                    int64_t *m, int64_t *k, int64_t *k2, int64_t *n) {
+  int a = op->in[0], b = op->in[1];
+  *m = op->attr[0] ? COLS(g, a) : ROWS(g, a);
+  *k = op->attr[0] ? ROWS(g, a) : COLS(g, a);
+  *k2 = op->attr[1] ? COLS(g, b) : ROWS(g, b);
+  *n = op->attr[1] ? ROWS(g, b) : COLS(g, b);
+}
+
+static int infer_matmul(const struct mr_graph *g, const struct mr_op *op,
+                        struct mr_shape *o) {
+  MR_TRY(need(is2d(g, op->in[0]) && is2d(g, op->in[1]), g, op,
+              "expected 2-D operands"));
+  int64_t m, k, k2, n;
+  mm_dims(g, op, &m, &k, &k2, &n);
+  MR_TRY(need(k == k2, g, op, "inner dimensions differ"));
+  if (op->n_in > 2 && op->in[2] >= 0)
+    MR_TRY(need(T(g, op->in[2])->ndim == 1 && ROWS(g, op->in[2]) == n, g, op,
+                "bias must be [N]"));
+  set2(o, m, n, MR_F32);
+  return 0;
+}
+
+static int infer_bias_grad(const struct mr_graph *g, const struct mr_op *op,
+                           struct mr_shape *o) {
+  MR_TRY(need(is2d(g, op->in[0]), g, op, "expected dy[M,N]"));
+  set1(o, COLS(g, op->in[0]), MR_F32);
+  return 0;
+}
+
+static int infer_same(const struct mr_graph *g, const struct mr_op *op,
+                      struct mr_shape *o) {
+  for (int i = 1; i < op->n_in; i++)
+    MR_TRY(need(same_shape(g, op->in[0], op->in[i]), g, op,
+                "operands must have the same shape"));
+  like(o, T(g, op->in[0]));
+  return 0;
+}
+
+/* dy-first backward of an elementwise pair: outputs like inputs 1.. */
+static int infer_elem_bwd(const struct mr_graph *g, const struct mr_op *op,
+                          struct mr_shape *o) {
+  for (int i = 1; i < op->n_in; i++)
+    MR_TRY(need(same_shape(g, op->in[0], op->in[i]), g, op,
+                "operands must have the same shape"));
+  for (int i = 0; i < mr_op_def(op->kind)->n_out; i++)
+    like(&o[i], T(g, op->in[0]));
+  return 0;
+}
+
+static int infer_norm(const struct mr_graph *g, const struct mr_op *op,
+                      struct mr_shape *o) {
+  int x = op->in[0];
+  MR_TRY(need(is2d(g, x), g, op, "expected x[N,C]"));
+  for (int i = 1; i < op->n_in; i++)
+    MR_TRY(need(T(g, op->in[i])->ndim == 1 && ROWS(g, op->in[i]) == COLS(g, x),
+                g, op, "weight and bias must be [C]"));
+  like(&o[0], T(g, x));
+  for (int i = 1; i < mr_op_def(op->kind)->n_out; i++)
+    set1(&o[i], ROWS(g, x), MR_F32);
+  return 0;
+}
+
+static int infer_norm_bwd(const struct mr_graph *g, const struct mr_op *op,
+                          struct mr_shape *o) {
+  int dy = op->in[0], x = op->in[1], w = op->in[2];
+  MR_TRY(need(is2d(g, x) && same_shape(g, dy, x) &&
+                  ROWS(g, w) == COLS(g, x),
+              g, op, "expected dy, x [N,C] and w [C]"));
+  like(&o[0], T(g, x));
+  for (int i = 1; i < mr_op_def(op->kind)->n_out; i++)
+    set1(&o[i], COLS(g, x), MR_F32);
+  return 0;
+}
+
+static int infer_rope(const struct mr_graph *g, const struct mr_op *op,
+                      struct mr_shape *o) {
+  int x = op->in[0];
+  int64_t t = (int64_t)op->attr[0], h = (int64_t)op->attr[1];
+  MR_TRY(need(is2d(g, x) && t > 0 && h > 0 && ROWS(g, x) % t == 0 &&
+                  COLS(g, x) % h == 0 && (COLS(g, x) / h) % 2 == 0,
+              g, op, "expected x[B*T, H*D] with T | rows, H | cols, even D"));
+  like(o, T(g, x));
+  return 0;
+}
+
+static int infer_attention(const struct mr_graph *g, const struct mr_op *op,
+                           struct mr_shape *o) {
+  int q = op->in[0], k = op->in[1], v = op->in[2];
+  int64_t t = (int64_t)op->attr[0], h = (int64_t)op->attr[1],
+          kh = (int64_t)op->attr[2];
+  MR_TRY(need(t > 0 && h > 0 && kh > 0 && h % kh == 0 && is2d(g, q) &&
+                  ROWS(g, q) % t == 0 && COLS(g, q) % h == 0 &&
+                  same_shape(g, k, v) && ROWS(g, k) == ROWS(g, q) &&
+                  COLS(g, k) == COLS(g, q) / h * kh,
+              g, op, "expected q[B*T,H*D], k and v [B*T,KH*D], KH | H"));
+  like(&o[0], T(g, q));
+  set2(&o[1], ROWS(g, q), h, MR_F32);
+  return 0;
+}
+
+static int infer_attention_bwd(const struct mr_graph *g, const struct mr_op *op,
+                               struct mr_shape *o) {
+  MR_TRY(need(same_shape(g, op->in[0], op->in[1]) &&
+                  same_shape(g, op->in[1], op->in[4]),
+              g, op, "do, q and o must match"));
+  like(&o[0], T(g, op->in[1]));
+  like(&o[1], T(g, op->in[2]));
+  like(&o[2], T(g, op->in[3]));
+  return 0;
+}
+
+static int infer_split3(const struct mr_graph *g, const struct mr_op *op,
+                        struct mr_shape *o) {
+  int x = op->in[0];
+  MR_TRY(need(is2d(g, x) && COLS(g, x) % 3 == 0, g, op,
+              "expected x[N,3C]"));
+  for (int i = 0; i < 3; i++)
+    set2(&o[i], ROWS(g, x), COLS(g, x) / 3, MR_F32);
+  return 0;
+}
+
+static int infer_concat3(const struct mr_graph *g, const struct mr_op *op,
+                         struct mr_shape *o) {
+  MR_TRY(infer_same(g, op, o));
+  MR_TRY(need(is2d(g, op->in[0]), g, op, "expected 2-D parts"));
+  o->d[1] *= 3;
+  return 0;
+}
+
+static int infer_xent(const struct mr_graph *g, const struct mr_op *op,
+                      struct mr_shape *o) {
+  int l = op->in[0], y = op->in[1];
+  MR_TRY(need(is2d(g, l) && T(g, y)->ndim == 1 && T(g, y)->dtype == MR_I32 &&
+                  ROWS(g, y) == ROWS(g, l),
+              g, op, "expected logits[N,V] and targets[N] int32"));
+  set1(&o[0], 1, MR_F32);
+  set1(&o[1], ROWS(g, l), MR_F32);
+  return 0;
+}
+
+static int infer_xent_bwd(const struct mr_graph *g, const struct mr_op *op,
+                          struct mr_shape *o) {
+  MR_TRY(need(NUMEL(g, op->in[0]) == 1 && is2d(g, op->in[1]), g, op,
+              "expected dloss[1] and logits[N,V]"));
+  like(o, T(g, op->in[1]));
+  return 0;
+}
+
+/* ---- gradient builders ---- */
+
+/* Name for the gradient of tensor id. */
+static const char *gname(struct mr_graph *g, int id, char *buf, size_t n) {
+  snprintf(buf, n, "grad/%.80s", T(g, id)->name);
+  return buf;
+}
+
+static int emit(struct mr_graph *g, int kind, const char *name, const int *in,
+                int n_in, const double *attr, int *out) {
+  int rc = mr_graph_op(g, kind, name, in, n_in, attr, out);
+  if (rc < 0)
+    return rc;
+  g->ops[rc].backward = 1;
+  return 0;
+}
+
+static int grad_embedding(struct mr_graph *g, int op_id, const int *dout,
+                          int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  din[0] = -1;
+  double a[MR_OP_MAX_ATTR] = {(double)ROWS(g, op.in[1])};
+  int in[2] = {op.in[0], dout[0]};
+  return emit(g, MR_OP_EMBEDDING_BWD, gname(g, op.in[1], nm, sizeof nm), in, 2,
+              a, &din[1]);
+}
+
+static int grad_matmul(struct mr_graph *g, int op_id, const int *dout,
+                       int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  int ta = op.attr[0] != 0, tb = op.attr[1] != 0, a = op.in[0], b = op.in[1];
+  int dc = dout[0];
+  /* C = op(A) op(B).  dA: if !ta, dC op(B)^T; else op(B) dC^T. */
+  {
+    int in[2];
+    double at[MR_OP_MAX_ATTR] = {0};
+    if (!ta) {
+      in[0] = dc, in[1] = b, at[0] = 0, at[1] = !tb;
+    } else {
+      in[0] = b, in[1] = dc, at[0] = tb, at[1] = 1;
+    }
+    MR_TRY(emit(g, MR_OP_MATMUL, gname(g, a, nm, sizeof nm), in, 2, at, &din[0]));
+  }
+  {
+    int in[2];
+    double at[MR_OP_MAX_ATTR] = {0};
+    /* dB: if !tb, op(A)^T dC; else dC^T op(A). */
+    if (!tb) {
+      in[0] = a, in[1] = dc, at[0] = !ta, at[1] = 0;
+    } else {
+      in[0] = dc, in[1] = a, at[0] = 1, at[1] = ta;
+    }
+    MR_TRY(emit(g, MR_OP_MATMUL, gname(g, b, nm, sizeof nm), in, 2, at, &din[1]));
+  }
+  if (op.n_in > 2 && op.in[2] >= 0) {
+    int in[1] = {dc};
+    MR_TRY(emit(g, MR_OP_BIAS_GRAD, gname(g, op.in[2], nm, sizeof nm), in, 1,
+                NULL, &din[2]));
+  }
+  return 0;
+}
+
+static int grad_add(struct mr_graph *g, int op_id, const int *dout, int *din) {
+  din[0] = dout[0];
+  din[1] = dout[0];
+  return 0;
+}
+
+static int grad_rmsnorm(struct mr_graph *g, int op_id, const int *dout,
+                        int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  int in[4] = {dout[0], op.in[0], op.in[1], op.out[1]};
+  return emit(g, MR_OP_RMSNORM_BWD, gname(g, op.in[0], nm, sizeof nm), in, 4,
+              op.attr, din);
+}
+
+static int grad_layernorm(struct mr_graph *g, int op_id, const int *dout,
+                          int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  int in[5] = {dout[0], op.in[0], op.in[1], op.out[1], op.out[2]};
+  return emit(g, MR_OP_LAYERNORM_BWD, gname(g, op.in[0], nm, sizeof nm), in, 5,
+              op.attr, din);
+}
+
+static int grad_rope(struct mr_graph *g, int op_id, const int *dout, int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  double a[MR_OP_MAX_ATTR];
+  memcpy(a, op.attr, sizeof a);
+  a[3] = -(a[3] == 0 ? 1 : a[3]);
+  int in[1] = {dout[0]};
+  return emit(g, MR_OP_ROPE, gname(g, op.in[0], nm, sizeof nm), in, 1, a, din);
+}
+
+static int grad_swiglu(struct mr_graph *g, int op_id, const int *dout,
+                       int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  int in[3] = {dout[0], op.in[0], op.in[1]};
+  return emit(g, MR_OP_SWIGLU_BWD, gname(g, op.in[0], nm, sizeof nm), in, 3,
+              NULL, din);
+}
+
+static int grad_gelu(struct mr_graph *g, int op_id, const int *dout, int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  int in[2] = {dout[0], op.in[0]};
+  return emit(g, MR_OP_GELU_BWD, gname(g, op.in[0], nm, sizeof nm), in, 2,
+              NULL, din);
+}
+
+static int grad_attention(struct mr_graph *g, int op_id, const int *dout,
+                          int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  int in[6] = {dout[0], op.in[0], op.in[1], op.in[2], op.out[0], op.out[1]};
+  return emit(g, MR_OP_ATTENTION_BWD, gname(g, op.in[0], nm, sizeof nm), in, 6,
+              op.attr, din);
+}
+
+static int grad_split3(struct mr_graph *g, int op_id, const int *dout,
+                       int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  /* a part nobody used has no gradient: concat needs all three */
+  for (int i = 0; i < 3; i++)
+    if (dout[i] < 0)
+      return mr_error_set(MR_ENOTSUP, "split3 %s: output %d unused",
+                          T(g, op.in[0])->name, i);
+  return emit(g, MR_OP_CONCAT3, gname(g, op.in[0], nm, sizeof nm), dout, 3,
+              NULL, din);
+}
+
+static int grad_concat3(struct mr_graph *g, int op_id, const int *dout,
+                        int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  int in[1] = {dout[0]};
+  return emit(g, MR_OP_SPLIT3, gname(g, op.out[0], nm, sizeof nm), in, 1, NULL,
+              din);
+}
+
+static int grad_xent(struct mr_graph *g, int op_id, const int *dout, int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  din[1] = -1;
+  int in[4] = {dout[0], op.in[0], op.in[1], op.out[1]};
+  return emit(g, MR_OP_CROSS_ENTROPY_BWD, gname(g, op.in[0], nm, sizeof nm), in,
+              4, NULL, &din[0]);
+}
+
+/* ---- costs ---- */
+
+static double flops_matmul(const struct mr_graph *g, const struct mr_op *op) {
+  int64_t m, k, k2, n;
+  mm_dims(g, op, &m, &k, &k2, &n);
+  return 2.0 * (double)m * (double)n * (double)k;
+}
+
+/* causal attention: QK^T and PV over the lower triangle */
+static double flops_attention(const struct mr_graph *g, const struct mr_op *op) {
+  double t = op->attr[0], rows = (double)ROWS(g, op->in[0]);
+  double hd = (double)COLS(g, op->in[0]);
+  double f = 2.0 * 2.0 * rows * hd * (t + 1) / 2;
+  return op->kind == MR_OP_ATTENTION ? f : 2.5 * f; /* bwd: 5 matmuls vs 2 */
+}
+
+static double flops_elem(const struct mr_graph *g, const struct mr_op *op) {
+  return 5.0 * NUMEL(g, op->out[0]);
+}
+
+static double bytes_io(const struct mr_graph *g, const struct mr_op *op) {
+  double b = 0;
+  for (int i = 0; i < op->n_in; i++)
+    if (op->in[i] >= 0)
+      b += (double)mr_tensor_bytes(T(g, op->in[i]));
+  for (int i = 0; i < op->n_out; i++)
+    b += (double)mr_tensor_bytes(T(g, op->out[i]));
+  return b;
+}
+
+#define ROW(kind, nm, lo, hi, nout, inf, gr, fl)                             \
+  [kind] = {nm, lo, hi, nout, inf, gr, fl, bytes_io, NULL}
+
+static const struct mr_op_def defs[MR_OP_COUNT] = {
+    ROW(MR_OP_EMBEDDING, "embedding", 2, 2, 1, infer_embedding, grad_embedding,
+        flops_elem),
+    ROW(MR_OP_EMBEDDING_BWD, "embedding_bwd", 2, 2, 1, infer_embedding_bwd,
+        NULL, flops_elem),
+    ROW(MR_OP_MATMUL, "matmul", 2, 3, 1, infer_matmul, grad_matmul,
+        flops_matmul),
+    ROW(MR_OP_BIAS_GRAD, "bias_grad", 1, 1, 1, infer_bias_grad, NULL,
+        flops_elem),
+    ROW(MR_OP_ADD, "add", 2, 2, 1, infer_same, grad_add, flops_elem),
+    ROW(MR_OP_RMSNORM, "rmsnorm", 2, 2, 2, infer_norm, grad_rmsnorm,
+        flops_elem),
+    ROW(MR_OP_RMSNORM_BWD, "rmsnorm_bwd", 4, 4, 2, infer_norm_bwd, NULL,
+        flops_elem),
+    ROW(MR_OP_LAYERNORM, "layernorm", 3, 3, 3, infer_norm, grad_layernorm,
+        flops_elem),
+    ROW(MR_OP_LAYERNORM_BWD, "layernorm_bwd", 5, 5, 3, infer_norm_bwd, NULL,
+        flops_elem),
+    ROW(MR_OP_ROPE, "rope", 1, 1, 1, infer_rope, grad_rope, flops_elem),
+    ROW(MR_OP_SWIGLU, "swiglu", 2, 2, 1, infer_same, grad_swiglu, flops_elem),
+    ROW(MR_OP_SWIGLU_BWD, "swiglu_bwd", 3, 3, 2, infer_elem_bwd, NULL,
+        flops_elem),
+    ROW(MR_OP_GELU, "gelu", 1, 1, 1, infer_same, grad_gelu, flops_elem),
+    ROW(MR_OP_GELU_BWD, "gelu_bwd", 2, 2, 1, infer_elem_bwd, NULL, flops_elem),
+    ROW(MR_OP_ATTENTION, "attention", 3, 3, 2, infer_attention, grad_attention,
+        flops_attention),
+    ROW(MR_OP_ATTENTION_BWD, "attention_bwd", 6, 6, 3, infer_attention_bwd,
+        NULL, flops_attention),
+    ROW(MR_OP_SPLIT3, "split3", 1, 1, 3, infer_split3, grad_split3, flops_elem),
+    ROW(MR_OP_CONCAT3, "concat3", 3, 3, 1, infer_concat3, grad_concat3,
+        flops_elem),
+    ROW(MR_OP_CROSS_ENTROPY, "cross_entropy", 2, 2, 2, infer_xent, grad_xent,
+        flops_elem),
+    ROW(MR_OP_CROSS_ENTROPY_BWD, "cross_entropy_bwd", 4, 4, 1, infer_xent_bwd,
+        NULL, flops_elem),
+};
+
+static mr_kernel_fn kernels[MR_OP_COUNT][MR_BACKEND_COUNT];
+
+const struct mr_op_def *mr_op_def(int kind) {
+  if (kind < 0 || kind >= MR_OP_COUNT)
+    return NULL;
+  return &defs[kind];
+}
+
+int mr_op_kind_by_name(const char *name) {
+  for (int i = 0; i < MR_OP_COUNT; i++)
+    if (strcmp(defs[i].name, name) == 0)
+      return i;
+  return mr_error_set(MR_EINVAL, "no op named %s", name);
+}
+
+void mr_op_set_kernel(int kind, enum mr_backend_kind backend, mr_kernel_fn fn) {
+  if (kind >= 0 && kind < MR_OP_COUNT && backend < MR_BACKEND_COUNT)
+    kernels[kind][backend] = fn;
+}
+
+mr_kernel_fn mr_op_kernel(int kind, enum mr_backend_kind backend) {
+  if (kind < 0 || kind >= MR_OP_COUNT || backend >= MR_BACKEND_COUNT)
+    return NULL;
+  return kernels[kind][backend];
+}
+
+double mr_graph_flops(const struct mr_graph *g) {
+  double f = 0;
+  for (int i = 0; i < g->n_ops; i++)
+    f += defs[g->ops[i].kind].flops(g, &g->ops[i]);
+  return f;
+}

@@ -1,0 +1,114 @@
+/* ops.h - the op registry: for every op kind its name, arity, shape
+ * inference, gradient builder, cost (FLOPs, bytes moved) and kernels per
+ * device backend, with a slot for its SPMD rule.
+ *
+ * Adding an op means adding one row to the table in ops.c (and a kernel in
+ * each backend).  Activations are 2-D [rows, features] with rows = batch *
+ * sequence; ops that need the sequence structure (RoPE, attention) carry the
+ * sequence length and head counts as attributes.
+ *
+ * Op kinds, inputs -> outputs, attributes (attr[i]):
+ *   embedding        ids[N] i32, table[V,C]        -> out[N,C]
+ *   embedding_bwd    ids[N], dout[N,C]             -> dtable[V,C]   a0=V
+ *   matmul           A, B[, bias[N]]               -> C[M,N]
+ *                    a0=transpose A, a1=transpose B; A is [M,K] ([K,M] if
+ *                    transposed), B is [K,N] ([N,K] if transposed)
+ *   bias_grad        dy[M,N]                       -> db[N] (column sums)
+ *   add              a, b                          -> a + b
+ *   rmsnorm          x[N,C], w[C]                  -> y, rstd[N]   a0=eps
+ *   rmsnorm_bwd      dy, x, w, rstd                -> dx, dw
+ *   layernorm        x[N,C], w[C], b[C]            -> y, mean[N], rstd[N]
+ *   layernorm_bwd    dy, x, w, mean, rstd          -> dx, dw, db
+ *   rope             x[N,H*D]                      -> y  a0=T a1=H a2=theta
+ *                    a3=+1 forward rotation, -1 its inverse (the gradient)
+ *   swiglu           gate, up                      -> silu(gate) * up
+ *   swiglu_bwd       dy, gate, up                  -> dgate, dup
+ *   gelu             x                             -> gelu_tanh(x)
+ *   gelu_bwd         dy, x                         -> dx
+ *   attention        q[N,H*D], k[N,KH*D], v        -> o[N,H*D], lse[N,H]
+ *                    causal, scale 1/sqrt(D); a0=T a1=H a2=KH
+ *   attention_bwd    do, q, k, v, o, lse           -> dq, dk, dv
+ *   split3           x[N,3C]                       -> x0, x1, x2 [N,C]
+ *   concat3          x0, x1, x2                    -> x[N,3C]
+ *   cross_entropy    logits[N,V], targets[N] i32   -> loss[1] (mean), lse[N]
+ *   cross_entropy_bwd dloss[1], logits, targets, lse -> dlogits
+ */
+#ifndef MR_OPS_H
+#define MR_OPS_H
+
+#include "common/graph.h"
+
+enum mr_op_kind {
+  MR_OP_EMBEDDING = 0,
+  MR_OP_EMBEDDING_BWD,
+  MR_OP_MATMUL,
+  MR_OP_BIAS_GRAD,
+  MR_OP_ADD,
+  MR_OP_RMSNORM,
+  MR_OP_RMSNORM_BWD,
+  MR_OP_LAYERNORM,
+  MR_OP_LAYERNORM_BWD,
+  MR_OP_ROPE,
+  MR_OP_SWIGLU,
+  MR_OP_SWIGLU_BWD,
+  MR_OP_GELU,
+  MR_OP_GELU_BWD,
+  MR_OP_ATTENTION,
+  MR_OP_ATTENTION_BWD,
+  MR_OP_SPLIT3,
+  MR_OP_CONCAT3,
+  MR_OP_CROSS_ENTROPY,
+  MR_OP_CROSS_ENTROPY_BWD,
+  MR_OP_COUNT
+};
+
+enum mr_backend_kind { MR_BACKEND_CPU = 0, MR_BACKEND_CUDA = 1, MR_BACKEND_COUNT };
+
+/* An inferred output: shape and dtype. */
+struct mr_shape {
+  int ndim;
+  int64_t d[MR_MAX_DIMS];
+  enum mr_dtype dtype;
+};
+
+/* A kernel: runs op on buffers (one per input, then one per output, in
+ * order; NULL for an absent optional input).  ctx is the backend's. */
+typedef int (*mr_kernel_fn)(void *ctx, const struct mr_graph *g,
+                            const struct mr_op *op, void *const *bufs);
+
+struct mr_op_def {
+  const char *name;
+  int n_in_min, n_in_max;      // optional inputs trail
+  int n_out;
+  /* Fills out[0..n_out) from the inputs' shapes, or returns MR_ESHAPE with
+   * a message naming what mismatched. */
+  int (*infer)(const struct mr_graph *g, const struct mr_op *op,
+               struct mr_shape *out);
+  /* Appends the backward of op `op_id` to g.  dout[i] is the gradient of
+   * output i (-1: none flows back).  Writes into din[j] a new tensor
+   * holding the gradient of input j, or -1 (not differentiable / none).
+   * NULL: the op has no gradient (a backward op itself). */
+  int (*grad)(struct mr_graph *g, int op_id, const int *dout, int *din);
+  /* Floating-point operations and bytes read + written by one execution. */
+  double (*flops)(const struct mr_graph *g, const struct mr_op *op);
+  double (*bytes)(const struct mr_graph *g, const struct mr_op *op);
+  void *spmd_rule;             // sharding propagation, filled by the planner
+};
+
+/* The definition of kind, or NULL when out of range. */
+const struct mr_op_def *mr_op_def(int kind);
+
+/* Kind of the op named name, or MR_EINVAL. */
+int mr_op_kind_by_name(const char *name);
+
+/* Binds a backend's kernel to an op kind (done once by each backend at
+ * start-up); the table is process-wide. */
+void mr_op_set_kernel(int kind, enum mr_backend_kind backend, mr_kernel_fn fn);
+
+/* The bound kernel, or NULL. */
+mr_kernel_fn mr_op_kernel(int kind, enum mr_backend_kind backend);
+
+/* FLOPs of the whole graph (forward and backward ops as present). */
+double mr_graph_flops(const struct mr_graph *g);
+
+#endif

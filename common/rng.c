@@ -1,0 +1,92 @@
+/* rng.c - Philox4x32-10 and the draws built on it (see rng.h). */
+#include "common/rng.h"
+
+#include <math.h>
+
+#define PHILOX_M0 0xD2511F53u
+#define PHILOX_M1 0xCD9E8D57u
+#define PHILOX_W0 0x9E3779B9u /* golden ratio */
+#define PHILOX_W1 0xBB67AE85u /* sqrt(3) - 1 */
+
+void mr_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2],
+                      uint32_t out[4]) {
+  uint32_t c0 = ctr[0], c1 = ctr[1], c2 = ctr[2], c3 = ctr[3];
+  uint32_t k0 = key[0], k1 = key[1];
+  for (int round = 0; round < 10; round++) {
+    uint64_t p0 = (uint64_t)PHILOX_M0 * c0;
+    uint64_t p1 = (uint64_t)PHILOX_M1 * c2;
+    uint32_t hi0 = (uint32_t)(p0 >> 32), lo0 = (uint32_t)p0;
+    uint32_t hi1 = (uint32_t)(p1 >> 32), lo1 = (uint32_t)p1;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += PHILOX_W0;
+    k1 += PHILOX_W1;
+  }
+  out[0] = c0;
+  out[1] = c1;
+  out[2] = c2;
+  out[3] = c3;
+}
+
+uint64_t mr_hash_str(const char *s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    h ^= *p;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+static void block(uint64_t seed, uint64_t stream, uint64_t c, uint32_t out[4]) {
+  const uint32_t ctr[4] = {(uint32_t)c, (uint32_t)(c >> 32), (uint32_t)stream,
+                           (uint32_t)(stream >> 32)};
+  const uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
+  mr_philox4x32_10(ctr, key, out);
+}
+
+uint64_t mr_rng_u64(uint64_t seed, uint64_t stream, uint64_t index) {
+  uint32_t w[4];
+  block(seed, stream, index, w);
+  return (uint64_t)w[0] | (uint64_t)w[1] << 32;
+}
+
+double mr_rng_uniform(uint64_t seed, uint64_t stream, uint64_t index) {
+  return (double)(mr_rng_u64(seed, stream, index) >> 11) * 0x1p-53;
+}
+
+/* Box-Muller on one block: the pair (r cos theta, r sin theta). */
+static void normal_pair(const uint32_t w[4], double *z0, double *z1) {
+  uint64_t a = (uint64_t)w[0] | (uint64_t)w[1] << 32;
+  uint64_t b = (uint64_t)w[2] | (uint64_t)w[3] << 32;
+  double u1 = (double)((a >> 11) + 1) * 0x1p-53; /* (0, 1]: log is finite */
+  double u2 = (double)(b >> 11) * 0x1p-53;
+  double r = sqrt(-2.0 * log(u1));
+  double theta = 6.283185307179586476925286766559 * u2;
+  *z0 = r * cos(theta);
+  *z1 = r * sin(theta);
+}
+
+double mr_rng_normal(uint64_t seed, uint64_t stream, uint64_t index) {
+  uint32_t w[4];
+  double z0, z1;
+  block(seed, stream, index >> 1, w);
+  normal_pair(w, &z0, &z1);
+  return (index & 1) ? z1 : z0;
+}
+
+void mr_rng_normal_fill(uint64_t seed, uint64_t stream, uint64_t first,
+                        size_t n, float mean, float std, float *out) {
+  size_t k = 0;
+  while (k < n) {
+    uint64_t i = first + k;
+    uint32_t w[4];
+    double z[2];
+    block(seed, stream, i >> 1, w);
+    normal_pair(w, &z[0], &z[1]);
+    /* an odd start uses only the second half of its pair */
+    for (unsigned j = (unsigned)(i & 1); j < 2 && k < n; j++, k++)
+      out[k] = (float)((double)mean + (double)std * z[j]);
+  }
+}

@@ -1,0 +1,360 @@
+/* test_graph.c - every registered op, forward through its CPU kernel and
+ * backward through its gradient builder, against central finite
+ * differences (see grad_check.h for the error budget); plus shape
+ * inference errors, a forward value against a formula worked out here, and
+ * the buffer plan. */
+#include <check.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check_main.h"
+#include "common/autodiff.h"
+#include "common/error.h"
+#include "common/ops.h"
+#include "grad_check.h"
+
+struct fixture {
+  struct mr_graph g;
+  struct mr_exec x;
+  int out, seed;
+  float *r;
+};
+
+static int param(struct mr_graph *g, const char *name, int64_t a, int64_t b) {
+  int64_t s[2] = {a, b};
+  return mr_graph_param(g, name, MR_INIT_NONE, b ? 2 : 1, s);
+}
+
+static int ids(struct mr_graph *g, const char *name, int64_t n) {
+  int64_t s[1] = {n};
+  return mr_graph_tensor(g, name, MR_I32, MR_ROLE_INPUT, 1, s);
+}
+
+/* Differentiates g's tensor out, fills parameters with U(-scale, scale)
+ * and the seed with R, then checks every parameter. */
+static void check_grads(struct fixture *f, double scale, double h) {
+  ck_assert_int_eq(mr_autodiff(&f->g, f->out, &f->seed), 0);
+  ck_assert_int_eq(mr_exec_init(&f->x, &f->g, 1, MR_AMP_NONE), 0);
+  for (int i = 0; i < f->g.n_tensors; i++)
+    if (f->g.tensors[i].role == MR_ROLE_PARAM)
+      gc_fill(mr_exec_buf(&f->x, i), mr_tensor_numel(&f->g.tensors[i]), scale);
+  int64_t n = mr_tensor_numel(&f->g.tensors[f->out]);
+  f->r = malloc((size_t)n * sizeof *f->r);
+  gc_fill(f->r, n, 1.0);
+  memcpy(mr_exec_buf(&f->x, f->seed), f->r, (size_t)n * sizeof(float));
+  double max_err;
+  int bad = gc_check_params(&f->x, f->out, f->r, h, 1e-3, 1e-2, 400, &max_err);
+  ck_assert_msg(bad == 0, "%d gradient elements off (max error %g)", bad,
+                max_err);
+  free(f->r);
+  mr_exec_close(&f->x);
+  mr_graph_close(&f->g);
+}
+
+static int op1(struct mr_graph *g, int kind, const int *in, int n,
+               const double *attr) {
+  int out[MR_OP_MAX_OUT];
+  ck_assert_int_ge(mr_graph_op(g, kind, "y", in, n, attr, out), 0);
+  return out[0];
+}
+
+static void matmul_case(int ta, int tb, int bias) {
+  struct fixture f;
+  mr_graph_init(&f.g);
+  int64_t m = 5, k = 7, n = 3;
+  int a = ta ? param(&f.g, "a", k, m) : param(&f.g, "a", m, k);
+  int b = tb ? param(&f.g, "b", n, k) : param(&f.g, "b", k, n);
+  int in[3] = {a, b, bias ? param(&f.g, "bias", n, 0) : -1};
+  double at[MR_OP_MAX_ATTR] = {ta, tb};
+  f.out = op1(&f.g, MR_OP_MATMUL, in, bias ? 3 : 2, at);
+  check_grads(&f, 1.0, 1e-2);
+}
+
+START_TEST(test_graph_matmul_grad_all_transposes) {
+  matmul_case(0, 0, 0);
+  matmul_case(0, 1, 1);
+  matmul_case(1, 0, 0);
+  matmul_case(1, 1, 1);
+}
+END_TEST
+
+START_TEST(test_graph_matmul_forward_matches_formula) {
+  struct mr_graph g;
+  struct mr_exec x;
+  mr_graph_init(&g);
+  int a = param(&g, "a", 2, 3), b = param(&g, "b", 2, 3), c = param(&g, "c", 2, 0);
+  int in[3] = {a, b, c};
+  double at[MR_OP_MAX_ATTR] = {0, 1};
+  int y = op1(&g, MR_OP_MATMUL, in, 3, at);
+  ck_assert_int_eq(mr_exec_init(&x, &g, 1, MR_AMP_NONE), 0);
+  float av[6] = {1, 2, 3, 4, 5, 6}, bv[6] = {1, 0, -1, 2, 1, 0}, cv[2] = {10, 20};
+  memcpy(mr_exec_buf(&x, a), av, sizeof av);
+  memcpy(mr_exec_buf(&x, b), bv, sizeof bv);
+  memcpy(mr_exec_buf(&x, c), cv, sizeof cv);
+  ck_assert_int_eq(mr_exec_run(&x, 0, g.n_ops), 0);
+  const float *yv = mr_exec_buf(&x, y);
+  /* y = a b^T + c: rows (1,2,3),(4,5,6) against (1,0,-1),(2,1,0) */
+  ck_assert_float_eq(yv[0], 1 - 3 + 10);
+  ck_assert_float_eq(yv[1], 2 + 2 + 20);
+  ck_assert_float_eq(yv[2], 4 - 6 + 10);
+  ck_assert_float_eq(yv[3], 8 + 5 + 20);
+  mr_exec_close(&x);
+  mr_graph_close(&g);
+}
+END_TEST
+
+START_TEST(test_graph_add_grad) {
+  struct fixture f;
+  mr_graph_init(&f.g);
+  int a = param(&f.g, "a", 4, 6), b = param(&f.g, "b", 4, 6);
+  int in[2] = {a, b};
+  int s = op1(&f.g, MR_OP_ADD, in, 2, NULL);
+  int in2[2] = {s, a}; /* a used twice: gradients must sum */
+  f.out = op1(&f.g, MR_OP_ADD, in2, 2, NULL);
+  check_grads(&f, 1.0, 1e-2);
+}
+END_TEST
+
+START_TEST(test_graph_rmsnorm_grad) {
+  struct fixture f;
+  mr_graph_init(&f.g);
+  int in[2] = {param(&f.g, "x", 4, 8), param(&f.g, "w", 8, 0)};
+  double at[MR_OP_MAX_ATTR] = {1e-5};
+  f.out = op1(&f.g, MR_OP_RMSNORM, in, 2, at);
+  check_grads(&f, 1.0, 1e-2);
+}
+END_TEST
+
+START_TEST(test_graph_layernorm_grad) {
+  struct fixture f;
+  mr_graph_init(&f.g);
+  int in[3] = {param(&f.g, "x", 4, 8), param(&f.g, "w", 8, 0),
+               param(&f.g, "b", 8, 0)};
+  double at[MR_OP_MAX_ATTR] = {1e-5};
+  f.out = op1(&f.g, MR_OP_LAYERNORM, in, 3, at);
+  check_grads(&f, 1.0, 1e-2);
+}
+END_TEST
+
+START_TEST(test_graph_rope_grad) {
+  struct fixture f;
+  mr_graph_init(&f.g);
+  int in[1] = {param(&f.g, "x", 2 * 5, 3 * 8)};
+  double at[MR_OP_MAX_ATTR] = {5, 3, 10000.0, 1};
+  f.out = op1(&f.g, MR_OP_ROPE, in, 1, at);
+  check_grads(&f, 1.0, 1e-2);
+}
+END_TEST
+
+START_TEST(test_graph_rope_forward_matches_rotate_half) {
+  struct mr_graph g;
+  struct mr_exec x;
+  mr_graph_init(&g);
+  int xi = param(&g, "x", 3, 4); /* T = 3, one head of D = 4 */
+  double at[MR_OP_MAX_ATTR] = {3, 1, 100.0, 1};
+  int y = op1(&g, MR_OP_ROPE, &xi, 1, at);
+  ck_assert_int_eq(mr_exec_init(&x, &g, 1, MR_AMP_NONE), 0);
+  float *xv = mr_exec_buf(&x, xi);
+  for (int i = 0; i < 12; i++)
+    xv[i] = (float)(i + 1);
+  ck_assert_int_eq(mr_exec_run(&x, 0, g.n_ops), 0);
+  const float *yv = mr_exec_buf(&x, y);
+  for (int p = 0; p < 3; p++)
+    for (int i = 0; i < 2; i++) {
+      double ang = p * pow(100.0, -2.0 * i / 4); /* inv_freq = theta^(-2i/D) */
+      double a = xv[p * 4 + i], b = xv[p * 4 + i + 2];
+      ck_assert_double_eq_tol(yv[p * 4 + i], a * cos(ang) - b * sin(ang), 1e-5);
+      ck_assert_double_eq_tol(yv[p * 4 + i + 2], b * cos(ang) + a * sin(ang),
+                              1e-5);
+    }
+  mr_exec_close(&x);
+  mr_graph_close(&g);
+}
+END_TEST
+
+START_TEST(test_graph_swiglu_gelu_grad) {
+  struct fixture f;
+  mr_graph_init(&f.g);
+  int in[2] = {param(&f.g, "g", 3, 7), param(&f.g, "u", 3, 7)};
+  f.out = op1(&f.g, MR_OP_SWIGLU, in, 2, NULL);
+  check_grads(&f, 2.0, 1e-2);
+  mr_graph_init(&f.g);
+  int x = param(&f.g, "x", 3, 7);
+  f.out = op1(&f.g, MR_OP_GELU, &x, 1, NULL);
+  check_grads(&f, 3.0, 1e-2);
+}
+END_TEST
+
+START_TEST(test_graph_attention_gqa_grad) {
+  struct fixture f;
+  mr_graph_init(&f.g);
+  int64_t t = 5, b = 2, h = 4, kh = 2, d = 4;
+  int in[3] = {param(&f.g, "q", b * t, h * d), param(&f.g, "k", b * t, kh * d),
+               param(&f.g, "v", b * t, kh * d)};
+  double at[MR_OP_MAX_ATTR] = {(double)t, (double)h, (double)kh};
+  f.out = op1(&f.g, MR_OP_ATTENTION, in, 3, at);
+  check_grads(&f, 1.5, 1e-2);
+}
+END_TEST
+
+START_TEST(test_graph_attention_is_causal) {
+  /* row 0 of each sequence attends only to itself: o[0] = v[0] */
+  struct mr_graph g;
+  struct mr_exec x;
+  mr_graph_init(&g);
+  int q = param(&g, "q", 6, 4), k = param(&g, "k", 6, 4), v = param(&g, "v", 6, 4);
+  int in[3] = {q, k, v};
+  double at[MR_OP_MAX_ATTR] = {3, 1, 1};
+  int o = op1(&g, MR_OP_ATTENTION, in, 3, at);
+  ck_assert_int_eq(mr_exec_init(&x, &g, 1, MR_AMP_NONE), 0);
+  gc_fill(mr_exec_buf(&x, q), 24, 1);
+  gc_fill(mr_exec_buf(&x, k), 24, 1);
+  gc_fill(mr_exec_buf(&x, v), 24, 1);
+  ck_assert_int_eq(mr_exec_run(&x, 0, g.n_ops), 0);
+  const float *ov = mr_exec_buf(&x, o), *vv = mr_exec_buf(&x, v);
+  for (int i = 0; i < 4; i++) {
+    ck_assert_float_eq_tol(ov[i], vv[i], 1e-6);
+    ck_assert_float_eq_tol(ov[12 + i], vv[12 + i], 1e-6);
+  }
+  /* row 1: softmax over two scores, written out */
+  const float *qv = mr_exec_buf(&x, q), *kv = mr_exec_buf(&x, k);
+  double s0 = 0, s1 = 0;
+  for (int i = 0; i < 4; i++) {
+    s0 += qv[4 + i] * kv[i] / 2.0;
+    s1 += qv[4 + i] * kv[4 + i] / 2.0;
+  }
+  double p0 = exp(s0) / (exp(s0) + exp(s1));
+  for (int i = 0; i < 4; i++)
+    ck_assert_double_eq_tol(ov[4 + i], p0 * vv[i] + (1 - p0) * vv[4 + i], 1e-5);
+  mr_exec_close(&x);
+  mr_graph_close(&g);
+}
+END_TEST
+
+START_TEST(test_graph_split_concat_grad) {
+  struct fixture f;
+  mr_graph_init(&f.g);
+  int xi = param(&f.g, "x", 3, 9), parts[MR_OP_MAX_OUT], y[MR_OP_MAX_OUT];
+  ck_assert_int_ge(mr_graph_op(&f.g, MR_OP_SPLIT3, "p", &xi, 1, NULL, parts), 0);
+  int in[3] = {parts[2], parts[0], parts[1]};
+  ck_assert_int_ge(mr_graph_op(&f.g, MR_OP_CONCAT3, "y", in, 3, NULL, y), 0);
+  f.out = y[0];
+  check_grads(&f, 1.0, 1e-2);
+}
+END_TEST
+
+START_TEST(test_graph_embedding_grad_repeated_ids) {
+  struct fixture f;
+  mr_graph_init(&f.g);
+  int id = ids(&f.g, "ids", 6), w = param(&f.g, "w", 5, 3);
+  int in[2] = {id, w};
+  f.out = op1(&f.g, MR_OP_EMBEDDING, in, 2, NULL);
+  ck_assert_int_eq(mr_autodiff(&f.g, f.out, &f.seed), 0);
+  ck_assert_int_eq(mr_exec_init(&f.x, &f.g, 1, MR_AMP_NONE), 0);
+  int32_t iv[6] = {1, 3, 1, 0, 4, 1};
+  memcpy(mr_exec_buf(&f.x, id), iv, sizeof iv);
+  gc_fill(mr_exec_buf(&f.x, w), 15, 1);
+  float *r = mr_exec_buf(&f.x, f.seed);
+  gc_fill(r, 18, 1);
+  double max_err;
+  ck_assert_int_eq(gc_check_params(&f.x, f.out, r, 1e-2, 1e-3, 1e-2, 15, &max_err), 0);
+  /* row 2 of the table is never looked up: zero gradient */
+  const float *dw = mr_exec_buf(&f.x, f.g.tensors[w].grad);
+  for (int i = 0; i < 3; i++)
+    ck_assert_float_eq(dw[6 + i], 0);
+  mr_exec_close(&f.x);
+  mr_graph_close(&f.g);
+}
+END_TEST
+
+START_TEST(test_graph_cross_entropy_grad_and_value) {
+  struct fixture f;
+  mr_graph_init(&f.g);
+  int l = param(&f.g, "logits", 4, 6), y = ids(&f.g, "targets", 4);
+  int in[2] = {l, y};
+  f.out = op1(&f.g, MR_OP_CROSS_ENTROPY, in, 2, NULL);
+  ck_assert_int_eq(mr_autodiff(&f.g, f.out, &f.seed), 0);
+  ck_assert_int_eq(mr_exec_init(&f.x, &f.g, 1, MR_AMP_NONE), 0);
+  int32_t yv[4] = {0, 5, 2, 2};
+  memcpy(mr_exec_buf(&f.x, y), yv, sizeof yv);
+  float *lv = mr_exec_buf(&f.x, l);
+  gc_fill(lv, 24, 3);
+  float *seed = mr_exec_buf(&f.x, f.seed);
+  seed[0] = 1.0f;
+  double max_err;
+  ck_assert_int_eq(gc_check_params(&f.x, f.out, NULL, 1e-2, 1e-3, 1e-2, 24, &max_err), 0);
+  double ref = 0; /* mean of log-sum-exp minus the target logit */
+  for (int r = 0; r < 4; r++) {
+    double s = 0;
+    for (int i = 0; i < 6; i++)
+      s += exp(lv[r * 6 + i]);
+    ref += log(s) - lv[r * 6 + yv[r]];
+  }
+  ck_assert_double_eq_tol(((float *)mr_exec_buf(&f.x, f.out))[0], ref / 4, 1e-5);
+  mr_exec_close(&f.x);
+  mr_graph_close(&f.g);
+}
+END_TEST
+
+START_TEST(test_graph_shape_mismatch_is_an_error) {
+  struct mr_graph g;
+  mr_graph_init(&g);
+  int a = param(&g, "a", 2, 3), b = param(&g, "b", 4, 5);
+  int in[2] = {a, b}, out[MR_OP_MAX_OUT];
+  ck_assert_int_eq(mr_graph_op(&g, MR_OP_MATMUL, "y", in, 2, NULL, out),
+                   MR_ESHAPE);
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "matmul"));
+  ck_assert_int_eq(mr_graph_op(&g, MR_OP_ADD, "y", in, 1, NULL, out), MR_EINVAL);
+  int bad[2] = {a, 99};
+  ck_assert_int_eq(mr_graph_op(&g, MR_OP_ADD, "y", bad, 2, NULL, out), MR_EINVAL);
+  ck_assert_int_eq(mr_op_kind_by_name("attention"), MR_OP_ATTENTION);
+  ck_assert_int_eq(mr_op_kind_by_name("nope"), MR_EINVAL);
+  mr_graph_close(&g);
+}
+END_TEST
+
+START_TEST(test_graph_plan_reuses_dead_buffers) {
+  /* a chain x -> y1 -> y2 -> y3 of 1 KiB tensors: at most two are live */
+  struct mr_graph g;
+  struct mr_exec x;
+  mr_graph_init(&g);
+  int t = param(&g, "x", 16, 16);
+  for (int i = 0; i < 6; i++) {
+    int in[1] = {t};
+    t = op1(&g, MR_OP_GELU, in, 1, NULL);
+  }
+  ck_assert_int_eq(mr_exec_init(&x, &g, 1, MR_AMP_NONE), 0);
+  ck_assert_uint_eq(x.arena_bytes, 2 * 1024);
+  ck_assert_uint_eq(mr_exec_peak_bytes(&x), 3 * 1024);
+  ck_assert_double_eq(mr_graph_flops(&g), 6 * 5 * 256);
+  mr_exec_close(&x);
+  mr_graph_close(&g);
+}
+END_TEST
+
+Suite *graph_suite(void);
+Suite *graph_suite(void) {
+  Suite *s = suite_create("graph");
+  TCase *tc = tcase_create("ops");
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, test_graph_matmul_grad_all_transposes);
+  tcase_add_test(tc, test_graph_matmul_forward_matches_formula);
+  tcase_add_test(tc, test_graph_add_grad);
+  tcase_add_test(tc, test_graph_rmsnorm_grad);
+  tcase_add_test(tc, test_graph_layernorm_grad);
+  tcase_add_test(tc, test_graph_rope_grad);
+  tcase_add_test(tc, test_graph_rope_forward_matches_rotate_half);
+  tcase_add_test(tc, test_graph_swiglu_gelu_grad);
+  tcase_add_test(tc, test_graph_attention_gqa_grad);
+  tcase_add_test(tc, test_graph_attention_is_causal);
+  tcase_add_test(tc, test_graph_split_concat_grad);
+  tcase_add_test(tc, test_graph_embedding_grad_repeated_ids);
+  tcase_add_test(tc, test_graph_cross_entropy_grad_and_value);
+  tcase_add_test(tc, test_graph_shape_mismatch_is_an_error);
+  tcase_add_test(tc, test_graph_plan_reuses_dead_buffers);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+MR_TEST_MAIN(graph_suite)

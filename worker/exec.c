@@ -1,0 +1,170 @@
+/* exec.c - buffer planning and the op loop. */
+#include "worker/exec.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/ops.h"
+
+#define ALIGN 64
+
+static int persistent(const struct mr_graph *g, int id) {
+  enum mr_tensor_role r = g->tensors[id].role;
+  return r == MR_ROLE_PARAM || r == MR_ROLE_GRAD || r == MR_ROLE_OPT_STATE ||
+         r == MR_ROLE_INPUT || id == g->loss;
+}
+
+struct live {
+  int64_t off, end;
+  int id;
+};
+
+/* First fit among the live intervals (kept sorted by offset). */
+static int64_t place(struct live *lv, int *n, int64_t size, int id) {
+  int64_t off = 0;
+  int i = 0;
+  for (; i < *n; i++) {
+    if (lv[i].off - off >= size)
+      break;
+    if (lv[i].end > off)
+      off = lv[i].end;
+  }
+  memmove(&lv[i + 1], &lv[i], (size_t)(*n - i) * sizeof *lv);
+  lv[i].off = off;
+  lv[i].end = off + size;
+  lv[i].id = id;
+  (*n)++;
+  return off;
+}
+
+static void release(struct live *lv, int *n, int id) {
+  for (int i = 0; i < *n; i++)
+    if (lv[i].id == id) {
+      memmove(&lv[i], &lv[i + 1], (size_t)(*n - i - 1) * sizeof *lv);
+      (*n)--;
+      return;
+    }
+}
+
+int mr_exec_init(struct mr_exec *x, const struct mr_graph *g, int threads,
+                 enum mr_amp_mode amp) {
+  memset(x, 0, sizeof *x);
+  x->g = g;
+  x->cpu.amp = amp;
+  x->cpu.threads = threads;
+  mr_cpu_kernels_register();
+  for (int i = 0; i < g->n_ops; i++)
+    if (!mr_op_kernel(g->ops[i].kind, MR_BACKEND_CPU))
+      return mr_error_set(MR_ENOTSUP, "op %s has no CPU kernel",
+                          mr_op_def(g->ops[i].kind)->name);
+  int nt = g->n_tensors, rc = MR_ENOMEM;
+  int *last = malloc((size_t)nt * sizeof *last);
+  struct live *lv = malloc((size_t)(nt + 1) * sizeof *lv);
+  x->buf = calloc((size_t)nt, sizeof *x->buf);
+  x->offset = malloc((size_t)nt * sizeof *x->offset);
+  if (!last || !lv || !x->buf || !x->offset)
+    goto out;
+  for (int i = 0; i < nt; i++) {
+    last[i] = -1;
+    x->offset[i] = -1;
+  }
+  for (int i = 0; i < g->n_ops; i++)
+    for (int j = 0; j < g->ops[i].n_in; j++)
+      if (g->ops[i].in[j] >= 0)
+        last[g->ops[i].in[j]] = i;
+  int n_live = 0;
+  int64_t high = 0;
+  for (int i = 0; i < g->n_ops; i++) {
+    const struct mr_op *op = &g->ops[i];
+    for (int j = 0; j < op->n_out; j++) {
+      int t = op->out[j];
+      if (persistent(g, t) || x->offset[t] >= 0)
+        continue;
+      int64_t size = (mr_tensor_bytes(&g->tensors[t]) + ALIGN - 1) / ALIGN * ALIGN;
+      x->offset[t] = place(lv, &n_live, size, t);
+      if (x->offset[t] + size > high)
+        high = x->offset[t] + size;
+      if (last[t] < 0)
+        last[t] = g->n_ops; /* nobody reads it: keep it */
+    }
+    for (int j = 0; j < op->n_in; j++) {
+      int t = op->in[j];
+      if (t >= 0 && last[t] == i && x->offset[t] >= 0)
+        release(lv, &n_live, t);
+    }
+  }
+  x->arena_bytes = (uint64_t)high;
+  if (high > 0 && !(x->arena = aligned_alloc(ALIGN, (size_t)high)))
+    goto out;
+  if (high > 0)
+    memset(x->arena, 0, (size_t)high);
+  for (int i = 0; i < nt; i++) {
+    if (x->offset[i] >= 0) {
+      x->buf[i] = (char *)x->arena + x->offset[i];
+      continue;
+    }
+    size_t bytes = (size_t)mr_tensor_bytes(&g->tensors[i]);
+    size_t al = (bytes + ALIGN - 1) / ALIGN * ALIGN;
+    if (!(x->buf[i] = aligned_alloc(ALIGN, al)))
+      goto out;
+    memset(x->buf[i], 0, al);
+    x->persistent_bytes += al;
+  }
+  rc = 0;
+out:
+  free(last);
+  free(lv);
+  if (rc < 0)
+    mr_exec_close(x);
+  return rc;
+}
+
+void mr_exec_close(struct mr_exec *x) {
+  if (x->buf && x->offset)
+    for (int i = 0; i < x->g->n_tensors; i++)
+      if (x->offset[i] < 0)
+        free(x->buf[i]);
+  free(x->buf);
+  free(x->offset);
+  free(x->arena);
+  free(x->op_seconds);
+  mr_cpu_ctx_close(&x->cpu);
+  memset(x, 0, sizeof *x);
+}
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int mr_exec_run(struct mr_exec *x, int from, int to) {
+  const struct mr_graph *g = x->g;
+  void *bufs[MR_OP_MAX_IN + MR_OP_MAX_OUT];
+  for (int i = from; i < to && i < g->n_ops; i++) {
+    const struct mr_op *op = &g->ops[i];
+    int n = 0;
+    for (int j = 0; j < op->n_in; j++)
+      bufs[n++] = op->in[j] >= 0 ? x->buf[op->in[j]] : NULL;
+    for (int j = 0; j < op->n_out; j++)
+      bufs[n++] = x->buf[op->out[j]];
+    double t0 = x->op_seconds ? now() : 0;
+    int rc = mr_op_kernel(op->kind, MR_BACKEND_CPU)(&x->cpu, g, op, bufs);
+    if (rc < 0) {
+      MR_ERROR("exec", "op %d (%s -> %s): %s", i, mr_op_def(op->kind)->name,
+               g->tensors[op->out[0]].name, mr_error_message());
+      return rc;
+    }
+    if (x->op_seconds)
+      x->op_seconds[i] += now() - t0;
+  }
+  return 0;
+}
+
+uint64_t mr_exec_peak_bytes(const struct mr_exec *x) {
+  return x->persistent_bytes + x->arena_bytes;
+}
