@@ -31,7 +31,9 @@
  *   split3           x[N,3C]                       -> x0, x1, x2 [N,C]
  *   concat3          x0, x1, x2                    -> x[N,3C]
  *   cross_entropy    logits[N,V], targets[N] i32   -> loss[1] (mean), lse[N]
- *   cross_entropy_bwd dloss[1], logits, targets, lse -> dlogits
+ *                    a0 = rows the mean divides by (0: N; a row shard
+ *                    passes the global row count)
+ *   cross_entropy_bwd dloss[1], logits, targets, lse -> dlogits  a0 as above
  */
 #ifndef MR_OPS_H
 #define MR_OPS_H

@@ -5,6 +5,7 @@
 
 #include "common/tunable.h"
 #include "launcher/cli.h"
+#include "launcher/explain.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -12,6 +13,8 @@ static void usage(FILE *f) {
           "\n"
           "commands:\n"
           "  launch JOB.json     train: start and supervise one worker per rank\n"
+          "  explain JOB.json --mesh data=2,model=4\n"
+          "                      every tensor's placements and every reshard\n"
           "  env                 list the environment variables meshrun reads\n"
           "  version             print the version\n"
           "\n"
@@ -33,6 +36,8 @@ int main(int argc, char **argv) {
   const char *cmd = argv[1];
   if (strcmp(cmd, "launch") == 0)
     return mr_cmd_launch(argc - 1, argv + 1);
+  if (strcmp(cmd, "explain") == 0)
+    return mr_cmd_explain(argc - 1, argv + 1);
   if (strcmp(cmd, "env") == 0)
     return cmd_env();
   if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {

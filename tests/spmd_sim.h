@@ -57,4 +57,22 @@ void sim_tensor_free(struct sim_tensor *t);
 /* Largest |a-b| / max(1, |b|) over n. */
 double sim_rel_err(const float *a, const float *b, int64_t n);
 
+struct mr_dist_graph;
+struct mr_graph;
+
+/* Runs a completed graph on simulated ranks with the real CPU kernels:
+ * global_in[t] holds the global value of every tensor without a producer
+ * (ids as floats); every reshard edge runs through sim_plan before its
+ * consumers and each op runs per rank on local shards with its rule's
+ * local attributes.  global_out[t] receives a malloc'd materialized copy
+ * of every tensor (parameter gradients after their gradient sync).
+ * Returns 0, or -1 / a kernel's error. */
+int sim_run_graph(const struct mr_dist_graph *dg, float *const *global_in,
+                  float **global_out);
+
+/* The same graph on one rank through the executor (worker/exec.h);
+ * global_out as above.  Returns 0 or an error. */
+int sim_run_reference(const struct mr_graph *g, float *const *global_in,
+                      float **global_out);
+
 #endif

@@ -412,7 +412,10 @@ static int k_xent(void *ctx, const struct mr_graph *g, const struct mr_op *op,
     lse[r] = (float)e;
     total += e - lr[y[r]];
   }
-  loss[0] = (float)(total / (double)n);
+  /* a0 > 0: the rows of the whole batch when this rank holds a shard, so
+   * each rank's loss is its Partial(sum) operand */
+  double rows = op->attr[0] > 0 ? op->attr[0] : (double)n;
+  loss[0] = (float)(total / rows);
   return 0;
 }
 
@@ -422,7 +425,8 @@ static int k_xent_bwd(void *ctx, const struct mr_graph *g,
   const int32_t *y = b[2];
   float *d = b[4];
   int64_t n = ROWS(g, op->in[1]), v = COLS(g, op->in[1]);
-  float scale = dl[0] / (float)n;
+  double rows = op->attr[0] > 0 ? op->attr[0] : (double)n;
+  float scale = (float)(dl[0] / rows);
   for (int64_t r = 0; r < n; r++) {
     for (int64_t i = 0; i < v; i++)
       d[r * v + i] = expf(l[r * v + i] - lse[r]) * scale;
