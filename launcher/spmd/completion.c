@@ -130,7 +130,7 @@ static int sweep(const struct mr_graph *g, const struct mr_mesh *m,
       continue;
     const struct mr_spmd_rule *r = rule_of(op);
     gather_in(g, op, d, m->ndim, in);
-    MR_TRY(mr_spmd_infer(r, g, op, m, in, hinted(g, op), need, out));
+    MR_TRY(mr_spmd_infer(r, g, op, m, in, hinted(g, op), NULL, need, out));
     for (int j = 0; j < op->n_out; j++)
       if (!d[op->out[j]].known) {
         d[op->out[j]] = out[j];
@@ -191,6 +191,31 @@ static int add_edge(struct mr_dist_graph *dg, const struct mr_completion_opts *o
   return dg->n_edges++;
 }
 
+struct cost_ctx {
+  const struct mr_dist_graph *dg;
+  const struct mr_completion_opts *o;
+};
+
+/* A reshard an earlier consumer pays for already is free. */
+static double edge_cost(void *ctx, const struct mr_op *op, int slot,
+                        const struct mr_dist_attr *src,
+                        const struct mr_dist_attr *dst) {
+  const struct cost_ctx *c = ctx;
+  const struct mr_dist_graph *dg = c->dg;
+  int t = op->in[slot];
+  for (int e = 0; e < dg->n_edges; e++)
+    if (dg->edges[e].tensor == t && mr_dist_eq(&dg->edges[e].src, src) &&
+        mr_dist_eq(&dg->edges[e].dst, dst))
+      return 0;
+  const struct mr_tensor *tt = &dg->g->tensors[t];
+  struct mr_reshard_plan p;
+  if (mr_reshard_plan(&dg->mesh, tt->ndim, tt->shape,
+                      (int)mr_dtype_size(tt->dtype), src, dst, c->o->cost,
+                      c->o->cost_ctx, &p) < 0)
+    return 1e30;
+  return p.cost;
+}
+
 int mr_spmd_complete(const struct mr_graph *g, const struct mr_mesh *m,
                      const struct mr_completion_opts *o,
                      struct mr_dist_graph *dg) {
@@ -238,8 +263,10 @@ int mr_spmd_complete(const struct mr_graph *g, const struct mr_mesh *m,
   for (int k = 0; k < g->n_ops; k++) {
     const struct mr_op *op = &g->ops[k];
     gather_in(g, op, d, m->ndim, in);
+    struct cost_ctx cc = {dg, o};
+    struct mr_spmd_cost cost = {edge_cost, &cc};
     MR_TRY_GOTO(rc, mr_spmd_infer(rule_of(op), g, op, m, in, hinted(g, op),
-                                  need, out), err);
+                                  &cost, need, out), err);
     for (int j = 0; j < op->n_out; j++)
       d[op->out[j]] = out[j];
     for (int i = 0; i < op->n_in; i++) {

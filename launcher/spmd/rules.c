@@ -5,7 +5,9 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/dtype.h"
 #include "common/ops.h"
+#include "launcher/spmd/reshard.h"
 
 #define MAX_RULES 128
 
@@ -149,16 +151,53 @@ static int get_spec(const struct mr_spmd_rule *r, const struct mr_graph *g,
   return 0;
 }
 
+/* Cost of assignment a: the inputs' reshards plus an AllReduce for every
+ * Partial output. */
+static double assign_cost(const struct mr_spmd_spec *s, const struct mr_graph *g,
+                          const struct mr_op *op, const struct mr_mesh *m,
+                          const struct assign *a, const struct mr_dist_attr *in,
+                          const struct mr_spmd_cost *cost) {
+  struct mr_dist_attr need[MR_OP_MAX_IN], out[MR_OP_MAX_OUT];
+  apply(s, m, a, need, out);
+  double c = 0;
+  for (int i = 0; i < s->n_in; i++) {
+    if (op->in[i] < 0 || !in[i].known || mr_dist_eq(&in[i], &need[i]))
+      continue;
+    if (cost) {
+      c += cost->fn(cost->ctx, op, i, &in[i], &need[i]);
+      continue;
+    }
+    const struct mr_tensor *t = &g->tensors[op->in[i]];
+    struct mr_reshard_plan p;
+    if (mr_reshard_plan(m, t->ndim, t->shape, (int)mr_dtype_size(t->dtype),
+                        &in[i], &need[i], NULL, NULL, &p) == 0)
+      c += (double)p.bytes;
+  }
+  for (int o = 0; o < s->n_out; o++) {
+    const struct mr_tensor *t = &g->tensors[op->out[o]];
+    for (int md = 0; md < m->ndim; md++)
+      if (out[o].p[md].kind == MR_PARTIAL)
+        c += (double)mr_reshard_step_bytes(
+            MR_RS_ALL_REDUCE, m->shape[md],
+            mr_dist_local_numel_max(m, &out[o], t->ndim, t->shape) *
+                (int64_t)mr_dtype_size(t->dtype));
+  }
+  return c;
+}
+
 int mr_spmd_infer(const struct mr_spmd_rule *r, const struct mr_graph *g,
                   const struct mr_op *op, const struct mr_mesh *m,
                   const struct mr_dist_attr *in, unsigned hinted,
-                  struct mr_dist_attr *need, struct mr_dist_attr *out) {
+                  const struct mr_spmd_cost *cost, struct mr_dist_attr *need,
+                  struct mr_dist_attr *out) {
   struct mr_spmd_spec s;
   MR_TRY(get_spec(r, g, op, &s));
   struct assign a;
   memset(&a, 0, sizeof a);
   for (int md = 0; md < m->ndim; md++) {
-    /* hinted inputs first, then in order */
+    char cand[MR_OP_MAX_IN];
+    int nc = 0;
+    /* a hinted input's sharding is taken as it is */
     for (int pass = 0; pass < 2 && !a.letter[md]; pass++)
       for (int i = 0; i < s.n_in && !a.letter[md]; i++) {
         int h = (hinted >> i) & 1;
@@ -167,18 +206,40 @@ int mr_spmd_infer(const struct mr_spmd_rule *r, const struct mr_graph *g,
           continue;
         char c = s.in[i][in[i].p[md].dim];
         int64_t bad = 0;
-        if (choosable(&s, m, &a, md, c, &bad))
-          a.letter[md] = c;
-        else if ((h || has(s.strict, c)) && bad)
+        if (choosable(&s, m, &a, md, c, &bad)) {
+          if (h)
+            a.letter[md] = c;
+          else if (!memchr(cand, c, (size_t)nc))
+            cand[nc++] = c;
+        } else if ((h || has(s.strict, c)) && bad) {
           return mr_error_set(MR_EINVAL, "op %s (%s): %lld heads (or "
                               "sequences) of %s do not divide over mesh dim "
                               "%s of size %d", opname(op),
                               g->tensors[op->out[0]].name, (long long)bad,
                               g->tensors[op->in[i]].name, m->names[md],
                               m->shape[md]);
+        }
       }
-    if (!a.letter[md])
+    if (a.letter[md])
+      continue;
+    if (nc == 0) {
       pass_partial(&s, in, md, &a);
+      continue;
+    }
+    /* a Shard beats Replicate (the work stays split); among Shards the
+     * cheapest reshard wins */
+    double best = 0;
+    struct assign pick = a;
+    for (int k = nc - 1; k >= 0; k--) { /* ties: the earlier input */
+      struct assign t = a;
+      t.letter[md] = cand[k];
+      double c = assign_cost(&s, g, op, m, &t, in, cost);
+      if (k == nc - 1 || c <= best) {
+        best = c;
+        pick = t;
+      }
+    }
+    a = pick;
   }
   apply(&s, m, &a, need, out);
   return 0;

@@ -70,15 +70,29 @@ int mr_spmd_rule_register(const struct mr_spmd_rule *r);
 /* The rule for op name, or NULL. */
 const struct mr_spmd_rule *mr_spmd_rule_find(const char *op);
 
+/* What resharding input `slot` from src to dst would cost the caller (it
+ * may know that an earlier consumer pays for the same reshard already). */
+struct mr_spmd_cost {
+  double (*fn)(void *ctx, const struct mr_op *op, int slot,
+               const struct mr_dist_attr *src, const struct mr_dist_attr *dst);
+  void *ctx;
+};
+
 /* Forward inference.  in[n_in]: inputs' placements (known or not; hinted
  * bit i: input i's placement is a user hint, preferred in conflicts).
+ * Where inputs propose different shardings of a mesh dim and none is a
+ * hint, the Shard whose reshards cost least wins (cost NULL: link bytes
+ * of the planned reshards), a Partial output counted as the AllReduce it
+ * will need; ties go to the earlier input.  Replicate is chosen only when
+ * no input proposes a Shard.
  * Writes need[n_in] (what each input must be resharded to) and out[n_out].
  * Returns 0, or MR_EINVAL with a message naming the op when a hinted
  * sharding cannot be honoured (heads not divisible by the degree). */
 int mr_spmd_infer(const struct mr_spmd_rule *r, const struct mr_graph *g,
                   const struct mr_op *op, const struct mr_mesh *m,
                   const struct mr_dist_attr *in, unsigned hinted,
-                  struct mr_dist_attr *need, struct mr_dist_attr *out);
+                  const struct mr_spmd_cost *cost, struct mr_dist_attr *need,
+                  struct mr_dist_attr *out);
 
 /* Reverse inference from out[n_out] (known or not): writes need[n_in]
  * and out_fixed[n_out].  Returns 0 or MR_EINVAL. */
