@@ -1,4 +1,5 @@
 /* spmd_sim_graph.c - a completed graph run rank by rank. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -111,6 +112,45 @@ static int run_op(const struct mr_dist_graph *dg, int k,
   return rc;
 }
 
+/* Random Partial operands that reduce to x: the operand of Partial
+ * coordinate p (replicas on other mesh dims agree) is random for p > 0
+ * and makes up the rest at p = 0. */
+static void partial_scatter(struct sim_tensor *st, const struct mr_mesh *m,
+                            const struct mr_dist_attr *da,
+                            const struct mr_tensor *t, const float *x,
+                            uint32_t seed) {
+  int n = mr_mesh_size(m), np = 1, avg = 1, mx = 0;
+  for (int i = 0; i < da->ndim; i++)
+    if (da->p[i].kind == MR_PARTIAL) {
+      np *= m->shape[i];
+      avg *= da->p[i].reduce == MR_REDUCE_AVG ? m->shape[i] : 1;
+      mx |= da->p[i].reduce == MR_REDUCE_MAX;
+    }
+  int64_t ne = mr_tensor_numel(t);
+  float *ops = malloc(sizeof(float) * (size_t)(ne * np));
+  for (int64_t e = 0; e < ne; e++) {
+    double rest = (double)x[e] * avg;
+    for (int p = 1; p < np; p++) {
+      seed = seed * 1664525u + 1013904223u;
+      float u = (float)((seed >> 8) % 2001) / 1000.0f - 1.0f;
+      ops[p * ne + e] = mx ? x[e] - fabsf(u) : u;
+      rest -= ops[p * ne + e];
+    }
+    ops[e] = mx ? x[e] : (float)rest;
+  }
+  const float *opp[SIM_MAX_RANKS];
+  for (int r = 0; r < n; r++) {
+    int c[MR_MESH_MAX_DIMS], p = 0;
+    mr_mesh_coord(m, r, c);
+    for (int i = 0; i < da->ndim; i++)
+      if (da->p[i].kind == MR_PARTIAL)
+        p = p * m->shape[i] + c[i];
+    opp[r] = ops + p * ne;
+  }
+  sim_scatter(st, m, da, t->ndim, t->shape, NULL, opp);
+  free(ops);
+}
+
 int sim_run_graph(const struct mr_dist_graph *dg, float *const *global_in,
                   float **global_out) {
   const struct mr_graph *g = dg->g;
@@ -126,8 +166,15 @@ int sim_run_graph(const struct mr_dist_graph *dg, float *const *global_in,
     const float *src = global_in[t];
     if (!src)
       src = zero = calloc((size_t)n, sizeof(float));
-    sim_scatter(&vals[t], &dg->mesh, &dg->tensor[t], g->tensors[t].ndim,
-                g->tensors[t].shape, src, NULL);
+    int partial = 0;
+    for (int i = 0; i < dg->tensor[t].ndim; i++)
+      partial |= dg->tensor[t].p[i].kind == MR_PARTIAL;
+    if (partial)
+      partial_scatter(&vals[t], &dg->mesh, &dg->tensor[t], &g->tensors[t], src,
+                      0x9e3779b9u * (uint32_t)(t + 1));
+    else
+      sim_scatter(&vals[t], &dg->mesh, &dg->tensor[t], g->tensors[t].ndim,
+                  g->tensors[t].shape, src, NULL);
     free(zero);
   }
   for (int k = 0; k < g->n_ops && rc == 0; k++)

@@ -87,10 +87,14 @@ static void apply(const struct mr_spmd_spec *s, const struct mr_mesh *m,
     need[i] = mr_dist_replicated(m->ndim);
     for (int md = 0; md < m->ndim; md++) {
       int p = pos(s->in[i], a->letter[md]);
+      /* the output (0) is a Partial(sum) of per-rank terms: a bias added
+       * on every rank must be an operand too */
+      int summed = (a->letter[md] && !has(s->out[0], a->letter[md])) ||
+                   (a->partial[md] && a->pop[md] == MR_REDUCE_SUM);
       if (a->letter[md] && p >= 0)
         need[i].p[md] = mr_shard(p);
-      else if (a->partial[md] && ((s->additive >> i) & 1)) {
-        if (a->pop[md] == MR_REDUCE_SUM)
+      else if ((s->additive >> i) & 1) {
+        if (summed)
           need[i].p[md] = mr_partial(MR_REDUCE_SUM);
       } else if (a->partial[md] && !((s->nonfloat >> i) & 1) &&
                  (a->carrier[md] < 0 || a->carrier[md] == i))
@@ -212,12 +216,12 @@ int mr_spmd_infer(const struct mr_spmd_rule *r, const struct mr_graph *g,
           else if (!memchr(cand, c, (size_t)nc))
             cand[nc++] = c;
         } else if ((h || has(s.strict, c)) && bad) {
-          return mr_error_set(MR_EINVAL, "op %s (%s): %lld heads (or "
-                              "sequences) of %s do not divide over mesh dim "
-                              "%s of size %d", opname(op),
-                              g->tensors[op->out[0]].name, (long long)bad,
+          return mr_error_set(MR_EINVAL, "op %s (%s): %s comes sharded "
+                              "over mesh dim %s (size %d), but the op's %lld "
+                              "heads (or sequences) do not divide over it",
+                              opname(op), g->tensors[op->out[0]].name,
                               g->tensors[op->in[i]].name, m->names[md],
-                              m->shape[md]);
+                              m->shape[md], (long long)bad);
         }
       }
     if (a.letter[md])
