@@ -60,7 +60,8 @@ int mr_mesh_parse(const char *spec, struct mr_mesh *m) {
     names[n][eq - s] = 0;
     char *end;
     long v = strtol(eq + 1, &end, 10);
-    if (end == eq + 1 || v < 1 || v > 65536 || (*end && *end != ','))
+    if (end == eq + 1 || v < 1 || v > 65536 || (*end && *end != ',') ||
+        (*end == ',' && !end[1]))
       return mr_error_set(MR_EINVAL, "--mesh \"%s\": size of \"%s\": expected "
                           "a positive integer", spec, names[n]);
     shape[n] = (int)v;
