@@ -9,7 +9,10 @@
  *
  * Op kinds, inputs -> outputs, attributes (attr[i]):
  *   embedding        ids[N] i32, table[V,C]        -> out[N,C]
+ *                    a1 > 0: table holds rows [a0, a0+V) of a vocabulary
+ *                    of a1; other ids give zero rows (vocabulary shard)
  *   embedding_bwd    ids[N], dout[N,C]             -> dtable[V,C]   a0=V
+ *                    a1, a2: first row and whole vocabulary of a shard
  *   matmul           A, B[, bias[N]]               -> C[M,N]
  *                    a0=transpose A, a1=transpose B; A is [M,K] ([K,M] if
  *                    transposed), B is [K,N] ([N,K] if transposed)

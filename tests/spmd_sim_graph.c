@@ -39,10 +39,6 @@ static int run_op(const struct mr_dist_graph *dg, int k,
       return -1;
   }
   const struct mr_spmd_rule *rule = mr_spmd_rule_find(mr_op_def(op->kind)->name);
-  double attr[MR_OP_MAX_ATTR];
-  memcpy(attr, op->attr, sizeof attr);
-  if (rule->localize)
-    rule->localize(g, op, m, &dg->need[k * MR_OP_MAX_IN], attr);
   int n = mr_mesh_size(m);
   for (int j = 0; j < op->n_out; j++) {
     struct sim_tensor *o = &vals[op->out[j]];
@@ -58,9 +54,10 @@ static int run_op(const struct mr_dist_graph *dg, int k,
     struct mr_op lop = *op;
     void *bufs[MR_OP_MAX_IN + MR_OP_MAX_OUT];
     int32_t *ints[MR_OP_MAX_IN] = {0};
-    memcpy(lop.attr, attr, sizeof attr);
     int nt = 0, coord[MR_MESH_MAX_DIMS];
     mr_mesh_coord(m, r, coord);
+    if (rule->localize)
+      rule->localize(g, op, m, &dg->need[k * MR_OP_MAX_IN], coord, lop.attr);
     for (int i = 0; i < op->n_in; i++) {
       bufs[i] = NULL;
       if (op->in[i] < 0) {

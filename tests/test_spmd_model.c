@@ -192,6 +192,33 @@ START_TEST(test_llama_tp4_sequence_parallel) {
 }
 END_TEST
 
+static struct mr_shard_rule_placement vocab = {"model", "Shard(0)"};
+static struct mr_shard_rule megatron_vocab[] = {
+    {"q_proj|k_proj|v_proj|gate_proj|up_proj", &col, 1},
+    {"o_proj|down_proj", &row, 1},
+    {"embed_tokens|lm_head", &vocab, 1},
+};
+
+START_TEST(test_llama_vocab_sharded_embedding_and_head) {
+  struct fx f;
+  build(&f, 4, 2, 2, 6, _i);
+  struct mr_dist_graph dg;
+  complete(&f, "data=2,model=2", 0, megatron_vocab, 3, &dg);
+  const struct mr_graph *g = &f.mo.graph;
+  /* the vocabulary-parallel lookup is a Partial(sum) all-reduced before
+   * the first norm; the head's logits are split by vocabulary */
+  int h0 = mr_graph_find(g, "h0"), lg = mr_graph_find(g, "logits");
+  ck_assert_int_eq(dg.tensor[h0].p[1].kind, MR_PARTIAL);
+  ck_assert_int_eq(dg.tensor[lg].p[1].kind, MR_SHARD);
+  ck_assert_int_eq(dg.tensor[lg].p[1].dim, 1);
+  ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, MR_RS_ALL_REDUCE, 1, 0),
+                   2 * f.layers + 1);
+  check_simulated(&f, &dg);
+  mr_dist_graph_close(&dg);
+  mr_model_close(&f.mo);
+}
+END_TEST
+
 START_TEST(test_llama_heads_not_divisible_is_an_error) {
   struct fx f;
   build(&f, 4, 2, 1, 8, 0);
@@ -216,6 +243,7 @@ static Suite *spmd_model_suite(void) {
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, test_llama_dp2_tp2_megatron);
   tcase_add_test(tc, test_llama_tp4_sequence_parallel);
+  tcase_add_loop_test(tc, test_llama_vocab_sharded_embedding_and_head, 0, 2);
   tcase_add_test(tc, test_llama_heads_not_divisible_is_an_error);
   suite_add_tcase(s, tc);
   return s;

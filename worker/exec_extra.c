@@ -144,33 +144,46 @@ static int k_matmul(void *ctx, const struct mr_graph *g, const struct mr_op *op,
 
 /* ---- elementwise and row ops ---- */
 
+/* a1 > 0: the table is rows [a0, a0 + V) of a vocabulary of a1 (sharded
+ * by vocabulary); ids outside the shard give zero rows */
 static int k_embedding(void *ctx, const struct mr_graph *g,
                        const struct mr_op *op, void *const *b) {
   const int32_t *ids = b[0];
   const float *w = b[1];
   float *out = b[2];
   int64_t n = ROWS(g, op->in[0]), v = ROWS(g, op->in[1]), c = COLS(g, op->in[1]);
+  int64_t lo = (int64_t)op->attr[0], all = op->attr[1] > 0 ? (int64_t)op->attr[1] : v;
   for (int64_t i = 0; i < n; i++) {
-    if (ids[i] < 0 || ids[i] >= v)
+    if (ids[i] < 0 || ids[i] >= all)
       return mr_error_set(MR_ERANGE, "embedding %s: id %d at row %lld, "
                           "expected 0..%lld", TT(g, op->in[1])->name, ids[i],
-                          (long long)i, (long long)v - 1);
-    memcpy(out + i * c, w + (int64_t)ids[i] * c, (size_t)c * sizeof *out);
+                          (long long)i, (long long)all - 1);
+    int64_t r = (int64_t)ids[i] - lo;
+    if (r < 0 || r >= v)
+      memset(out + i * c, 0, (size_t)c * sizeof *out);
+    else
+      memcpy(out + i * c, w + r * c, (size_t)c * sizeof *out);
   }
   return 0;
 }
 
+/* a1: first vocabulary row of dtable, a2 > 0: the whole vocabulary (a
+ * vocabulary shard skips ids outside it) */
 static int k_embedding_bwd(void *ctx, const struct mr_graph *g,
                            const struct mr_op *op, void *const *b) {
   const int32_t *ids = b[0];
   const float *d = b[1];
   float *dw = b[2];
   int64_t n = ROWS(g, op->in[0]), c = COLS(g, op->in[1]), v = ROWS(g, op->out[0]);
+  int64_t lo = (int64_t)op->attr[1], all = op->attr[2] > 0 ? (int64_t)op->attr[2] : v;
   memset(dw, 0, (size_t)(v * c) * sizeof *dw);
   for (int64_t i = 0; i < n; i++) {
-    if (ids[i] < 0 || ids[i] >= v)
+    if (ids[i] < 0 || ids[i] >= all)
       return mr_error_set(MR_ERANGE, "embedding_bwd: id %d out of range", ids[i]);
-    float *row = dw + (int64_t)ids[i] * c;
+    int64_t r = (int64_t)ids[i] - lo;
+    if (r < 0 || r >= v)
+      continue;
+    float *row = dw + r * c;
     for (int64_t k = 0; k < c; k++)
       row[k] += d[i * c + k];
   }

@@ -49,13 +49,14 @@ struct mr_spmd_spec {
 typedef int (*mr_spmd_spec_fn)(const struct mr_graph *g, const struct mr_op *op,
                                struct mr_spmd_spec *s);
 
-/* Writes into attr[MR_OP_MAX_ATTR] the attributes the op runs with on a
- * rank whose inputs have placements need[] (head counts become local). */
+/* Writes into attr[MR_OP_MAX_ATTR] the attributes the op runs with on the
+ * rank at mesh coordinate coord whose inputs have placements need[] (head
+ * counts become local, a vocabulary shard learns its first row). */
 typedef void (*mr_spmd_localize_fn)(const struct mr_graph *g,
                                     const struct mr_op *op,
                                     const struct mr_mesh *m,
                                     const struct mr_dist_attr *need,
-                                    double *attr);
+                                    const int *coord, double *attr);
 
 struct mr_spmd_rule {
   const char *op;             // op registry name

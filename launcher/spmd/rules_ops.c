@@ -79,11 +79,23 @@ static int spec_embedding(const struct mr_graph *g, const struct mr_op *op,
   set(s->in[1], "vc");
   set(s->out[0], "nc");
   s->nonfloat = 1;
-  /* a vocabulary-sharded table needs a kernel that skips ids outside its
-   * range; until the kernel has one the table is gathered */
-  set(s->forbid, "v");
+  /* a vocabulary-sharded table: each rank looks up the ids it holds and
+   * gives zero rows for the rest, a Partial(sum) operand */
+  set(s->contract, "v");
   s->linear = MR_SPMD_MULTILINEAR;
   return 0;
+}
+
+static void embedding_localize(const struct mr_graph *g, const struct mr_op *op,
+                               const struct mr_mesh *m,
+                               const struct mr_dist_attr *need,
+                               const int *coord, double *attr) {
+  const struct mr_tensor *w = T(g, op->in[1]);
+  int64_t off[MR_TENSOR_MAX_DIMS], len[MR_TENSOR_MAX_DIMS];
+  mr_dist_local(m, &need[1], w->ndim, w->shape, coord, off, len);
+  memcpy(attr, op->attr, sizeof op->attr);
+  attr[0] = (double)off[0];
+  attr[1] = (double)w->shape[0];
 }
 
 static int spec_embedding_bwd(const struct mr_graph *g, const struct mr_op *op,
@@ -156,7 +168,9 @@ static int spec_rope(const struct mr_graph *g, const struct mr_op *op,
 
 static void rope_localize(const struct mr_graph *g, const struct mr_op *op,
                           const struct mr_mesh *m,
-                          const struct mr_dist_attr *need, double *attr) {
+                          const struct mr_dist_attr *need, const int *coord,
+                          double *attr) {
+  (void)coord;
   (void)g;
   memcpy(attr, op->attr, sizeof op->attr);
   attr[1] /= mr_dist_split_degree(m, &need[0], 1);
@@ -203,7 +217,9 @@ static int spec_attention_bwd(const struct mr_graph *g, const struct mr_op *op,
 
 static void attention_localize(const struct mr_graph *g, const struct mr_op *op,
                                const struct mr_mesh *m,
-                               const struct mr_dist_attr *need, double *attr) {
+                               const struct mr_dist_attr *need, const int *coord,
+                          double *attr) {
+  (void)coord;
   (void)g;
   int q = op->kind == MR_OP_ATTENTION ? 0 : 1;
   memcpy(attr, op->attr, sizeof op->attr);
@@ -260,7 +276,9 @@ static int spec_xent_bwd(const struct mr_graph *g, const struct mr_op *op,
 
 static void xent_localize(const struct mr_graph *g, const struct mr_op *op,
                           const struct mr_mesh *m,
-                          const struct mr_dist_attr *need, double *attr) {
+                          const struct mr_dist_attr *need, const int *coord,
+                          double *attr) {
+  (void)coord;
   (void)m, (void)need;
   int logits = op->kind == MR_OP_CROSS_ENTROPY ? op->in[0] : op->in[1];
   memcpy(attr, op->attr, sizeof op->attr);
@@ -268,7 +286,7 @@ static void xent_localize(const struct mr_graph *g, const struct mr_op *op,
 }
 
 static const struct mr_spmd_rule builtin[] = {
-    {"embedding", spec_embedding, NULL},
+    {"embedding", spec_embedding, embedding_localize},
     {"embedding_bwd", spec_embedding_bwd, NULL},
     {"matmul", spec_matmul, NULL},
     {"bias_grad", spec_bias_grad, NULL},
