@@ -28,7 +28,7 @@
  *   swiglu_bwd       dy, gate, up                  -> dgate, dup
  *   gelu             x                             -> gelu_tanh(x)
  *   gelu_bwd         dy, x                         -> dx
- *   attention        q[N,H*D], k[N,KH*D], v        -> o[N,H*D], lse[N,H]
+ *   attention        q[N,H*D], k[N,KH*D], v        -> o[N,H*D], lse[B,H,T]
  *                    causal, scale 1/sqrt(D); a0=T a1=H a2=KH
  *   attention_bwd    do, q, k, v, o, lse           -> dq, dk, dv
  *   split3           x[N,3C]                       -> x0, x1, x2 [N,C]
@@ -66,6 +66,8 @@ enum mr_op_kind {
   MR_OP_CROSS_ENTROPY_BWD,
   MR_OP_COUNT
 };
+
+#define MR_OP_MAX_KINDS 64     // built-in kinds plus those registered later
 
 enum mr_backend_kind { MR_BACKEND_CPU = 0, MR_BACKEND_CUDA = 1, MR_BACKEND_COUNT };
 
@@ -105,6 +107,16 @@ const struct mr_op_def *mr_op_def(int kind);
 
 /* Kind of the op named name, or MR_EINVAL. */
 int mr_op_kind_by_name(const char *name);
+
+/* Registers a new op kind (a plugin's): def is copied, its strings and
+ * functions are borrowed for the life of the process.  Returns the new
+ * kind (>= MR_OP_COUNT), MR_EINVAL (incomplete definition, name taken) or
+ * MR_ENOMEM (table full).  Not thread-safe: register before building
+ * graphs. */
+int mr_op_register(const struct mr_op_def *def);
+
+/* Number of op kinds: MR_OP_COUNT plus those registered. */
+int mr_op_count(void);
 
 /* Binds a backend's kernel to an op kind (done once by each backend at
  * start-up); the table is process-wide. */

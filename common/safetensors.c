@@ -435,6 +435,8 @@ const struct mr_st_tensor *mr_st_tensor_at(const struct mr_st_file *f, int i) {
 
 const struct mr_st_tensor *mr_st_find(const struct mr_st_file *f,
                                       const char *name) {
+  if (f->n_tensors == 0)
+    return NULL;
   struct mr_st_tensor key = {.name = name};
   return bsearch(&key, f->tensors, (size_t)f->n_tensors, sizeof key,
                  cmp_tensor_name);
@@ -454,6 +456,8 @@ void mr_st_metadata_at(const struct mr_st_file *f, int i, const char **key,
 }
 
 const char *mr_st_metadata(const struct mr_st_file *f, const char *key) {
+  if (f->n_meta == 0)
+    return NULL;
   struct meta_entry k = {.key = (char *)key};
   const struct meta_entry *e =
       bsearch(&k, f->meta, (size_t)f->n_meta, sizeof k, cmp_meta_key);

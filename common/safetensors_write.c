@@ -275,6 +275,8 @@ static int flush_stage(struct mr_st_writer *w) {
 
 /* Appends n bytes: gathered when small, written in place when large. */
 static int put_bytes(struct mr_st_writer *w, const uint8_t *p, size_t n) {
+  if (n == 0)
+    return 0; /* an empty tensor may have no data pointer */
   if (n >= STAGE_BYTES) {
     MR_TRY(flush_stage(w));
     return write_all(w, p, n);
@@ -311,7 +313,8 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
   if (w->finished)
     return mr_error_set(MR_EINVAL, "%s: writer finished twice", p);
   w->finished = 1;
-  qsort(w->entries, (size_t)w->n, sizeof *w->entries, cmp_layout);
+  if (w->n > 0)
+    qsort(w->entries, (size_t)w->n, sizeof *w->entries, cmp_layout);
   uint64_t at = 0;
   for (int i = 0; i < w->n; i++) {
     struct entry *e = &w->entries[i];

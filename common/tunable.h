@@ -33,7 +33,11 @@
   XX(SELFCHECK_STEPS, "MESHRUN_SELFCHECK_STEPS", "5",                        \
      "steps of the self-check job")                                          \
   XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \
-     "lines of a failed rank's log shown on exit")
+     "lines of a failed rank's log shown on exit")                           \
+  XX(LOSS_SCALE_GROWTH, "MESHRUN_LOSS_SCALE_GROWTH_INTERVAL", "2000",        \
+     "fp16: clean steps before the loss scale doubles")                      \
+  XX(INJECT_OVERFLOW_STEP, "MESHRUN_INJECT_OVERFLOW_STEP", "0",              \
+     "testing: make step N's gradients overflow (1-based; 0: never)")
 
 enum mr_tunable_id {
 #define XX(id, env, def, desc) MR_TUNABLE_##id,

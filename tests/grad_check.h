@@ -23,20 +23,20 @@
 
 static uint64_t gc_state = 88172645463325252ull;
 
-static double gc_uniform(void) { /* xorshift64*, in [-1, 1) */
+static inline double gc_uniform(void) { /* xorshift64*, in [-1, 1) */
   gc_state ^= gc_state >> 12;
   gc_state ^= gc_state << 25;
   gc_state ^= gc_state >> 27;
   return (double)((gc_state * 2685821657736338717ull) >> 11) * 0x1p-52 - 1.0;
 }
 
-static void gc_fill(float *p, int64_t n, double scale) {
+static inline void gc_fill(float *p, int64_t n, double scale) {
   for (int64_t i = 0; i < n; i++)
     p[i] = (float)(scale * gc_uniform());
 }
 
 /* L = sum out * r over out's elements, in double. */
-static double gc_objective(struct mr_exec *x, int out, const float *r) {
+static inline double gc_objective(struct mr_exec *x, int out, const float *r) {
   const float *o = mr_exec_buf(x, out);
   int64_t n = mr_tensor_numel(&x->g->tensors[out]);
   double s = 0;
@@ -47,7 +47,7 @@ static double gc_objective(struct mr_exec *x, int out, const float *r) {
 
 /* Checks up to `samples` elements of every parameter of x's graph.
  * Returns the number of elements outside tolerance; prints each. */
-static int gc_check_params(struct mr_exec *x, int out, const float *r,
+static inline int gc_check_params(struct mr_exec *x, int out, const float *r,
                            double h, double atol, double rtol, int samples,
                            double *max_err) {
   const struct mr_graph *g = x->g;

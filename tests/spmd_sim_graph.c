@@ -92,6 +92,15 @@ static int run_op(const struct mr_dist_graph *dg, int k,
       ob->d = calloc((size_t)(ne ? ne : 1), sizeof(float));
       bufs[op->n_in + j] = ob->d;
     }
+    /* an empty output shard (more ranks than rows) computes nothing */
+    int empty = 0;
+    for (int j = 0; j < op->n_out; j++)
+      empty |= mr_tensor_numel(&lt[lop.out[j]]) == 0;
+    if (empty) {
+      for (int i = 0; i < op->n_in; i++)
+        free(ints[i]);
+      continue;
+    }
     struct mr_graph lg;
     memset(&lg, 0, sizeof lg);
     lg.tensors = lt;
@@ -153,9 +162,10 @@ int sim_run_graph(const struct mr_dist_graph *dg, float *const *global_in,
   const struct mr_graph *g = dg->g;
   mr_cpu_kernels_register();
   struct sim_tensor *vals = calloc((size_t)g->n_tensors, sizeof *vals);
-  struct mr_cpu_ctx ctx = {MR_AMP_NONE, 1, NULL, 0};
-  int rc = 0;
-  for (int t = 0; t < g->n_tensors; t++) {
+  struct mr_cpu_ctx ctx;
+  memset(&ctx, 0, sizeof ctx);
+  int rc = mr_cpu_ctx_init(&ctx, 1, MR_AMP_NONE);
+  for (int t = 0; t < g->n_tensors && rc == 0; t++) {
     if (g->tensors[t].producer >= 0)
       continue;
     int64_t n = mr_tensor_numel(&g->tensors[t]);

@@ -135,7 +135,10 @@ static void build(int kind, uint32_t *s, struct opcase *c) {
     in[n++] = in2(g, "k", N, KH * D);
     in[n++] = in2(g, "v", N, KH * D);
     in[n++] = in2(g, "o", N, H * D);
-    in[n++] = in2(g, "lse", N, H);
+    {
+      int64_t ls[3] = {B, H, T};
+      in[n++] = mr_graph_tensor(g, "lse", MR_F32, MR_ROLE_INPUT, 3, ls);
+    }
     break;
   case MR_OP_SPLIT3:
     in[n++] = in2(g, "x", N, 3 * C);

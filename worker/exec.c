@@ -1,6 +1,7 @@
 /* exec.c - buffer planning and the op loop. */
 #include "worker/exec.h"
 
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,14 +55,15 @@ int mr_exec_init(struct mr_exec *x, const struct mr_graph *g, int threads,
                  enum mr_amp_mode amp) {
   memset(x, 0, sizeof *x);
   x->g = g;
-  x->cpu.amp = amp;
-  x->cpu.threads = threads;
   mr_cpu_kernels_register();
   for (int i = 0; i < g->n_ops; i++)
     if (!mr_op_kernel(g->ops[i].kind, MR_BACKEND_CPU))
       return mr_error_set(MR_ENOTSUP, "op %s has no CPU kernel",
                           mr_op_def(g->ops[i].kind)->name);
-  int nt = g->n_tensors, rc = MR_ENOMEM;
+  int nt = g->n_tensors, rc = mr_cpu_ctx_init(&x->cpu, threads, amp);
+  if (rc < 0)
+    return rc;
+  rc = MR_ENOMEM;
   int *last = malloc((size_t)nt * sizeof *last);
   struct live *lv = malloc((size_t)(nt + 1) * sizeof *lv);
   x->buf = calloc((size_t)nt, sizeof *x->buf);
@@ -162,6 +164,14 @@ int mr_exec_run(struct mr_exec *x, int from, int to) {
     if (x->op_seconds)
       x->op_seconds[i] += now() - t0;
   }
+  return 0;
+}
+
+int mr_exec_profile(struct mr_exec *x, int on) {
+  free(x->op_seconds);
+  x->op_seconds = NULL;
+  if (on && !(x->op_seconds = calloc((size_t)x->g->n_ops, sizeof(double))))
+    return MR_ENOMEM;
   return 0;
 }
 

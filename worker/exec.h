@@ -43,6 +43,9 @@ static inline void *mr_exec_buf(const struct mr_exec *x, int id) {
   return x->buf[id];
 }
 
+/* Turns per-op timing (x->op_seconds) on or off (resetting it). */
+int mr_exec_profile(struct mr_exec *x, int on);
+
 /* Planned peak bytes: persistent buffers plus the arena. */
 uint64_t mr_exec_peak_bytes(const struct mr_exec *x);
 

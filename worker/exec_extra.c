@@ -1,9 +1,8 @@
-/* exec_extra.c - CPU kernels for the ops in common/ops.h. */
+/* exec_extra.c - registry ops on the CPU backend's kernels. */
 #include "worker/exec_extra.h"
 
 #include <cblas.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,11 +10,26 @@
 #include "common/dtype.h"
 #include "common/error.h"
 #include "common/ops.h"
+#include "worker/backend/cpu/kernels.h"
+#include "worker/backend/cpu/pool.h"
 
 #define TT(g, id) (&(g)->tensors[(id)])
 #define NEL(g, id) mr_tensor_numel(TT(g, id))
-#define ROWS(g, id) (TT(g, id)->shape[0])
-#define COLS(g, id) (TT(g, id)->ndim > 1 ? TT(g, id)->shape[1] : 1)
+#define ROWS(g, id) ((int)TT(g, id)->shape[0])
+#define COLS(g, id) ((int)(TT(g, id)->ndim > 1 ? TT(g, id)->shape[1] : 1))
+#define POOL(ctx) (((struct mr_cpu_ctx *)(ctx))->pool)
+
+int mr_cpu_ctx_init(struct mr_cpu_ctx *ctx, int threads, enum mr_amp_mode amp) {
+  memset(ctx, 0, sizeof *ctx);
+  ctx->amp = amp;
+  return mr_pool_new(threads > 0 ? threads : 1, &ctx->pool);
+}
+
+void mr_cpu_ctx_close(struct mr_cpu_ctx *ctx) {
+  mr_pool_free(ctx->pool);
+  free(ctx->scratch);
+  memset(ctx, 0, sizeof *ctx);
+}
 
 static float *scratch(struct mr_cpu_ctx *c, size_t n) {
   if (n > c->scratch_floats) {
@@ -28,131 +42,63 @@ static float *scratch(struct mr_cpu_ctx *c, size_t n) {
   return c->scratch;
 }
 
-void mr_cpu_ctx_close(struct mr_cpu_ctx *ctx) {
-  free(ctx->scratch);
-  ctx->scratch = NULL;
-  ctx->scratch_floats = 0;
-}
-
-/* Rounds n floats from src into dst through the 16-bit type. */
-static void round16(enum mr_amp_mode amp, float *dst, const float *src,
-                    size_t n) {
-  if (amp == MR_AMP_ROUND_BF16)
-    for (size_t i = 0; i < n; i++)
-      dst[i] = mr_bf16_to_f32(mr_f32_to_bf16(src[i]));
-  else
-    for (size_t i = 0; i < n; i++)
-      dst[i] = mr_f16_to_f32(mr_f32_to_f16(src[i]));
-}
-
-/* ---- matmul, split over threads by rows of C ---- */
-
-struct gemm_job {
-  int ta, tb;
-  int64_t m, n, k;
-  const float *a, *b;
-  int64_t lda, ldb;
-  float *c;
-};
-
-static void gemm_rows(const struct gemm_job *j, int64_t r0, int64_t r1) {
-  if (r1 <= r0)
-    return;
-  const float *a = j->ta ? j->a + r0 : j->a + r0 * j->lda;
-  cblas_sgemm(CblasRowMajor, j->ta ? CblasTrans : CblasNoTrans,
-              j->tb ? CblasTrans : CblasNoTrans, (int)(r1 - r0), (int)j->n,
-              (int)j->k, 1.0f, a, (int)j->lda, j->b, (int)j->ldb, 0.0f,
-              j->c + r0 * j->n, (int)j->n);
-}
-
-struct gemm_part {
-  const struct gemm_job *j;
-  int64_t r0, r1;
-};
-
-static void *gemm_thread(void *p) {
-  struct gemm_part *q = p;
-  gemm_rows(q->j, q->r0, q->r1);
-  return NULL;
-}
-
-static void gemm(const struct mr_cpu_ctx *c, const struct gemm_job *j) {
-  int nt = c->threads > 1 ? c->threads : 1;
-  if (nt > 8)
-    nt = 8;
-  if (nt == 1 || j->m < 64 * nt || (double)j->m * j->n * j->k < 4e6) {
-    gemm_rows(j, 0, j->m);
-    return;
-  }
-  pthread_t th[8];
-  struct gemm_part parts[8];
-  int64_t per = (j->m + nt - 1) / nt;
-  int started = 0;
-  for (int i = 0; i < nt; i++) {
-    parts[i].j = j;
-    parts[i].r0 = i * per < j->m ? i * per : j->m;
-    parts[i].r1 = (i + 1) * per < j->m ? (i + 1) * per : j->m;
-  }
-  for (int i = 1; i < nt; i++) {
-    if (pthread_create(&th[i], NULL, gemm_thread, &parts[i]) != 0)
-      break;
-    started = i;
-  }
-  gemm_rows(j, parts[0].r0, parts[0].r1);
-  for (int i = 1; i <= started; i++)
-    pthread_join(th[i], NULL);
-  for (int i = started + 1; i < nt; i++)
-    gemm_rows(j, parts[i].r0, parts[i].r1);
+/* Copies the inputs listed into scratch rounded through the 16-bit type
+ * and points src[i] at the copies; extra floats are reserved after them
+ * and returned through *tail. */
+static int round_inputs(struct mr_cpu_ctx *c, const struct mr_graph *g,
+                        const int *ids, const float **src, int n, size_t extra,
+                        float **tail) {
+  size_t total = extra;
+  if (c->amp)
+    for (int i = 0; i < n; i++)
+      total += (size_t)NEL(g, ids[i]);
+  float *s = scratch(c, total ? total : 1);
+  if (!s)
+    return MR_ENOMEM;
+  if (c->amp)
+    for (int i = 0; i < n; i++) {
+      size_t k = (size_t)NEL(g, ids[i]);
+      if (c->amp == MR_AMP_ROUND_BF16) {
+        for (size_t j = 0; j < k; j++)
+          s[j] = mr_bf16_to_f32(mr_f32_to_bf16(src[i][j]));
+      } else {
+        mr_f32_to_f16_n((uint16_t *)s, src[i], k); /* in place, then widen */
+        for (size_t j = k; j-- > 0;)
+          s[j] = mr_f16_to_f32(((uint16_t *)s)[j]);
+      }
+      src[i] = s;
+      s += k;
+    }
+  if (tail)
+    *tail = s;
+  return 0;
 }
 
 static int k_matmul(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                     void *const *b) {
-  struct mr_cpu_ctx *c = ctx;
   int ai = op->in[0], bi = op->in[1];
-  int has_bias = op->n_in > 2 && op->in[2] >= 0;
+  int ta = op->attr[0] != 0, tb = op->attr[1] != 0;
+  int m = ta ? COLS(g, ai) : ROWS(g, ai), k = ta ? ROWS(g, ai) : COLS(g, ai);
+  int n = tb ? ROWS(g, bi) : COLS(g, bi);
+  const float *src[2] = {b[0], b[1]};
   float *out = b[op->n_in];
-  struct gemm_job j;
-  j.ta = op->attr[0] != 0;
-  j.tb = op->attr[1] != 0;
-  j.lda = COLS(g, ai);
-  j.ldb = COLS(g, bi);
-  j.m = j.ta ? COLS(g, ai) : ROWS(g, ai);
-  j.k = j.ta ? ROWS(g, ai) : COLS(g, ai);
-  j.n = j.tb ? ROWS(g, bi) : COLS(g, bi);
-  j.a = b[0];
-  j.b = b[1];
-  j.c = out;
-  if (c->amp) {
-    size_t na = (size_t)NEL(g, ai), nb = (size_t)NEL(g, bi);
-    float *s = scratch(c, na + nb);
-    if (!s)
-      return MR_ENOMEM;
-    round16(c->amp, s, b[0], na);
-    round16(c->amp, s + na, b[1], nb);
-    j.a = s;
-    j.b = s + na;
-  }
-  gemm(c, &j);
-  if (has_bias) {
-    const float *bias = b[2];
-    for (int64_t r = 0; r < j.m; r++)
-      for (int64_t i = 0; i < j.n; i++)
-        out[r * j.n + i] += bias[i];
-  }
+  MR_TRY(round_inputs(ctx, g, op->in, src, 2, 0, NULL));
+  MR_TRY(mr_cpu_gemm(POOL(ctx), ta, tb, m, n, k, 1.0f, src[0], COLS(g, ai),
+                     src[1], COLS(g, bi), 0.0f, out, n));
+  if (op->n_in > 2 && op->in[2] >= 0)
+    MR_TRY(mr_cpu_bias_add(POOL(ctx), out, b[2], m, n));
   return 0;
 }
 
-/* ---- elementwise and row ops ---- */
-
 /* a1 > 0: the table is rows [a0, a0 + V) of a vocabulary of a1 (sharded
  * by vocabulary); ids outside the shard give zero rows */
-static int k_embedding(void *ctx, const struct mr_graph *g,
-                       const struct mr_op *op, void *const *b) {
+static int embedding_shard_fwd(const struct mr_graph *g, const struct mr_op *op,
+                               void *const *b) {
   const int32_t *ids = b[0];
   const float *w = b[1];
   float *out = b[2];
   int64_t n = ROWS(g, op->in[0]), v = ROWS(g, op->in[1]), c = COLS(g, op->in[1]);
-  int64_t lo = (int64_t)op->attr[0], all = op->attr[1] > 0 ? (int64_t)op->attr[1] : v;
+  int64_t lo = (int64_t)op->attr[0], all = (int64_t)op->attr[1];
   for (int64_t i = 0; i < n; i++) {
     if (ids[i] < 0 || ids[i] >= all)
       return mr_error_set(MR_ERANGE, "embedding %s: id %d at row %lld, "
@@ -169,13 +115,13 @@ static int k_embedding(void *ctx, const struct mr_graph *g,
 
 /* a1: first vocabulary row of dtable, a2 > 0: the whole vocabulary (a
  * vocabulary shard skips ids outside it) */
-static int k_embedding_bwd(void *ctx, const struct mr_graph *g,
-                           const struct mr_op *op, void *const *b) {
+static int embedding_shard_bwd(const struct mr_graph *g, const struct mr_op *op,
+                               void *const *b) {
   const int32_t *ids = b[0];
   const float *d = b[1];
   float *dw = b[2];
   int64_t n = ROWS(g, op->in[0]), c = COLS(g, op->in[1]), v = ROWS(g, op->out[0]);
-  int64_t lo = (int64_t)op->attr[1], all = op->attr[2] > 0 ? (int64_t)op->attr[2] : v;
+  int64_t lo = (int64_t)op->attr[1], all = (int64_t)op->attr[2];
   memset(dw, 0, (size_t)(v * c) * sizeof *dw);
   for (int64_t i = 0; i < n; i++) {
     if (ids[i] < 0 || ids[i] >= all)
@@ -183,199 +129,202 @@ static int k_embedding_bwd(void *ctx, const struct mr_graph *g,
     int64_t r = (int64_t)ids[i] - lo;
     if (r < 0 || r >= v)
       continue;
-    float *row = dw + r * c;
     for (int64_t k = 0; k < c; k++)
-      row[k] += d[i * c + k];
+      dw[r * c + k] += d[i * c + k];
   }
   return 0;
+}
+
+static int k_embedding(void *ctx, const struct mr_graph *g,
+                       const struct mr_op *op, void *const *b) {
+  if (op->attr[1] > 0)
+    return embedding_shard_fwd(g, op, b);
+  return mr_cpu_embedding_fwd(POOL(ctx), b[2], b[1], b[0], ROWS(g, op->in[0]),
+                              ROWS(g, op->in[1]), COLS(g, op->in[1]));
+}
+
+static int k_embedding_bwd(void *ctx, const struct mr_graph *g,
+                           const struct mr_op *op, void *const *b) {
+  if (op->attr[2] > 0)
+    return embedding_shard_bwd(g, op, b);
+  memset(b[2], 0, (size_t)NEL(g, op->out[0]) * sizeof(float));
+  return mr_cpu_embedding_bwd(POOL(ctx), b[2], b[1], b[0], ROWS(g, op->in[0]),
+                              ROWS(g, op->out[0]), COLS(g, op->in[1]));
 }
 
 static int k_bias_grad(void *ctx, const struct mr_graph *g,
                        const struct mr_op *op, void *const *b) {
-  const float *d = b[0];
-  float *db = b[1];
-  int64_t m = ROWS(g, op->in[0]), n = COLS(g, op->in[0]);
-  memset(db, 0, (size_t)n * sizeof *db);
-  for (int64_t r = 0; r < m; r++)
-    for (int64_t i = 0; i < n; i++)
-      db[i] += d[r * n + i];
-  return 0;
+  memset(b[1], 0, (size_t)NEL(g, op->out[0]) * sizeof(float));
+  return mr_cpu_bias_grad(POOL(ctx), b[1], b[0], ROWS(g, op->in[0]),
+                          COLS(g, op->in[0]));
 }
 
 static int k_add(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                  void *const *b) {
-  const float *x = b[0], *y = b[1];
-  float *o = b[2];
-  int64_t n = NEL(g, op->in[0]);
-  for (int64_t i = 0; i < n; i++)
-    o[i] = x[i] + y[i];
-  return 0;
+  return mr_cpu_add(POOL(ctx), b[2], b[0], b[1], (size_t)NEL(g, op->in[0]));
 }
 
 static int k_rmsnorm(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                      void *const *b) {
-  const float *x = b[0], *w = b[1];
-  float *y = b[2], *rstd = b[3];
-  int64_t n = ROWS(g, op->in[0]), c = COLS(g, op->in[0]);
-  for (int64_t r = 0; r < n; r++) {
-    const float *xr = x + r * c;
-    double ss = 0;
-    for (int64_t i = 0; i < c; i++)
-      ss += (double)xr[i] * xr[i];
-    float s = (float)(1.0 / sqrt(ss / (double)c + op->attr[0]));
-    rstd[r] = s;
-    for (int64_t i = 0; i < c; i++)
-      y[r * c + i] = xr[i] * s * w[i];
-  }
-  return 0;
+  return mr_cpu_rmsnorm_fwd(POOL(ctx), b[2], b[3], b[0], b[1], ROWS(g, op->in[0]),
+                            COLS(g, op->in[0]), (float)op->attr[0]);
 }
 
 static int k_rmsnorm_bwd(void *ctx, const struct mr_graph *g,
                          const struct mr_op *op, void *const *b) {
-  const float *dy = b[0], *x = b[1], *w = b[2], *rstd = b[3];
-  float *dx = b[4], *dw = b[5];
-  int64_t n = ROWS(g, op->in[1]), c = COLS(g, op->in[1]);
-  memset(dw, 0, (size_t)c * sizeof *dw);
-  for (int64_t r = 0; r < n; r++) {
-    const float *xr = x + r * c, *dr = dy + r * c;
-    float s = rstd[r];
-    double dot = 0;
-    for (int64_t i = 0; i < c; i++) {
-      dot += (double)dr[i] * w[i] * xr[i] * s;
-      dw[i] += dr[i] * xr[i] * s;
-    }
-    float m = (float)(dot / (double)c);
-    for (int64_t i = 0; i < c; i++)
-      dx[r * c + i] = s * (dr[i] * w[i] - xr[i] * s * m);
-  }
-  return 0;
+  memset(b[5], 0, (size_t)NEL(g, op->out[1]) * sizeof(float));
+  return mr_cpu_rmsnorm_bwd(POOL(ctx), b[4], b[5], b[0], b[1], b[2], b[3],
+                            ROWS(g, op->in[1]), COLS(g, op->in[1]), false);
 }
 
 static int k_layernorm(void *ctx, const struct mr_graph *g,
                        const struct mr_op *op, void *const *b) {
-  const float *x = b[0], *w = b[1], *bias = b[2];
-  float *y = b[3], *mean = b[4], *rstd = b[5];
-  int64_t n = ROWS(g, op->in[0]), c = COLS(g, op->in[0]);
-  for (int64_t r = 0; r < n; r++) {
-    const float *xr = x + r * c;
-    double s = 0, ss = 0;
-    for (int64_t i = 0; i < c; i++)
-      s += xr[i];
-    double mu = s / (double)c;
-    for (int64_t i = 0; i < c; i++)
-      ss += (xr[i] - mu) * (xr[i] - mu);
-    float rs = (float)(1.0 / sqrt(ss / (double)c + op->attr[0]));
-    mean[r] = (float)mu;
-    rstd[r] = rs;
-    for (int64_t i = 0; i < c; i++)
-      y[r * c + i] = (xr[i] - (float)mu) * rs * w[i] + bias[i];
-  }
-  return 0;
+  return mr_cpu_layernorm_fwd(POOL(ctx), b[3], b[4], b[5], b[0], b[1], b[2],
+                              ROWS(g, op->in[0]), COLS(g, op->in[0]),
+                              (float)op->attr[0]);
 }
 
 static int k_layernorm_bwd(void *ctx, const struct mr_graph *g,
                            const struct mr_op *op, void *const *b) {
-  const float *dy = b[0], *x = b[1], *w = b[2], *mean = b[3], *rstd = b[4];
-  float *dx = b[5], *dw = b[6], *db = b[7];
-  int64_t n = ROWS(g, op->in[1]), c = COLS(g, op->in[1]);
-  memset(dw, 0, (size_t)c * sizeof *dw);
-  memset(db, 0, (size_t)c * sizeof *db);
-  for (int64_t r = 0; r < n; r++) {
-    const float *xr = x + r * c, *dr = dy + r * c;
-    float mu = mean[r], rs = rstd[r];
-    double sd = 0, sdx = 0;
-    for (int64_t i = 0; i < c; i++) {
-      float xh = (xr[i] - mu) * rs, dxh = dr[i] * w[i];
-      sd += dxh;
-      sdx += (double)dxh * xh;
-      dw[i] += dr[i] * xh;
-      db[i] += dr[i];
-    }
-    float md = (float)(sd / (double)c), mdx = (float)(sdx / (double)c);
-    for (int64_t i = 0; i < c; i++) {
-      float xh = (xr[i] - mu) * rs;
-      dx[r * c + i] = rs * (dr[i] * w[i] - md - xh * mdx);
-    }
-  }
-  return 0;
+  size_t c = (size_t)COLS(g, op->in[1]);
+  memset(b[6], 0, c * sizeof(float));
+  memset(b[7], 0, c * sizeof(float));
+  return mr_cpu_layernorm_bwd(POOL(ctx), b[5], b[6], b[7], b[0], b[1], b[2],
+                              b[3], b[4], ROWS(g, op->in[1]), (int)c, false);
 }
 
-/* rotate-half RoPE as in transformers' LLaMA: pairs (i, i + D/2) */
 static int k_rope(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                   void *const *b) {
-  const float *x = b[0];
-  float *y = b[1];
-  int64_t n = ROWS(g, op->in[0]), hd = COLS(g, op->in[0]);
-  int64_t t = (int64_t)op->attr[0], h = (int64_t)op->attr[1], d = hd / h;
-  double theta = op->attr[2], sign = op->attr[3] < 0 ? -1.0 : 1.0;
-  int64_t half = d / 2;
-  for (int64_t r = 0; r < n; r++) {
-    double pos = (double)(r % t);
-    for (int64_t i = 0; i < half; i++) {
-      float inv = (float)(1.0 / pow(theta, (double)(2 * i) / (double)d));
-      double ang = pos * inv;
-      float cs = (float)cos(ang), sn = (float)(sign * sin(ang));
-      for (int64_t k = 0; k < h; k++) {
-        const float *xr = x + r * hd + k * d;
-        float *yr = y + r * hd + k * d;
-        float a = xr[i], bb = xr[i + half];
-        yr[i] = a * cs - bb * sn;
-        yr[i + half] = bb * cs + a * sn;
-      }
-    }
-  }
-  return 0;
+  int n = ROWS(g, op->in[0]), hd = COLS(g, op->in[0]);
+  int t = (int)op->attr[0], h = (int)op->attr[1], d = hd / h;
+  float *tab = scratch(ctx, (size_t)t * (size_t)d);
+  if (!tab)
+    return MR_ENOMEM;
+  float *cs = tab, *sn = tab + (size_t)t * (size_t)(d / 2);
+  MR_TRY(mr_cpu_rope_table(cs, sn, t, d, op->attr[2]));
+  memcpy(b[1], b[0], (size_t)n * (size_t)hd * sizeof(float));
+  if (op->attr[3] < 0)
+    return mr_cpu_rope_bwd(POOL(ctx), b[1], cs, sn, NULL, n / t, t, h, d, t, 0);
+  return mr_cpu_rope_fwd(POOL(ctx), b[1], cs, sn, NULL, n / t, t, h, d, t, 0);
 }
 
 static int k_swiglu(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                     void *const *b) {
-  const float *gt = b[0], *up = b[1];
-  float *y = b[2];
-  int64_t n = NEL(g, op->in[0]);
-  for (int64_t i = 0; i < n; i++)
-    y[i] = gt[i] / (1.0f + expf(-gt[i])) * up[i];
-  return 0;
+  return mr_cpu_swiglu_fwd(POOL(ctx), b[2], b[0], b[1], (size_t)NEL(g, op->in[0]));
 }
 
 static int k_swiglu_bwd(void *ctx, const struct mr_graph *g,
                         const struct mr_op *op, void *const *b) {
-  const float *dy = b[0], *gt = b[1], *up = b[2];
-  float *dg = b[3], *du = b[4];
-  int64_t n = NEL(g, op->in[0]);
-  for (int64_t i = 0; i < n; i++) {
-    float s = 1.0f / (1.0f + expf(-gt[i])), silu = gt[i] * s;
-    dg[i] = dy[i] * up[i] * s * (1.0f + gt[i] * (1.0f - s));
-    du[i] = dy[i] * silu;
-  }
-  return 0;
+  return mr_cpu_swiglu_bwd(POOL(ctx), b[3], b[4], b[0], b[1], b[2],
+                           (size_t)NEL(g, op->in[0]), false);
 }
-
-#define GELU_K 0.7978845608028654f /* sqrt(2/pi) */
 
 static int k_gelu(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                   void *const *b) {
-  const float *x = b[0];
-  float *y = b[1];
-  int64_t n = NEL(g, op->in[0]);
-  for (int64_t i = 0; i < n; i++) {
-    float v = x[i];
-    y[i] = 0.5f * v * (1.0f + tanhf(GELU_K * (v + 0.044715f * v * v * v)));
-  }
-  return 0;
+  return mr_cpu_gelu_fwd(POOL(ctx), b[1], b[0], (size_t)NEL(g, op->in[0]));
 }
 
 static int k_gelu_bwd(void *ctx, const struct mr_graph *g,
                       const struct mr_op *op, void *const *b) {
-  const float *dy = b[0], *x = b[1];
-  float *dx = b[2];
-  int64_t n = NEL(g, op->in[0]);
-  for (int64_t i = 0; i < n; i++) {
-    float v = x[i], t = tanhf(GELU_K * (v + 0.044715f * v * v * v));
-    float d = 0.5f * (1.0f + t) +
-              0.5f * v * (1.0f - t * t) * GELU_K * (1.0f + 3 * 0.044715f * v * v);
-    dx[i] = dy[i] * d;
+  return mr_cpu_gelu_bwd(POOL(ctx), b[2], b[0], b[1], (size_t)NEL(g, op->in[0]),
+                         false);
+}
+
+static struct mr_attn_shape attn_shape(const struct mr_graph *g,
+                                       const struct mr_op *op, int q) {
+  struct mr_attn_shape s;
+  memset(&s, 0, sizeof s);
+  s.T = (int)op->attr[0];
+  s.H = (int)op->attr[1];
+  s.Hkv = (int)op->attr[2];
+  s.B = ROWS(g, q) / s.T;
+  s.D = COLS(g, q) / s.H;
+  return s;
+}
+
+static int k_attention(void *ctx, const struct mr_graph *g,
+                       const struct mr_op *op, void *const *b) {
+  struct mr_attn_shape s = attn_shape(g, op, op->in[0]);
+  const float *src[3] = {b[0], b[1], b[2]};
+  MR_TRY(round_inputs(ctx, g, op->in, src, 3, 0, NULL));
+  return mr_cpu_attention_fwd(POOL(ctx), b[3], b[4], src[0], src[1], src[2], &s);
+}
+
+/* Attention backward by BLAS: for one (batch, kv head) task and each of
+ * its query heads, rebuild P = exp(scale Q K^T - lse) (T x T, causal),
+ * then dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO o O)),
+ * dQ = scale dS K, dK += scale dS^T Q.  At T = 256, D = 32 the T x T
+ * products run through sgemm several times faster than the backend's
+ * blockwise loop (see docs/PERFORMANCE.md); the forward stays the
+ * backend's.  lse is the backend's layout, [B, H, T]. */
+struct attn_bwd_job {
+  struct mr_attn_shape s;
+  const float *q, *k, *v, *o, *dout, *lse;
+  float *dq, *dk, *dv;
+  struct mr_pool *pool;
+};
+
+static int attn_bwd_task(void *arg, int task, int thread) {
+  const struct attn_bwd_job *j = arg;
+  int T = j->s.T, D = j->s.D, H = j->s.H, KH = j->s.Hkv;
+  int hd = H * D, khd = KH * D, rep = H / KH, bi = task / KH, kv = task % KH;
+  float scale = 1.0f / sqrtf((float)D);
+  float *p = mr_pool_scratch(j->pool, thread, 2 * sizeof(float) * (size_t)T * (size_t)T);
+  if (!p)
+    return MR_ENOMEM;
+  float *dp = p + (size_t)T * (size_t)T;
+  size_t base_kv = (size_t)bi * (size_t)T * (size_t)khd + (size_t)kv * (size_t)D;
+  const float *k = j->k + base_kv, *v = j->v + base_kv;
+  float *dk = j->dk + base_kv, *dv = j->dv + base_kv;
+  for (int i = 0; i < T; i++) {
+    memset(dk + (size_t)i * (size_t)khd, 0, (size_t)D * sizeof *dk);
+    memset(dv + (size_t)i * (size_t)khd, 0, (size_t)D * sizeof *dv);
+  }
+  for (int h = kv * rep; h < (kv + 1) * rep; h++) {
+    size_t base_q = (size_t)bi * (size_t)T * (size_t)hd + (size_t)h * (size_t)D;
+    const float *q = j->q + base_q, *o = j->o + base_q, *dout = j->dout + base_q;
+    const float *lse = j->lse + ((size_t)bi * (size_t)H + (size_t)h) * (size_t)T;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, D, scale, q, hd,
+                k, khd, 0.0f, p, T);
+    for (int i = 0; i < T; i++) {
+      float *row = p + (size_t)i * (size_t)T;
+      for (int c = 0; c <= i; c++)
+        row[c] = expf(row[c] - lse[i]);
+      for (int c = i + 1; c < T; c++)
+        row[c] = 0;
+    }
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, D, T, 1.0f, p, T,
+                dout, hd, 1.0f, dv, khd);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, D, 1.0f, dout,
+                hd, v, khd, 0.0f, dp, T);
+    for (int i = 0; i < T; i++) {
+      float di = 0;
+      for (int x = 0; x < D; x++)
+        di += dout[(size_t)i * (size_t)hd + (size_t)x] * o[(size_t)i * (size_t)hd + (size_t)x];
+      float *pr = p + (size_t)i * (size_t)T, *dpr = dp + (size_t)i * (size_t)T;
+      for (int c = 0; c <= i; c++)
+        dpr[c] = pr[c] * (dpr[c] - di);
+      for (int c = i + 1; c < T; c++)
+        dpr[c] = 0;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, D, T, scale, dp,
+                T, k, khd, 0.0f, j->dq + base_q, hd);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, D, T, scale, dp, T,
+                q, hd, 1.0f, dk, khd);
   }
   return 0;
+}
+
+static int k_attention_bwd(void *ctx, const struct mr_graph *g,
+                           const struct mr_op *op, void *const *b) {
+  struct attn_bwd_job j;
+  j.s = attn_shape(g, op, op->in[1]);
+  const float *src[4] = {b[0], b[1], b[2], b[3]};
+  MR_TRY(round_inputs(ctx, g, op->in, src, 4, 0, NULL));
+  j.dout = src[0], j.q = src[1], j.k = src[2], j.v = src[3];
+  j.o = b[4], j.lse = b[5], j.dq = b[6], j.dk = b[7], j.dv = b[8];
+  j.pool = POOL(ctx);
+  return mr_pool_run(j.pool, j.s.B * j.s.Hkv, attn_bwd_task, &j);
 }
 
 static int k_split3(void *ctx, const struct mr_graph *g, const struct mr_op *op,
@@ -402,65 +351,33 @@ static int k_concat3(void *ctx, const struct mr_graph *g,
   return 0;
 }
 
+/* mean over the rows whose target is not ignored (< 0) */
 static int k_xent(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                   void *const *b) {
-  const float *l = b[0];
-  const int32_t *y = b[1];
-  float *loss = b[2], *lse = b[3];
-  int64_t n = ROWS(g, op->in[0]), v = COLS(g, op->in[0]);
-  double total = 0;
-  for (int64_t r = 0; r < n; r++) {
-    const float *lr = l + r * v;
-    if (y[r] < 0 || y[r] >= v)
-      return mr_error_set(MR_ERANGE, "cross_entropy: target %d at row %lld, "
-                          "expected 0..%lld", y[r], (long long)r,
-                          (long long)v - 1);
-    float mx = lr[0];
-    for (int64_t i = 1; i < v; i++)
-      mx = lr[i] > mx ? lr[i] : mx;
-    double s = 0;
-    for (int64_t i = 0; i < v; i++)
-      s += exp((double)(lr[i] - mx));
-    double e = mx + log(s);
-    lse[r] = (float)e;
-    total += e - lr[y[r]];
-  }
-  /* a0 > 0: the rows of the whole batch when this rank holds a shard, so
-   * each rank's loss is its Partial(sum) operand */
-  double rows = op->attr[0] > 0 ? op->attr[0] : (double)n;
-  loss[0] = (float)(total / rows);
+  int n = ROWS(g, op->in[0]), v = COLS(g, op->in[0]), valid = 0;
+  float *rows = scratch(ctx, (size_t)n);
+  if (!rows)
+    return MR_ENOMEM;
+  MR_TRY(mr_cpu_xent_fwd(POOL(ctx), rows, b[3], b[0], b[1], n, v, &valid));
+  double s = 0;
+  for (int i = 0; i < n; i++)
+    s += rows[i];
+  /* a0 > 0: a row shard divides by the rows of the whole batch, so each
+   * rank's loss is its Partial(sum) operand */
+  double denom = op->attr[0] > 0 ? op->attr[0] : (double)valid;
+  ((float *)b[2])[0] = denom > 0 ? (float)(s / denom) : 0.0f;
   return 0;
 }
 
 static int k_xent_bwd(void *ctx, const struct mr_graph *g,
                       const struct mr_op *op, void *const *b) {
-  const float *dl = b[0], *l = b[1], *lse = b[3];
+  int n = ROWS(g, op->in[1]), v = COLS(g, op->in[1]), valid = 0;
   const int32_t *y = b[2];
-  float *d = b[4];
-  int64_t n = ROWS(g, op->in[1]), v = COLS(g, op->in[1]);
-  double rows = op->attr[0] > 0 ? op->attr[0] : (double)n;
-  float scale = (float)(dl[0] / rows);
-  for (int64_t r = 0; r < n; r++) {
-    for (int64_t i = 0; i < v; i++)
-      d[r * v + i] = expf(l[r * v + i] - lse[r]) * scale;
-    d[r * v + y[r]] -= scale;
-  }
-  return 0;
-}
-
-int mr__cpu_attention(struct mr_cpu_ctx *c, const struct mr_graph *g,
-                      const struct mr_op *op, void *const *b);
-int mr__cpu_attention_bwd(struct mr_cpu_ctx *c, const struct mr_graph *g,
-                          const struct mr_op *op, void *const *b);
-
-static int k_attention(void *ctx, const struct mr_graph *g,
-                       const struct mr_op *op, void *const *b) {
-  return mr__cpu_attention(ctx, g, op, b);
-}
-
-static int k_attention_bwd(void *ctx, const struct mr_graph *g,
-                           const struct mr_op *op, void *const *b) {
-  return mr__cpu_attention_bwd(ctx, g, op, b);
+  for (int i = 0; i < n; i++)
+    valid += y[i] >= 0;
+  double denom = op->attr[0] > 0 ? op->attr[0] : (double)valid;
+  float scale = denom > 0 ? (float)(((const float *)b[0])[0] / denom) : 0.0f;
+  return mr_cpu_xent_bwd(POOL(ctx), b[4], b[1], b[3], y, NULL, scale, n, v);
 }
 
 void mr_cpu_kernels_register(void) {

@@ -176,12 +176,22 @@ static void rope_localize(const struct mr_graph *g, const struct mr_op *op,
   attr[1] /= mr_dist_split_degree(m, &need[0], 1);
 }
 
+/* q, k, v, o: [B*T, heads*D] as "nc"; lse: [B, H, T] as "nct" (its rows
+ * are sequences, not tokens: n shards both only at sequence boundaries,
+ * which the atoms guarantee, and then as the same ranges) */
 static void heads(struct mr_spmd_spec *s, int is_out, int i, int64_t b,
                   int64_t h) {
   int64_t *at = is_out ? s->out_atoms[i] : s->in_atoms[i];
   set(is_out ? s->out[i] : s->in[i], "nc");
   at[0] = b;
   at[1] = h;
+}
+
+static void lse(struct mr_spmd_spec *s, int is_out, int i, int64_t b, int64_t h) {
+  int64_t *at = is_out ? s->out_atoms[i] : s->in_atoms[i];
+  set(is_out ? s->out[i] : s->in[i], "nct");
+  at[0] = b;
+  at[1] = h; /* and t is forbidden: a shard of T is no shard of the rows */
 }
 
 static int spec_attention(const struct mr_graph *g, const struct mr_op *op,
@@ -193,7 +203,8 @@ static int spec_attention(const struct mr_graph *g, const struct mr_op *op,
   heads(s, 0, 1, b, kh);
   heads(s, 0, 2, b, kh);
   heads(s, 1, 0, b, h);
-  heads(s, 1, 1, b, h);
+  lse(s, 1, 1, b, h);
+  set(s->forbid, "t");
   set(s->strict, "c");
   return 0;
 }
@@ -207,8 +218,10 @@ static int spec_attention_bwd(const struct mr_graph *g, const struct mr_op *op,
   s->n_in = 6;
   s->n_out = 3;
   int64_t hin[6] = {h, h, kh, kh, h, h}, hout[3] = {h, kh, kh};
-  for (int i = 0; i < 6; i++)
+  for (int i = 0; i < 5; i++)
     heads(s, 0, i, b, hin[i]);
+  lse(s, 0, 5, b, hin[5]);
+  set(s->forbid, "t");
   for (int o = 0; o < 3; o++)
     heads(s, 1, o, b, hout[o]);
   set(s->strict, "c");

@@ -16,7 +16,7 @@
  *  - Results do not depend on the number of threads: every reduction uses a
  *    partition fixed by the shape, never by the thread count, so 1 and N
  *    threads give bitwise equal output (tested).  The matmuls split C into
- *    row or column blocks; each block is one single-threaded sgemm.
+ *    row blocks; each block is one single-threaded OpenBLAS sgemm.
  *  - Sizes are int (elements), shapes are validated: a negative size, a
  *    token id or target out of range, or D odd for RoPE returns MR_EINVAL or
  *    MR_ERANGE with a message (mr_error_message()); 0 on success.
@@ -36,7 +36,9 @@
 /* Row-major C = alpha * op(A) op(B) + beta * C, op(X) = X or X^T (ta, tb).
  * op(A) is [M, K], op(B) is [K, N], C is [M, N] with leading dimensions lda,
  * ldb, ldc (elements).  beta == 0 overwrites C (NaNs in C are ignored).  Split
- * across the pool by rows of C when M >= N, else by columns. */
+ * across the pool in blocks of rows of C at multiples of 24 rows (fewer than
+ * 48 rows: one thread), which keeps the result bitwise independent of the
+ * thread count. */
 int mr_cpu_gemm(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K,
                 float alpha, const float *A, int lda, const float *B, int ldb,
                 float beta, float *C, int ldc);

@@ -43,4 +43,9 @@ int mr_pool_run(struct mr_pool *pool, int ntasks, mr_pool_task_fn fn, void *arg)
  * the same thread.  Borrowed: the pool owns it. */
 void *mr_pool_scratch(struct mr_pool *pool, int thread, size_t bytes);
 
+/* A buffer shared by all tasks of one job (partial results indexed by task),
+ * at least `bytes`, 64-byte aligned; NULL when out of memory.  Get it before
+ * mr_pool_run(); valid until the next call.  Borrowed. */
+void *mr__pool_shared_scratch(struct mr_pool *pool, size_t bytes);
+
 #endif

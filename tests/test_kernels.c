@@ -1,0 +1,541 @@
+/* test_kernels.c - the CPU kernels other than attention and the optimizer:
+ * each forward against a double-precision reference written here from the
+ * formula, each backward against central finite differences of that
+ * reference, at odd shapes, on 1- and 3-thread pools (bitwise equal). */
+#include "check_main.h"
+#include "kernels_ref.h"
+
+#include "common/error.h"
+
+/* ---- matmul ---- */
+
+static void gemm_ref(bool ta, bool tb, int M, int N, int K, double alpha,
+                     const float *A, int lda, const float *B, int ldb,
+                     double beta, const float *C0, int ldc, double *C) {
+  for (int i = 0; i < M; i++)
+    for (int j = 0; j < N; j++) {
+      double s = 0;
+      for (int k = 0; k < K; k++) {
+        double a = ta ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k];
+        double b = tb ? B[(size_t)j * ldb + k] : B[(size_t)k * ldb + j];
+        s += a * b;
+      }
+      C[(size_t)i * N + j] = alpha * s + (beta == 0 ? 0 : beta * C0[(size_t)i * ldc + j]);
+    }
+}
+
+START_TEST(test_kernels_gemm_all_transposes_and_splits) {
+  /* tall (row split), wide (column split), odd, below the threading cut */
+  static const int shapes[][3] = {{133, 37, 29}, {21, 150, 47}, {3, 5, 7}, {64, 64, 1}};
+  struct mr_pool *p1 = ref_pool(1), *p3 = ref_pool(3);
+  uint64_t seed = 1;
+  for (size_t si = 0; si < MR_ARRAY_LEN(shapes); si++)
+    for (int tr = 0; tr < 4; tr++) {
+      int M = shapes[si][0], N = shapes[si][1], K = shapes[si][2];
+      bool ta = tr & 1, tb = tr & 2;
+      int lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 1, ldc = N + 2;
+      float *A = ref_randf((size_t)lda * (ta ? K : M), &seed, 1);
+      float *B = ref_randf((size_t)ldb * (tb ? N : K), &seed, 1);
+      float *C = ref_randf((size_t)ldc * M, &seed, 1);
+      float *C3 = ref_copyf(C, (size_t)ldc * M);
+      double *want = malloc(sizeof(double) * (size_t)M * N);
+      gemm_ref(ta, tb, M, N, K, 0.5, A, lda, B, ldb, 2.0, C, ldc, want);
+      ck_assert_int_eq(mr_cpu_gemm(p1, ta, tb, M, N, K, 0.5f, A, lda, B, ldb, 2.0f, C, ldc), 0);
+      ck_assert_int_eq(mr_cpu_gemm(p3, ta, tb, M, N, K, 0.5f, A, lda, B, ldb, 2.0f, C3, ldc), 0);
+      for (int i = 0; i < M; i++) {
+        char what[64];
+        snprintf(what, sizeof what, "gemm %dx%dx%d t%d row %d", M, N, K, tr, i);
+        ref_close(what, C + (size_t)i * ldc, want + (size_t)i * N, (size_t)N, 1e-5, 1e-5);
+        ref_close(what, C3 + (size_t)i * ldc, want + (size_t)i * N, (size_t)N, 1e-5, 1e-5);
+      }
+      free(A); free(B); free(C); free(C3); free(want);
+    }
+  mr_pool_free(p1);
+  mr_pool_free(p3);
+}
+END_TEST
+
+START_TEST(test_kernels_gemm_threads_bitwise_equal) {
+  /* row blocks over 1, 2, 3 threads give the same bits, at the model's
+   * shapes (forward, dx, dW) and at wide and short ones */
+  static const int shapes[][5] = {/* M, N, K, ta, tb */
+    {2048, 256, 256, 0, 1}, {2048, 256, 688, 0, 0}, {688, 256, 2048, 1, 0},
+    {256, 688, 2048, 1, 0}, {300, 500, 64, 0, 1}, {47, 300, 33, 0, 0}, {515, 96, 80, 1, 1}};
+  struct mr_pool *p[3] = {ref_pool(1), ref_pool(2), ref_pool(3)};
+  uint64_t seed = 2;
+  for (size_t si = 0; si < MR_ARRAY_LEN(shapes); si++) {
+    int M = shapes[si][0], N = shapes[si][1], K = shapes[si][2];
+    bool ta = shapes[si][3], tb = shapes[si][4];
+    float *A = ref_randf((size_t)M * K, &seed, 1), *B = ref_randf((size_t)N * K, &seed, 1);
+    float *C[3];
+    C[0] = ref_randf((size_t)M * N, &seed, 1);
+    C[1] = ref_copyf(C[0], (size_t)M * N);
+    C[2] = ref_copyf(C[0], (size_t)M * N);
+    for (int t = 0; t < 3; t++) {
+      ck_assert_int_eq(mr_cpu_gemm(p[t], ta, tb, M, N, K, 1.0f, A, ta ? M : K, B,
+                                   tb ? K : N, 1.0f, C[t], N), 0);
+    }
+    ck_assert_msg(memcmp(C[0], C[1], (size_t)M * N * 4) == 0, "shape %zu, 2 threads", si);
+    ck_assert_msg(memcmp(C[0], C[2], (size_t)M * N * 4) == 0, "shape %zu, 3 threads", si);
+    free(A); free(B); free(C[0]); free(C[1]); free(C[2]);
+  }
+  for (int t = 0; t < 3; t++)
+    mr_pool_free(p[t]);
+}
+END_TEST
+
+struct linear_ctx {
+  int M, N, K;
+  double *x, *w, *b;
+  const float *G; /* upstream gradient [M, N] */
+};
+
+static double linear_loss(void *c) {
+  struct linear_ctx *l = c;
+  double s = 0;
+  for (int i = 0; i < l->M; i++)
+    for (int j = 0; j < l->N; j++) {
+      double y = l->b[j];
+      for (int k = 0; k < l->K; k++)
+        y += l->x[(size_t)i * l->K + k] * l->w[(size_t)j * l->K + k];
+      s += y * l->G[(size_t)i * l->N + j];
+    }
+  return s;
+}
+
+START_TEST(test_kernels_linear_fwd_bwd_finite_differences) {
+  struct mr_pool *p = ref_pool(2);
+  uint64_t seed = 3;
+  int M = 19, N = 7, K = 11;
+  float *x = ref_randf((size_t)M * K, &seed, 1), *w = ref_randf((size_t)N * K, &seed, 1);
+  float *b = ref_randf((size_t)N, &seed, 1), *G = ref_randf((size_t)M * N, &seed, 1);
+  float *y = malloc(sizeof(float) * M * N);
+  ck_assert_int_eq(mr_cpu_linear_fwd(p, y, x, w, b, M, N, K), 0);
+  struct linear_ctx c = {M, N, K, ref_tod(x, (size_t)M * K), ref_tod(w, (size_t)N * K),
+                         ref_tod(b, (size_t)N), G};
+  for (int i = 0; i < M; i++)
+    for (int j = 0; j < N; j++) {
+      double want = c.b[j];
+      for (int k = 0; k < K; k++)
+        want += c.x[(size_t)i * K + k] * c.w[(size_t)j * K + k];
+      ck_assert_double_eq_tol(y[(size_t)i * N + j], want, 1e-5);
+    }
+  /* dx overwrite, then accumulate doubles it */
+  float *dx = ref_randf((size_t)M * K, &seed, 1);
+  ck_assert_int_eq(mr_cpu_linear_bwd_x(p, dx, G, w, M, N, K, false), 0);
+  ref_fd_check("linear dx", linear_loss, &c, c.x, (size_t)M * K, dx, 1000, 1e-5, 1e-5);
+  float *dx2 = ref_copyf(dx, (size_t)M * K);
+  ck_assert_int_eq(mr_cpu_linear_bwd_x(p, dx2, G, w, M, N, K, true), 0);
+  for (int i = 0; i < M * K; i++)
+    ck_assert_float_eq_tol(dx2[i], 2 * dx[i], 1e-5);
+  /* dw, db accumulate onto what is there */
+  float *dw = calloc((size_t)N * K, 4), *db = calloc((size_t)N, 4);
+  for (int rep = 0; rep < 2; rep++)
+    ck_assert_int_eq(mr_cpu_linear_bwd_w(p, dw, db, G, x, M, N, K), 0);
+  for (int i = 0; i < N * K; i++)
+    dw[i] /= 2;
+  for (int i = 0; i < N; i++)
+    db[i] /= 2;
+  ref_fd_check("linear dw", linear_loss, &c, c.w, (size_t)N * K, dw, 1000, 1e-5, 1e-5);
+  ref_fd_check("linear db", linear_loss, &c, c.b, (size_t)N, db, 1000, 1e-5, 1e-5);
+  free(x); free(w); free(b); free(G); free(y); free(dx); free(dx2); free(dw); free(db);
+  free(c.x); free(c.w); free(c.b);
+  mr_pool_free(p);
+}
+END_TEST
+
+/* ---- elementwise ---- */
+
+START_TEST(test_kernels_add_bias_scale) {
+  struct mr_pool *p = ref_pool(3);
+  uint64_t seed = 4;
+  int N = 37, C = 1031; /* several chunks, odd */
+  size_t n = (size_t)N * C;
+  float *a = ref_randf(n, &seed, 1), *b = ref_randf(n, &seed, 1), *bias = ref_randf((size_t)C, &seed, 1);
+  float *out = malloc(n * 4);
+  ck_assert_int_eq(mr_cpu_add(p, out, a, b, n), 0);
+  for (size_t i = 0; i < n; i++)
+    ck_assert_float_eq(out[i], a[i] + b[i]);
+  ck_assert_int_eq(mr_cpu_add(p, a, a, b, n), 0); /* in place */
+  ck_assert(memcmp(a, out, n * 4) == 0);
+  ck_assert_int_eq(mr_cpu_bias_add(p, out, bias, N, C), 0);
+  for (int r = 0; r < N; r++)
+    for (int c = 0; c < C; c++)
+      ck_assert_float_eq(out[(size_t)r * C + c], a[(size_t)r * C + c] + bias[c]);
+  float *db = calloc((size_t)C, 4);
+  db[5] = 1.0f;
+  ck_assert_int_eq(mr_cpu_bias_grad(p, db, b, N, C), 0);
+  for (int c = 0; c < C; c++) {
+    double s = c == 5 ? 1.0 : 0.0;
+    for (int r = 0; r < N; r++)
+      s += b[(size_t)r * C + c];
+    ck_assert_double_eq_tol(db[c], s, 1e-5);
+  }
+  float *b0 = ref_copyf(b, n);
+  ck_assert_int_eq(mr_cpu_scale(p, b, n, -0.25f), 0);
+  for (size_t i = 0; i < n; i++)
+    ck_assert_float_eq(b[i], -0.25f * b0[i]);
+  free(b0);
+  free(a); free(b); free(bias); free(out); free(db);
+  mr_pool_free(p);
+}
+END_TEST
+
+/* ---- activations: forward vs formula, backward vs finite differences ---- */
+
+struct act_ctx {
+  size_t n;
+  double *x, *u; /* u: the SwiGLU up input */
+  const float *G;
+  int kind;      /* 0 swiglu, 1 gelu */
+};
+
+static double gelu_d(double x) {
+  return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+}
+
+static double act_loss(void *c) {
+  struct act_ctx *a = c;
+  double s = 0;
+  for (size_t i = 0; i < a->n; i++) {
+    double y = a->kind == 0 ? a->x[i] / (1 + exp(-a->x[i])) * a->u[i] : gelu_d(a->x[i]);
+    s += y * a->G[i];
+  }
+  return s;
+}
+
+START_TEST(test_kernels_swiglu_gelu) {
+  struct mr_pool *p = ref_pool(2);
+  uint64_t seed = 5;
+  size_t n = 40000; /* three chunks and a tail */
+  float *g = ref_randf(n, &seed, 6), *u = ref_randf(n, &seed, 2), *G = ref_randf(n, &seed, 1);
+  g[0] = 90; g[1] = -90; g[2] = 0; g[3] = 20; g[4] = -20; /* saturation */
+  float *out = malloc(n * 4), *dg = malloc(n * 4), *du = malloc(n * 4);
+  struct act_ctx c = {n, ref_tod(g, n), ref_tod(u, n), G, 0};
+  ck_assert_int_eq(mr_cpu_swiglu_fwd(p, out, g, u, n), 0);
+  double *want = malloc(n * sizeof(double));
+  for (size_t i = 0; i < n; i++)
+    want[i] = c.x[i] / (1 + exp(-c.x[i])) * c.u[i];
+  ref_close("swiglu", out, want, n, 1e-6, 1e-5);
+  ck_assert_int_eq(mr_cpu_swiglu_bwd(p, dg, du, G, g, u, n, false), 0);
+  ref_fd_check("swiglu dgate", act_loss, &c, c.x, n, dg, 400, 1e-5, 1e-4);
+  ref_fd_check("swiglu dup", act_loss, &c, c.u, n, du, 400, 1e-5, 1e-4);
+  /* gelu: in place forward; backward with accumulation onto 1.0 */
+  c.kind = 1;
+  float *x = ref_copyf(g, n);
+  ck_assert_int_eq(mr_cpu_gelu_fwd(p, x, x, n), 0);
+  for (size_t i = 0; i < n; i++)
+    want[i] = gelu_d(c.x[i]);
+  ref_close("gelu", x, want, n, 1e-6, 1e-5);
+  for (size_t i = 0; i < n; i++)
+    dg[i] = 1.0f;
+  ck_assert_int_eq(mr_cpu_gelu_bwd(p, dg, G, g, n, true), 0);
+  for (size_t i = 0; i < n; i++)
+    dg[i] -= 1.0f;
+  ref_fd_check("gelu dx", act_loss, &c, c.x, n, dg, 400, 2e-5, 1e-4);
+  free(g); free(u); free(G); free(out); free(dg); free(du); free(x); free(want);
+  free(c.x); free(c.u);
+  mr_pool_free(p);
+}
+END_TEST
+
+/* ---- embedding ---- */
+
+START_TEST(test_kernels_embedding) {
+  struct mr_pool *p1 = ref_pool(1), *p3 = ref_pool(3);
+  uint64_t seed = 6;
+  int N = 77, V = 13, C = 131;
+  float *table = ref_randf((size_t)V * C, &seed, 1), *dout = ref_randf((size_t)N * C, &seed, 1);
+  int32_t *ids = malloc(sizeof(int32_t) * N);
+  for (int i = 0; i < N; i++)
+    ids[i] = (int32_t)((i * 7 + 3) % V); /* repeats */
+  float *out = malloc(sizeof(float) * N * C);
+  ck_assert_int_eq(mr_cpu_embedding_fwd(p3, out, table, ids, N, V, C), 0);
+  for (int i = 0; i < N; i++)
+    ck_assert(memcmp(out + (size_t)i * C, table + (size_t)ids[i] * C, sizeof(float) * C) == 0);
+  float *d1 = calloc((size_t)V * C, 4), *d3 = calloc((size_t)V * C, 4);
+  ck_assert_int_eq(mr_cpu_embedding_bwd(p1, d1, dout, ids, N, V, C), 0);
+  ck_assert_int_eq(mr_cpu_embedding_bwd(p3, d3, dout, ids, N, V, C), 0);
+  ck_assert(memcmp(d1, d3, sizeof(float) * V * C) == 0);
+  for (int v = 0; v < V; v++)
+    for (int c = 0; c < C; c++) {
+      double s = 0;
+      for (int i = 0; i < N; i++)
+        if (ids[i] == v)
+          s += dout[(size_t)i * C + c];
+      ck_assert_double_eq_tol(d1[(size_t)v * C + c], s, 1e-5);
+    }
+  ids[40] = V; /* out of range: an error naming the row, nothing written */
+  ck_assert_int_eq(mr_cpu_embedding_fwd(p3, out, table, ids, N, V, C), MR_ERANGE);
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "row 40"));
+  ids[40] = -1;
+  ck_assert_int_eq(mr_cpu_embedding_bwd(p3, d1, dout, ids, N, V, C), MR_ERANGE);
+  free(table); free(dout); free(ids); free(out); free(d1); free(d3);
+  mr_pool_free(p1); mr_pool_free(p3);
+}
+END_TEST
+
+/* ---- RMSNorm, LayerNorm ---- */
+
+struct norm_ctx {
+  int N, C, ln;
+  double eps;
+  double *x, *w, *b;
+  const float *G;
+};
+
+static void norm_ref(const struct norm_ctx *c, int r, double *y) {
+  const double *x = c->x + (size_t)r * c->C;
+  double mean = 0, var = 0;
+  if (c->ln) {
+    for (int i = 0; i < c->C; i++)
+      mean += x[i];
+    mean /= c->C;
+  }
+  for (int i = 0; i < c->C; i++)
+    var += (x[i] - mean) * (x[i] - mean);
+  var /= c->C;
+  for (int i = 0; i < c->C; i++)
+    y[i] = (x[i] - mean) / sqrt(var + c->eps) * c->w[i] + (c->ln ? c->b[i] : 0);
+}
+
+static double norm_loss(void *v) {
+  struct norm_ctx *c = v;
+  double *y = malloc(sizeof(double) * c->C), s = 0;
+  for (int r = 0; r < c->N; r++) {
+    norm_ref(c, r, y);
+    s += ref_dot(y, c->G + (size_t)r * c->C, (size_t)c->C);
+  }
+  free(y);
+  return s;
+}
+
+static void check_norm(int ln, int N, int C) {
+  struct mr_pool *p1 = ref_pool(1), *p3 = ref_pool(3);
+  uint64_t seed = 7 + (uint64_t)C;
+  size_t n = (size_t)N * C;
+  float *x = ref_randf(n, &seed, 2), *w = ref_randf((size_t)C, &seed, 1);
+  float *b = ref_randf((size_t)C, &seed, 1), *G = ref_randf(n, &seed, 1);
+  for (size_t i = 0; i < (size_t)C; i++)
+    x[i] += 3.0f; /* a row with a large mean */
+  float eps = 1e-5f;
+  struct norm_ctx c = {N, C, ln, eps, ref_tod(x, n), ref_tod(w, (size_t)C),
+                       ref_tod(b, (size_t)C), G};
+  float *y = malloc(n * 4), *y3 = malloc(n * 4), *mean = malloc((size_t)N * 4),
+        *rstd = malloc((size_t)N * 4);
+  if (ln) {
+    ck_assert_int_eq(mr_cpu_layernorm_fwd(p1, y, mean, rstd, x, w, b, N, C, eps), 0);
+    ck_assert_int_eq(mr_cpu_layernorm_fwd(p3, y3, NULL, NULL, x, w, b, N, C, eps), 0);
+  } else {
+    ck_assert_int_eq(mr_cpu_rmsnorm_fwd(p1, y, rstd, x, w, N, C, eps), 0);
+    ck_assert_int_eq(mr_cpu_rmsnorm_fwd(p3, y3, NULL, x, w, N, C, eps), 0);
+  }
+  ck_assert(memcmp(y, y3, n * 4) == 0);
+  double *want = malloc(sizeof(double) * n);
+  for (int r = 0; r < N; r++)
+    norm_ref(&c, r, want + (size_t)r * C);
+  ref_close(ln ? "layernorm" : "rmsnorm", y, want, n, 1e-5, 1e-4);
+  float *dx = ref_randf(n, &seed, 1), *dx0 = ref_copyf(dx, n), *dx3 = malloc(n * 4);
+  float *dw = calloc((size_t)C, 4), *db = calloc((size_t)C, 4), *dw3 = calloc((size_t)C, 4),
+        *db3 = calloc((size_t)C, 4);
+  if (ln) {
+    ck_assert_int_eq(mr_cpu_layernorm_bwd(p1, dx, dw, db, G, x, w, mean, rstd, N, C, true), 0);
+    ck_assert_int_eq(mr_cpu_layernorm_bwd(p3, dx3, dw3, db3, G, x, w, mean, rstd, N, C, false), 0);
+  } else {
+    ck_assert_int_eq(mr_cpu_rmsnorm_bwd(p1, dx, dw, G, x, w, rstd, N, C, true), 0);
+    ck_assert_int_eq(mr_cpu_rmsnorm_bwd(p3, dx3, dw3, G, x, w, rstd, N, C, false), 0);
+  }
+  ck_assert(memcmp(dw, dw3, (size_t)C * 4) == 0);
+  ck_assert(memcmp(db, db3, (size_t)C * 4) == 0);
+  for (size_t i = 0; i < n; i++) {
+    ck_assert_float_eq_tol(dx[i] - dx0[i], dx3[i], 1e-5);
+    dx[i] = dx3[i];
+  }
+  ref_fd_check("norm dx", norm_loss, &c, c.x, n, dx, 300, 1e-4, 1e-3);
+  ref_fd_check("norm dw", norm_loss, &c, c.w, (size_t)C, dw, 300, 1e-4, 1e-3);
+  if (ln)
+    ref_fd_check("norm db", norm_loss, &c, c.b, (size_t)C, db, 300, 1e-4, 1e-3);
+  free(x); free(w); free(b); free(G); free(y); free(y3); free(mean); free(rstd);
+  free(want); free(dx); free(dx0); free(dx3); free(dw); free(db); free(dw3); free(db3);
+  free(c.x); free(c.w); free(c.b);
+  mr_pool_free(p1); mr_pool_free(p3);
+}
+
+START_TEST(test_kernels_rmsnorm_odd_shapes) {
+  check_norm(0, 9, 1);
+  check_norm(0, 23, 37);
+  check_norm(0, 70, 257); /* several row chunks and 64-column blocks */
+}
+END_TEST
+
+START_TEST(test_kernels_layernorm_odd_shapes) {
+  check_norm(1, 9, 2);
+  check_norm(1, 23, 37);
+  check_norm(1, 70, 257);
+}
+END_TEST
+
+/* ---- RoPE ---- */
+
+struct rope_ctx {
+  int B, T, H, D;
+  double theta;
+  double *x;
+  const int32_t *pos;
+  const float *G;
+};
+
+/* HF apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, with
+ * rotate_half(x) = cat(-x2, x1) and cos/sin = cat(freqs, freqs). */
+static void rope_ref(const struct rope_ctx *c, double *y) {
+  int half = c->D / 2;
+  for (int b = 0; b < c->B; b++)
+    for (int t = 0; t < c->T; t++)
+      for (int h = 0; h < c->H; h++) {
+        size_t o = (((size_t)b * c->T + t) * c->H + h) * c->D;
+        double p = c->pos ? c->pos[b * c->T + t] : t;
+        for (int d = 0; d < c->D; d++) {
+          int i = d % half;
+          double ang = p / pow(c->theta, 2.0 * i / c->D);
+          double rot = d < half ? -c->x[o + d + half] : c->x[o + d - half];
+          y[o + d] = c->x[o + d] * cos(ang) + rot * sin(ang);
+        }
+      }
+}
+
+static double rope_loss(void *v) {
+  struct rope_ctx *c = v;
+  size_t n = (size_t)c->B * c->T * c->H * c->D;
+  double *y = malloc(n * sizeof(double));
+  rope_ref(c, y);
+  double s = ref_dot(y, c->G, n);
+  free(y);
+  return s;
+}
+
+START_TEST(test_kernels_rope_positions) {
+  struct mr_pool *p = ref_pool(2);
+  uint64_t seed = 8;
+  int B = 2, T = 11, H = 3, D = 10, P = 40;
+  size_t n = (size_t)B * T * H * D;
+  float *cs = malloc(sizeof(float) * P * D / 2), *sn = malloc(sizeof(float) * P * D / 2);
+  ck_assert_int_eq(mr_cpu_rope_table(cs, sn, P, D, 10000.0), 0);
+  int32_t pos[22];
+  for (int i = 0; i < B * T; i++)
+    pos[i] = (int32_t)(i < T ? i : 17 + (i - T) * 2); /* second row offset */
+  for (int with_pos = 0; with_pos < 2; with_pos++) {
+    float *x = ref_randf(n, &seed, 1), *G = ref_randf(n, &seed, 1);
+    struct rope_ctx c = {B, T, H, D, 10000.0, ref_tod(x, n), with_pos ? pos : NULL, G};
+    double *want = malloc(n * sizeof(double));
+    rope_ref(&c, want);
+    ck_assert_int_eq(mr_cpu_rope_fwd(p, x, cs, sn, c.pos, B, T, H, D, P, 0), 0);
+    ref_close("rope", x, want, n, 2e-6, 1e-5);
+    float *dx = ref_copyf(G, n);
+    ck_assert_int_eq(mr_cpu_rope_bwd(p, dx, cs, sn, c.pos, B, T, H, D, P, 0), 0);
+    ref_fd_check("rope dx", rope_loss, &c, c.x, n, dx, 200, 1e-5, 1e-4);
+    free(x); free(G); free(dx); free(want); free(c.x);
+  }
+  /* strided: k heads inside a fused [B*T, 5*D] row, the rest untouched */
+  float *f = ref_randf((size_t)B * T * 5 * D, &seed, 1), *f0 = ref_copyf(f, (size_t)B * T * 5 * D);
+  ck_assert_int_eq(mr_cpu_rope_fwd(p, f + 3 * D, cs, sn, NULL, B, T, 2, D, P, 5 * D), 0);
+  for (int r = 0; r < B * T; r++)
+    ck_assert(memcmp(f + (size_t)r * 5 * D, f0 + (size_t)r * 5 * D, sizeof(float) * 3 * D) == 0);
+  ck_assert_float_eq(f[3 * D], f0[3 * D]); /* position 0: identity */
+  ck_assert(memcmp(f + 5 * D + 3 * D, f0 + 5 * D + 3 * D, 4 * D) != 0);
+  pos[3] = P;
+  ck_assert_int_eq(mr_cpu_rope_fwd(p, f, cs, sn, pos, B, T, H, D, P, 0), MR_ERANGE);
+  ck_assert_int_eq(mr_cpu_rope_table(cs, sn, P, 7, 10000.0), MR_EINVAL);
+  free(f); free(f0); free(cs); free(sn);
+  mr_pool_free(p);
+}
+END_TEST
+
+/* ---- cross-entropy ---- */
+
+struct xent_ctx {
+  int N, V;
+  double *x;
+  const int32_t *t;
+  const float *dloss;
+};
+
+static double xent_row(const double *x, int V, double *lse_out) {
+  double m = -INFINITY, s = 0;
+  for (int j = 0; j < V; j++)
+    m = fmax(m, x[j]);
+  for (int j = 0; j < V; j++)
+    s += exp(x[j] - m);
+  *lse_out = m + log(s);
+  return *lse_out;
+}
+
+static double xent_loss(void *v) {
+  struct xent_ctx *c = v;
+  double s = 0, lse;
+  for (int i = 0; i < c->N; i++) {
+    if (c->t[i] < 0)
+      continue;
+    xent_row(c->x + (size_t)i * c->V, c->V, &lse);
+    s += (lse - c->x[(size_t)i * c->V + c->t[i]]) * c->dloss[i];
+  }
+  return s;
+}
+
+START_TEST(test_kernels_xent_fused) {
+  struct mr_pool *p = ref_pool(3);
+  uint64_t seed = 9;
+  int N = 29, V = 301;
+  size_t n = (size_t)N * V;
+  float *x = ref_randf(n, &seed, 4), *dloss = ref_randf((size_t)N, &seed, 1);
+  x[5] = 80.0f; x[6] = -80.0f; /* large logits stay finite */
+  int32_t *t = malloc(sizeof(int32_t) * N);
+  for (int i = 0; i < N; i++)
+    t[i] = (int32_t)((i * 37) % V);
+  t[3] = -100; t[17] = -100;
+  float *loss = malloc(sizeof(float) * N), *lse = malloc(sizeof(float) * N);
+  int nv = 0;
+  ck_assert_int_eq(mr_cpu_xent_fwd(p, loss, lse, x, t, N, V, &nv), 0);
+  ck_assert_int_eq(nv, N - 2);
+  struct xent_ctx c = {N, V, ref_tod(x, n), t, dloss};
+  for (int i = 0; i < N; i++) {
+    double l;
+    xent_row(c.x + (size_t)i * V, V, &l);
+    ck_assert_double_eq_tol(lse[i], l, 1e-5 * fmax(1, fabs(l)));
+    double want = t[i] < 0 ? 0 : l - c.x[(size_t)i * V + t[i]];
+    ck_assert_double_eq_tol(loss[i], want, 2e-5 * fmax(1, fabs(want)));
+  }
+  /* in place over the logits, per-row dloss times a scale */
+  float *d = ref_copyf(x, n);
+  ck_assert_int_eq(mr_cpu_xent_bwd(p, d, d, lse, t, dloss, 0.5f, N, V), 0);
+  for (size_t i = 0; i < n; i++)
+    d[i] *= 2.0f;
+  ref_fd_check("xent dlogits", xent_loss, &c, c.x, n, d, 600, 1e-5, 1e-4);
+  for (int j = 0; j < V; j++)
+    ck_assert_float_eq(d[3 * (size_t)V + j], 0.0f); /* ignored row */
+  t[7] = V;
+  ck_assert_int_eq(mr_cpu_xent_fwd(p, loss, lse, x, t, N, V, NULL), MR_ERANGE);
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "row 7"));
+  free(x); free(dloss); free(t); free(loss); free(lse); free(d); free(c.x);
+  mr_pool_free(p);
+}
+END_TEST
+
+static Suite *kernels_suite(void) {
+  Suite *s = suite_create("kernels");
+  TCase *tc = tcase_create("core");
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, test_kernels_gemm_all_transposes_and_splits);
+  tcase_add_test(tc, test_kernels_gemm_threads_bitwise_equal);
+  tcase_add_test(tc, test_kernels_linear_fwd_bwd_finite_differences);
+  tcase_add_test(tc, test_kernels_add_bias_scale);
+  tcase_add_test(tc, test_kernels_swiglu_gelu);
+  tcase_add_test(tc, test_kernels_embedding);
+  tcase_add_test(tc, test_kernels_rmsnorm_odd_shapes);
+  tcase_add_test(tc, test_kernels_layernorm_odd_shapes);
+  tcase_add_test(tc, test_kernels_rope_positions);
+  tcase_add_test(tc, test_kernels_xent_fused);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+MR_TEST_MAIN(kernels_suite)

@@ -1,0 +1,34 @@
+/* weights.h - a model's parameters in and out of the executor: seeded
+ * initialization, loading a safetensors checkpoint (Hugging Face names and
+ * layouts), writing one with the model config in its metadata. */
+#ifndef MR_WEIGHTS_H
+#define MR_WEIGHTS_H
+
+#include <stdint.h>
+
+#include "common/model.h"
+#include "worker/exec.h"
+
+/* Fills every parameter of m in x from its init kind: N(0, std) with
+ * element i = std * mr_rng_normal(seed, mr_hash_str(name), i) (a pure
+ * function of seed, name and global index, so any sharding reproduces the
+ * same weights), ones, or zeros. */
+void mr_weights_init(const struct mr_model *m, struct mr_exec *x, uint64_t seed);
+
+/* Loads every parameter from path: a .safetensors file, or a folder holding
+ * model.safetensors.  Any float dtype converts to float32.  A tensor
+ * missing or of the wrong shape is MR_EFORMAT naming the file and tensor;
+ * tensors the model does not have (lm_head.weight of a tied model,
+ * attention mask buffers) are ignored. */
+int mr_weights_load(const struct mr_model *m, struct mr_exec *x,
+                    const char *path);
+
+/* Writes every parameter as float32 safetensors under its Hugging Face
+ * name, with __metadata__ {"format": "pt", "config": config.json text}. */
+int mr_weights_save(const struct mr_model *m, const struct mr_exec *x,
+                    const char *path);
+
+/* Reads the model config stored by mr_weights_save from path's metadata. */
+int mr_weights_read_config(const char *path, struct mr_model_config *cfg);
+
+#endif
