@@ -14,6 +14,7 @@ void mr_dist_graph_close(struct mr_dist_graph *dg) {
   free(dg->tensor);
   free(dg->need);
   free(dg->edge_of);
+  free(dg->last_edge);
   free(dg->edges);
   memset(dg, 0, sizeof *dg);
 }
@@ -163,9 +164,9 @@ static int add_edge(struct mr_dist_graph *dg, const struct mr_completion_opts *o
                     const struct mr_dist_attr *src,
                     const struct mr_dist_attr *dst) {
   const struct mr_graph *g = dg->g;
-  for (int e = 0; e < dg->n_edges; e++)
-    if (dg->edges[e].tensor == t && dg->edges[e].kind == kind &&
-        mr_dist_eq(&dg->edges[e].dst, dst) && mr_dist_eq(&dg->edges[e].src, src))
+  for (int e = dg->last_edge[t]; e >= 0; e = dg->edges[e].next_of_tensor)
+    if (dg->edges[e].kind == kind && mr_dist_eq(&dg->edges[e].dst, dst) &&
+        mr_dist_eq(&dg->edges[e].src, src))
       return e;
   if (dg->n_edges == dg->cap_edges) {
     int cap = dg->cap_edges ? 2 * dg->cap_edges : 64;
@@ -188,6 +189,8 @@ static int add_edge(struct mr_dist_graph *dg, const struct mr_completion_opts *o
   MR_TRY(mr_reshard_plan(&dg->mesh, tt->ndim, tt->shape,
                          (int)mr_dtype_size(tt->dtype), src, dst, o->cost,
                          o->cost_ctx, &e->plan));
+  e->next_of_tensor = dg->last_edge[t];
+  dg->last_edge[t] = dg->n_edges;
   return dg->n_edges++;
 }
 
@@ -203,9 +206,8 @@ static double edge_cost(void *ctx, const struct mr_op *op, int slot,
   const struct cost_ctx *c = ctx;
   const struct mr_dist_graph *dg = c->dg;
   int t = op->in[slot];
-  for (int e = 0; e < dg->n_edges; e++)
-    if (dg->edges[e].tensor == t && mr_dist_eq(&dg->edges[e].src, src) &&
-        mr_dist_eq(&dg->edges[e].dst, dst))
+  for (int e = dg->last_edge[t]; e >= 0; e = dg->edges[e].next_of_tensor)
+    if (mr_dist_eq(&dg->edges[e].src, src) && mr_dist_eq(&dg->edges[e].dst, dst))
       return 0;
   const struct mr_tensor *tt = &dg->g->tensors[t];
   struct mr_reshard_plan p;
@@ -226,13 +228,17 @@ int mr_spmd_complete(const struct mr_graph *g, const struct mr_mesh *m,
   dg->tensor = calloc((size_t)(g->n_tensors ? g->n_tensors : 1), sizeof *dg->tensor);
   dg->need = calloc(slots, sizeof *dg->need);
   dg->edge_of = malloc(slots * sizeof *dg->edge_of);
+  dg->last_edge = malloc((size_t)(g->n_tensors ? g->n_tensors : 1) *
+                         sizeof *dg->last_edge);
   int rc = 0;
-  if (!dg->tensor || !dg->need || !dg->edge_of) {
+  if (!dg->tensor || !dg->need || !dg->edge_of || !dg->last_edge) {
     rc = mr_error_set(MR_ENOMEM, "completion: out of memory");
     goto err;
   }
   for (size_t i = 0; i < slots; i++)
     dg->edge_of[i] = -1;
+  for (int t = 0; t < g->n_tensors; t++)
+    dg->last_edge[t] = -1;
   for (int k = 0; k < g->n_ops; k++)
     if (!rule_of(&g->ops[k])) {
       const struct mr_op_def *def = mr_op_def(g->ops[k].kind);

@@ -38,6 +38,7 @@ struct mr_reshard_edge {
   int backward;                   // the consumer is a backward op (sync: 1)
   struct mr_dist_attr src, dst;
   struct mr_reshard_plan plan;
+  int next_of_tensor;             // previous edge of the same tensor, or -1
 };
 
 struct mr_dist_graph {
@@ -46,6 +47,7 @@ struct mr_dist_graph {
   struct mr_dist_attr *tensor;    // [n_tensors] as produced (or seeded)
   struct mr_dist_attr *need;      // [n_ops * MR_OP_MAX_IN] as each op reads
   int *edge_of;                   // [n_ops * MR_OP_MAX_IN] edge index or -1
+  int *last_edge;                 // [n_tensors] latest edge of the tensor, -1
   struct mr_reshard_edge *edges;
   int n_edges, cap_edges;
   int iterations;                 // propagation sweeps until the fixed point
