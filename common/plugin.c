@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/error.h"
@@ -34,7 +35,13 @@ int mr_plugin_load(const char *path, const struct mr_plugin_api *api) {
                         MR_PLUGIN_INIT_SYMBOL);
   }
   memcpy(&init, &sym, sizeof init);
-  int rc = init(api);
+  /* the plugin keeps the table (its gradient builders call through it
+   * later): give it a copy that lives as long as the plugin */
+  struct mr_plugin_api *kept = malloc(sizeof *kept);
+  if (!kept)
+    return mr_error_set(MR_ENOMEM, "plugin %s: out of memory", path);
+  *kept = *api;
+  int rc = init(kept);
   if (rc < 0) {
     char msg[512];
     snprintf(msg, sizeof msg, "%s", mr_error_message());

@@ -43,8 +43,9 @@ typedef int (*mr_plugin_init_fn)(const struct mr_plugin_api *api);
  * the planner adds its own). */
 void mr_plugin_api_init(struct mr_plugin_api *api);
 
-/* Loads the shared object at path and runs its init with api.  The object
- * stays loaded for the life of the process.  Returns 0, MR_ENOENT (cannot
+/* Loads the shared object at path and runs its init with a copy of api
+ * (the plugin may keep the pointer).  The object and the copy stay for the
+ * life of the process.  Returns 0, MR_ENOENT (cannot
  * be loaded, with dlerror's text), MR_EINVAL (no meshrun_plugin_init) or
  * the init's error, each message naming the path. */
 int mr_plugin_load(const char *path, const struct mr_plugin_api *api);

@@ -10,7 +10,9 @@
 #include "common/mesh.h"
 #include "common/model.h"
 #include "common/ops.h"
+#include "common/plugin.h"
 #include "launcher/spmd/completion.h"
+#include "launcher/spmd/rules.h"
 
 static const char *role_name(enum mr_tensor_role r) {
   static const char *const n[] = {"input", "param", "act", "grad", "opt"};
@@ -116,11 +118,20 @@ int mr_explain(const struct mr_job *job, const char *mesh_spec, FILE *out) {
 
 int mr_cmd_explain(int argc, char **argv) {
   const char *job_path = NULL, *mesh = NULL;
+  struct mr_plugin_api api;
+  mr_plugin_api_init(&api);
+  api.spmd_rule_register = mr_spmd_rule_register;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--mesh") && i + 1 < argc) {
       mesh = argv[++i];
+    } else if (!strcmp(argv[i], "--plugin") && i + 1 < argc) {
+      if (mr_plugin_load(argv[++i], &api) < 0) {
+        fprintf(stderr, "meshrun explain: --plugin: %s\n", mr_error_message());
+        return 2;
+      }
     } else if (!strcmp(argv[i], "--help")) {
-      printf("usage: meshrun explain JOB.json --mesh data=2,model=4\n"
+      printf("usage: meshrun explain JOB.json --mesh data=2,model=4 "
+             "[--plugin lib.so]...\n"
              "prints every tensor's placements and every reshard\n");
       return 0;
     } else if (argv[i][0] != '-' && !job_path) {
