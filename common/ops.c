@@ -182,7 +182,13 @@ static int infer_attention(const struct mr_graph *g, const struct mr_op *op,
                   COLS(g, k) == COLS(g, q) / h * kh,
               g, op, "expected q[B*T,H*D], k and v [B*T,KH*D], KH | H"));
   like(&o[0], T(g, q));
-  set2(&o[1], ROWS(g, q) / t * h, t, MR_F32); /* lse [B*H, T] */
+  /* lse [B, H, T]: three dims so that a batch or a head shard of it is a
+   * shard of one dim */
+  o[1].ndim = 3;
+  o[1].d[0] = ROWS(g, q) / t;
+  o[1].d[1] = h;
+  o[1].d[2] = t;
+  o[1].dtype = MR_F32;
   return 0;
 }
 
@@ -459,28 +465,52 @@ static const struct mr_op_def defs[MR_OP_COUNT] = {
         NULL, flops_elem),
 };
 
-static mr_kernel_fn kernels[MR_OP_COUNT][MR_BACKEND_COUNT];
+/* ops registered at run time (plugins) follow the built-in ones */
+static struct mr_op_def extra[MR_OP_MAX_KINDS - MR_OP_COUNT];
+static int n_extra;
+static mr_kernel_fn kernels[MR_OP_MAX_KINDS][MR_BACKEND_COUNT];
 
 const struct mr_op_def *mr_op_def(int kind) {
-  if (kind < 0 || kind >= MR_OP_COUNT)
+  if (kind < 0 || kind >= MR_OP_COUNT + n_extra)
     return NULL;
-  return &defs[kind];
+  return kind < MR_OP_COUNT ? &defs[kind] : &extra[kind - MR_OP_COUNT];
 }
 
 int mr_op_kind_by_name(const char *name) {
-  for (int i = 0; i < MR_OP_COUNT; i++)
-    if (strcmp(defs[i].name, name) == 0)
+  for (int i = 0; i < MR_OP_COUNT + n_extra; i++)
+    if (strcmp(mr_op_def(i)->name, name) == 0)
       return i;
   return mr_error_set(MR_EINVAL, "no op named %s", name);
 }
 
+int mr_op_count(void) { return MR_OP_COUNT + n_extra; }
+
+int mr_op_register(const struct mr_op_def *def) {
+  if (!def || !def->name || !def->infer || !def->flops || !def->bytes ||
+      def->n_in_min < 0 || def->n_in_max > MR_OP_MAX_IN ||
+      def->n_in_min > def->n_in_max || def->n_out < 1 ||
+      def->n_out > MR_OP_MAX_OUT)
+    return mr_error_set(MR_EINVAL, "op %s: a definition needs a name, shape "
+                        "inference, costs and arities within %d inputs and %d "
+                        "outputs", def && def->name ? def->name : "?",
+                        MR_OP_MAX_IN, MR_OP_MAX_OUT);
+  for (int i = 0; i < MR_OP_COUNT + n_extra; i++)
+    if (strcmp(mr_op_def(i)->name, def->name) == 0)
+      return mr_error_set(MR_EINVAL, "op %s is registered already", def->name);
+  if (n_extra == MR_OP_MAX_KINDS - MR_OP_COUNT)
+    return mr_error_set(MR_ENOMEM, "op %s: more than %d op kinds", def->name,
+                        MR_OP_MAX_KINDS);
+  extra[n_extra] = *def;
+  return MR_OP_COUNT + n_extra++;
+}
+
 void mr_op_set_kernel(int kind, enum mr_backend_kind backend, mr_kernel_fn fn) {
-  if (kind >= 0 && kind < MR_OP_COUNT && backend < MR_BACKEND_COUNT)
+  if (kind >= 0 && kind < MR_OP_COUNT + n_extra && backend < MR_BACKEND_COUNT)
     kernels[kind][backend] = fn;
 }
 
 mr_kernel_fn mr_op_kernel(int kind, enum mr_backend_kind backend) {
-  if (kind < 0 || kind >= MR_OP_COUNT || backend >= MR_BACKEND_COUNT)
+  if (kind < 0 || kind >= MR_OP_COUNT + n_extra || backend >= MR_BACKEND_COUNT)
     return NULL;
   return kernels[kind][backend];
 }
@@ -488,6 +518,6 @@ mr_kernel_fn mr_op_kernel(int kind, enum mr_backend_kind backend) {
 double mr_graph_flops(const struct mr_graph *g) {
   double f = 0;
   for (int i = 0; i < g->n_ops; i++)
-    f += defs[g->ops[i].kind].flops(g, &g->ops[i]);
+    f += mr_op_def(g->ops[i].kind)->flops(g, &g->ops[i]);
   return f;
 }

@@ -9,7 +9,10 @@
  *
  * Op kinds, inputs -> outputs, attributes (attr[i]):
  *   embedding        ids[N] i32, table[V,C]        -> out[N,C]
+ *                    a1 > 0: table holds rows [a0, a0+V) of a vocabulary
+ *                    of a1; other ids give zero rows (vocabulary shard)
  *   embedding_bwd    ids[N], dout[N,C]             -> dtable[V,C]   a0=V
+ *                    a1, a2: first row and whole vocabulary of a shard
  *   matmul           A, B[, bias[N]]               -> C[M,N]
  *                    a0=transpose A, a1=transpose B; A is [M,K] ([K,M] if
  *                    transposed), B is [K,N] ([N,K] if transposed)
@@ -25,13 +28,15 @@
  *   swiglu_bwd       dy, gate, up                  -> dgate, dup
  *   gelu             x                             -> gelu_tanh(x)
  *   gelu_bwd         dy, x                         -> dx
- *   attention        q[N,H*D], k[N,KH*D], v        -> o[N,H*D], lse[B*H,T]
+ *   attention        q[N,H*D], k[N,KH*D], v        -> o[N,H*D], lse[B,H,T]
  *                    causal, scale 1/sqrt(D); a0=T a1=H a2=KH
  *   attention_bwd    do, q, k, v, o, lse           -> dq, dk, dv
  *   split3           x[N,3C]                       -> x0, x1, x2 [N,C]
  *   concat3          x0, x1, x2                    -> x[N,3C]
  *   cross_entropy    logits[N,V], targets[N] i32   -> loss[1] (mean), lse[N]
- *   cross_entropy_bwd dloss[1], logits, targets, lse -> dlogits
+ *                    a0 = rows the mean divides by (0: N; a row shard
+ *                    passes the global row count)
+ *   cross_entropy_bwd dloss[1], logits, targets, lse -> dlogits  a0 as above
  */
 #ifndef MR_OPS_H
 #define MR_OPS_H
@@ -61,6 +66,8 @@ enum mr_op_kind {
   MR_OP_CROSS_ENTROPY_BWD,
   MR_OP_COUNT
 };
+
+#define MR_OP_MAX_KINDS 64     // built-in kinds plus those registered later
 
 enum mr_backend_kind { MR_BACKEND_CPU = 0, MR_BACKEND_CUDA = 1, MR_BACKEND_COUNT };
 
@@ -100,6 +107,16 @@ const struct mr_op_def *mr_op_def(int kind);
 
 /* Kind of the op named name, or MR_EINVAL. */
 int mr_op_kind_by_name(const char *name);
+
+/* Registers a new op kind (a plugin's): def is copied, its strings and
+ * functions are borrowed for the life of the process.  Returns the new
+ * kind (>= MR_OP_COUNT), MR_EINVAL (incomplete definition, name taken) or
+ * MR_ENOMEM (table full).  Not thread-safe: register before building
+ * graphs. */
+int mr_op_register(const struct mr_op_def *def);
+
+/* Number of op kinds: MR_OP_COUNT plus those registered. */
+int mr_op_count(void);
 
 /* Binds a backend's kernel to an op kind (done once by each backend at
  * start-up); the table is process-wide. */

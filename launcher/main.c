@@ -10,6 +10,7 @@
 #include "launcher/cli.h"
 #include "launcher/export.h"
 #include "launcher/prepare_data.h"
+#include "launcher/explain.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -25,6 +26,8 @@ static void usage(FILE *f) {
           "                      generate text from trained weights\n"
           "  plan JOB.json       choose, rank and explain a parallel strategy\n"
           "  calibrate           measure this machine, write a cluster spec\n"
+          "  explain JOB.json --mesh data=2,model=4\n"
+          "                      every tensor's placements and every reshard\n"
           "  env                 list the environment variables meshrun reads\n"
           "  version             print the version\n"
           "\n"
@@ -79,6 +82,8 @@ int main(int argc, char **argv) {
     return mr_cmd_plan(argc - 1, argv + 1);
   if (strcmp(cmd, "calibrate") == 0)
     return mr_cmd_calibrate(argc - 1, argv + 1);
+  if (strcmp(cmd, "explain") == 0)
+    return mr_cmd_explain(argc - 1, argv + 1);
   if (strcmp(cmd, "env") == 0)
     return cmd_env();
   if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {

@@ -116,14 +116,63 @@ static int k_matmul(void *ctx, const struct mr_graph *g, const struct mr_op *op,
   return 0;
 }
 
+/* a1 > 0: the table is rows [a0, a0 + V) of a vocabulary of a1 (sharded
+ * by vocabulary); ids outside the shard give zero rows */
+static int embedding_shard_fwd(const struct mr_graph *g, const struct mr_op *op,
+                               void *const *b) {
+  const int32_t *ids = b[0];
+  const float *w = b[1];
+  float *out = b[2];
+  int64_t n = ROWS(g, op->in[0]), v = ROWS(g, op->in[1]), c = COLS(g, op->in[1]);
+  int64_t lo = (int64_t)op->attr[0], all = (int64_t)op->attr[1];
+  for (int64_t i = 0; i < n; i++) {
+    if (ids[i] < 0 || ids[i] >= all)
+      return mr_error_set(MR_ERANGE, "embedding %s: id %d at row %lld, "
+                          "expected 0..%lld", TT(g, op->in[1])->name, ids[i],
+                          (long long)i, (long long)all - 1);
+    int64_t r = (int64_t)ids[i] - lo;
+    if (r < 0 || r >= v)
+      memset(out + i * c, 0, (size_t)c * sizeof *out);
+    else
+      memcpy(out + i * c, w + r * c, (size_t)c * sizeof *out);
+  }
+  return 0;
+}
+
+/* a1: first vocabulary row of dtable, a2 > 0: the whole vocabulary (a
+ * vocabulary shard skips ids outside it) */
+static int embedding_shard_bwd(const struct mr_graph *g, const struct mr_op *op,
+                               void *const *b) {
+  const int32_t *ids = b[0];
+  const float *d = b[1];
+  float *dw = b[2];
+  int64_t n = ROWS(g, op->in[0]), c = COLS(g, op->in[1]), v = ROWS(g, op->out[0]);
+  int64_t lo = (int64_t)op->attr[1], all = (int64_t)op->attr[2];
+  memset(dw, 0, (size_t)(v * c) * sizeof *dw);
+  for (int64_t i = 0; i < n; i++) {
+    if (ids[i] < 0 || ids[i] >= all)
+      return mr_error_set(MR_ERANGE, "embedding_bwd: id %d out of range", ids[i]);
+    int64_t r = (int64_t)ids[i] - lo;
+    if (r < 0 || r >= v)
+      continue;
+    for (int64_t k = 0; k < c; k++)
+      dw[r * c + k] += d[i * c + k];
+  }
+  return 0;
+}
+
 static int k_embedding(void *ctx, const struct mr_graph *g,
                        const struct mr_op *op, void *const *b) {
+  if (op->attr[1] > 0)
+    return embedding_shard_fwd(g, op, b);
   return mr_cpu_embedding_fwd(POOL(ctx), b[2], b[1], b[0], ROWS(g, op->in[0]),
                               ROWS(g, op->in[1]), COLS(g, op->in[1]));
 }
 
 static int k_embedding_bwd(void *ctx, const struct mr_graph *g,
                            const struct mr_op *op, void *const *b) {
+  if (op->attr[2] > 0)
+    return embedding_shard_bwd(g, op, b);
   memset(b[2], 0, (size_t)NEL(g, op->out[0]) * sizeof(float));
   return mr_cpu_embedding_bwd(POOL(ctx), b[2], b[1], b[0], ROWS(g, op->in[0]),
                               ROWS(g, op->out[0]), COLS(g, op->in[1]));
@@ -339,7 +388,10 @@ static int k_xent(void *ctx, const struct mr_graph *g, const struct mr_op *op,
   double s = 0;
   for (int i = 0; i < n; i++)
     s += rows[i];
-  ((float *)b[2])[0] = valid ? (float)(s / valid) : 0.0f;
+  /* a0 > 0: a row shard divides by the rows of the whole batch, so each
+   * rank's loss is its Partial(sum) operand */
+  double denom = op->attr[0] > 0 ? op->attr[0] : (double)valid;
+  ((float *)b[2])[0] = denom > 0 ? (float)(s / denom) : 0.0f;
   return 0;
 }
 
@@ -349,7 +401,8 @@ static int k_xent_bwd(void *ctx, const struct mr_graph *g,
   const int32_t *y = b[2];
   for (int i = 0; i < n; i++)
     valid += y[i] >= 0;
-  float scale = valid ? ((const float *)b[0])[0] / (float)valid : 0.0f;
+  double denom = op->attr[0] > 0 ? op->attr[0] : (double)valid;
+  float scale = denom > 0 ? (float)(((const float *)b[0])[0] / denom) : 0.0f;
   return mr_cpu_xent_bwd(POOL(ctx), b[4], b[1], b[3], y, NULL, scale, n, v);
 }
 

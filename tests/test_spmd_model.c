@@ -1,0 +1,252 @@
+/* test_spmd_model.c - the tiny LLaMA's forward and backward graph completed
+ * for data x tensor parallelism, tensor parallelism with sequence
+ * parallelism, and a vocabulary-sharded head; Megatron's communication
+ * counted; every layout run on simulated ranks and compared with the
+ * single-rank executor (loss and every parameter gradient). */
+#include <check.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/autodiff.h"
+#include "common/error.h"
+#include "common/model.h"
+#include "common/ops.h"
+#include "launcher/spmd/completion.h"
+#include "tests/check_main.h"
+#include "tests/spmd_sim.h"
+
+struct fx {
+  struct mr_model mo;
+  int seed;
+  int layers;
+};
+
+static void build(struct fx *f, int heads, int kv, int64_t batch, int64_t seq,
+                  int tie) {
+  struct mr_model_config c;
+  memset(&c, 0, sizeof c);
+  c.family = MR_MODEL_LLAMA;
+  c.vocab_size = 40;
+  c.hidden_size = 32;
+  c.intermediate_size = 44;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = heads;
+  c.num_key_value_heads = kv;
+  c.max_position_embeddings = 64;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 10000;
+  c.initializer_range = 0.2;
+  c.tie_word_embeddings = tie;
+  f->layers = 2;
+  ck_assert_int_eq(mr_model_build(&c, batch, seq, &f->mo), 0);
+  ck_assert_int_eq(mr_autodiff(&f->mo.graph, f->mo.loss, &f->seed), 0);
+}
+
+static struct mr_shard_rule_placement col = {"model", "Shard(0)"};
+static struct mr_shard_rule_placement row = {"model", "Shard(1)"};
+static struct mr_shard_rule megatron[] = {
+    {"q_proj|k_proj|v_proj|gate_proj|up_proj", &col, 1},
+    {"o_proj|down_proj", &row, 1},
+};
+
+static uint32_t lcg(uint32_t *s) {
+  *s = *s * 1664525u + 1013904223u;
+  return *s >> 8;
+}
+
+/* Random inputs: ids and targets in range, parameters ~ U(-0.5, 0.5), norm
+ * weights near 1, the loss seed 1. */
+static float **inputs(const struct fx *f, uint32_t s) {
+  const struct mr_graph *g = &f->mo.graph;
+  float **in = calloc((size_t)g->n_tensors, sizeof *in);
+  for (int t = 0; t < g->n_tensors; t++) {
+    const struct mr_tensor *tt = &g->tensors[t];
+    if (tt->producer >= 0)
+      continue;
+    int64_t n = mr_tensor_numel(tt);
+    in[t] = malloc(sizeof(float) * (size_t)n);
+    for (int64_t e = 0; e < n; e++) {
+      if (tt->dtype == MR_I32)
+        in[t][e] = (float)(lcg(&s) % (uint32_t)f->mo.cfg.vocab_size);
+      else if (t == f->seed)
+        in[t][e] = 1.0f;
+      else if (tt->init == MR_INIT_ONES)
+        in[t][e] = 1.0f + (float)(lcg(&s) % 1000) / 5000.0f;
+      else
+        in[t][e] = (float)(lcg(&s) % 10001) / 10000.0f - 0.5f;
+    }
+  }
+  return in;
+}
+
+static void free_all(float **v, int n) {
+  for (int i = 0; i < n; i++)
+    free(v[i]);
+  free(v);
+}
+
+/* Simulates dg and checks the loss and every parameter gradient. */
+static void check_simulated(const struct fx *f, const struct mr_dist_graph *dg) {
+  const struct mr_graph *g = &f->mo.graph;
+  float **in = inputs(f, 12345);
+  float **ref = calloc((size_t)g->n_tensors, sizeof *ref);
+  float **got = calloc((size_t)g->n_tensors, sizeof *got);
+  ck_assert_int_eq(sim_run_reference(g, in, ref), 0);
+  ck_assert_msg(sim_run_graph(dg, in, got) == 0, "simulation: %s",
+                mr_error_message());
+  int grads = 0;
+  ck_assert(fabsf(ref[g->loss][0]) > 1.0f); /* a real loss, ~log V */
+  double e = sim_rel_err(got[g->loss], ref[g->loss], 1);
+  ck_assert_msg(e <= 1e-5, "loss %g vs %g", (double)got[g->loss][0],
+                (double)ref[g->loss][0]);
+  for (int t = 0; t < g->n_tensors; t++) {
+    const struct mr_tensor *tt = &g->tensors[t];
+    if (tt->role != MR_ROLE_GRAD || tt->grad_of < 0 ||
+        g->tensors[tt->grad_of].role != MR_ROLE_PARAM)
+      continue;
+    int64_t n = mr_tensor_numel(tt);
+    double w = sim_rel_err(got[t], ref[t], n), mx = 0;
+    for (int64_t i = 0; i < n; i++)
+      mx = fmax(mx, fabs(ref[t][i]));
+    ck_assert_msg(mx > 1e-6, "%s is all zero", tt->name);
+    /* relative to the gradient's scale */
+    ck_assert_msg(w <= 1e-5 * fmax(1.0, mx) || w / mx <= 1e-5, "%s: %g (max %g)",
+                  tt->name, w, mx);
+    grads++;
+  }
+  ck_assert_int_ge(grads, 9 * f->layers + 2);
+  free_all(in, g->n_tensors);
+  free_all(ref, g->n_tensors);
+  free_all(got, g->n_tensors);
+}
+
+static void complete(const struct fx *f, const char *mesh, int sp,
+                     struct mr_shard_rule *rules, int n_rules,
+                     struct mr_dist_graph *dg) {
+  struct mr_mesh m;
+  ck_assert_int_eq(mr_mesh_parse(mesh, &m), 0);
+  struct mr_completion_opts o;
+  memset(&o, 0, sizeof o);
+  o.rules = rules;
+  o.n_rules = n_rules;
+  o.data_dim = mr_mesh_dim(&m, "data");
+  o.seq_dim = sp ? mr_mesh_dim(&m, "model") : -1;
+  ck_assert_msg(mr_spmd_complete(&f->mo.graph, &m, &o, dg) == 0, "%s",
+                mr_error_message());
+}
+
+START_TEST(test_llama_dp2_tp2_megatron) {
+  struct fx f;
+  build(&f, 4, 2, 2, 8, 0);
+  struct mr_dist_graph dg;
+  complete(&f, "data=2,model=2", 0, megatron, 2, &dg);
+  int md = 1, L = f.layers;
+  /* one AllReduce per attention block and one per MLP block, each way */
+  ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, MR_RS_ALL_REDUCE, md, 0), 2 * L);
+  ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, MR_RS_ALL_REDUCE, md, 1), 2 * L);
+  enum mr_reshard_kind other[] = {MR_RS_ALL_GATHER, MR_RS_REDUCE_SCATTER,
+                                  MR_RS_ALL_TO_ALL};
+  for (size_t i = 0; i < MR_ARRAY_LEN(other); i++)
+    ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, other[i], md, -1), 0);
+  /* nothing moves on the data dim inside the step; every parameter's
+   * gradient is all-reduced over it once */
+  for (int k = 0; k < MR_RS_KIND_COUNT; k++)
+    if (k != MR_RS_SLICE && k != MR_RS_ZERO_NONROOT)
+      ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, k, 0, -1), 0);
+  int params = 0;
+  for (int t = 0; t < f.mo.graph.n_tensors; t++)
+    params += f.mo.graph.tensors[t].role == MR_ROLE_PARAM;
+  ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_GRAD_SYNC, MR_RS_ALL_REDUCE, 0, 1), params);
+  /* q/k/v/gate/up outputs are column-sharded, o/down outputs Partial */
+  int q = mr_graph_find(&f.mo.graph, "L0.q"), o = mr_graph_find(&f.mo.graph, "L1.down");
+  ck_assert_int_eq(dg.tensor[q].p[1].kind, MR_SHARD);
+  ck_assert_int_eq(dg.tensor[q].p[1].dim, 1);
+  ck_assert_int_eq(dg.tensor[o].p[1].kind, MR_PARTIAL);
+  check_simulated(&f, &dg);
+  mr_dist_graph_close(&dg);
+  mr_model_close(&f.mo);
+}
+END_TEST
+
+START_TEST(test_llama_tp4_sequence_parallel) {
+  struct fx f;
+  build(&f, 4, 4, 1, 12, 0);
+  struct mr_dist_graph dg;
+  complete(&f, "model=4", 1, megatron, 2, &dg);
+  int L = f.layers;
+  /* AllGather before each column-parallel block, ReduceScatter after each
+   * row-parallel one, forward and backward, and no AllReduce in between */
+  ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, MR_RS_ALL_REDUCE, 0, -1), 0);
+  ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, MR_RS_REDUCE_SCATTER, 0, 0), 2 * L);
+  ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, MR_RS_ALL_GATHER, 0, 0), 2 * L);
+  ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, MR_RS_REDUCE_SCATTER, 0, 1), 2 * L);
+  ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, MR_RS_ALL_GATHER, 0, 1), 2 * L);
+  ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, MR_RS_ALL_TO_ALL, 0, -1), 0);
+  int x = mr_graph_find(&f.mo.graph, "L0.res1");
+  ck_assert_int_eq(dg.tensor[x].p[0].kind, MR_SHARD);
+  ck_assert_int_eq(dg.tensor[x].p[0].dim, 0);
+  check_simulated(&f, &dg);
+  mr_dist_graph_close(&dg);
+  mr_model_close(&f.mo);
+}
+END_TEST
+
+static struct mr_shard_rule_placement vocab = {"model", "Shard(0)"};
+static struct mr_shard_rule megatron_vocab[] = {
+    {"q_proj|k_proj|v_proj|gate_proj|up_proj", &col, 1},
+    {"o_proj|down_proj", &row, 1},
+    {"embed_tokens|lm_head", &vocab, 1},
+};
+
+START_TEST(test_llama_vocab_sharded_embedding_and_head) {
+  struct fx f;
+  build(&f, 4, 2, 2, 6, _i);
+  struct mr_dist_graph dg;
+  complete(&f, "data=2,model=2", 0, megatron_vocab, 3, &dg);
+  const struct mr_graph *g = &f.mo.graph;
+  /* the vocabulary-parallel lookup is a Partial(sum) all-reduced before
+   * the first norm; the head's logits are split by vocabulary */
+  int h0 = mr_graph_find(g, "h0"), lg = mr_graph_find(g, "logits");
+  ck_assert_int_eq(dg.tensor[h0].p[1].kind, MR_PARTIAL);
+  ck_assert_int_eq(dg.tensor[lg].p[1].kind, MR_SHARD);
+  ck_assert_int_eq(dg.tensor[lg].p[1].dim, 1);
+  ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, MR_RS_ALL_REDUCE, 1, 0),
+                   2 * f.layers + 1);
+  check_simulated(&f, &dg);
+  mr_dist_graph_close(&dg);
+  mr_model_close(&f.mo);
+}
+END_TEST
+
+START_TEST(test_llama_heads_not_divisible_is_an_error) {
+  struct fx f;
+  build(&f, 4, 2, 1, 8, 0);
+  struct mr_mesh m;
+  ck_assert_int_eq(mr_mesh_parse("model=4", &m), 0);
+  struct mr_completion_opts o;
+  memset(&o, 0, sizeof o);
+  o.rules = megatron;
+  o.n_rules = 2;
+  o.data_dim = o.seq_dim = -1;
+  struct mr_dist_graph dg;
+  ck_assert_int_eq(mr_spmd_complete(&f.mo.graph, &m, &o, &dg), MR_EINVAL);
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "heads"));
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "model"));
+  mr_model_close(&f.mo);
+}
+END_TEST
+
+static Suite *spmd_model_suite(void) {
+  Suite *s = suite_create("spmd_model");
+  TCase *tc = tcase_create("llama");
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, test_llama_dp2_tp2_megatron);
+  tcase_add_test(tc, test_llama_tp4_sequence_parallel);
+  tcase_add_loop_test(tc, test_llama_vocab_sharded_embedding_and_head, 0, 2);
+  tcase_add_test(tc, test_llama_heads_not_divisible_is_an_error);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+MR_TEST_MAIN(spmd_model_suite)
