@@ -2,6 +2,7 @@
 #include "common/mesh.h"
 
 #include <ctype.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,8 @@ int mr_mesh_init(struct mr_mesh *m, int ndim, const int *shape,
     if (shape[i] < 1)
       return mr_error_set(MR_EINVAL, "mesh: dim %d has size %d, expected >= 1",
                           i, shape[i]);
+    if ((int64_t)stride * shape[i] > (1 << 24))
+      return mr_error_set(MR_EINVAL, "mesh: more than %d ranks", 1 << 24);
     m->shape[i] = shape[i];
     m->stride[i] = stride;
     stride *= shape[i];

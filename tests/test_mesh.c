@@ -149,10 +149,21 @@ START_TEST(test_local_shard_nested_2d) {
 }
 END_TEST
 
+START_TEST(test_mesh_rank_count_overflow_rejected) {
+  /* found by fuzz_mesh: the product of the dims overflowed an int */
+  struct mr_mesh m;
+  int shape[2] = {122222, 61111};
+  ck_assert_int_eq(mr_mesh_init(&m, 2, shape, NULL), MR_EINVAL);
+  int ok[2] = {4096, 4096};
+  ck_assert_int_eq(mr_mesh_init(&m, 2, ok, NULL), 0);
+}
+END_TEST
+
 static Suite *mesh_suite(void) {
   Suite *s = suite_create("mesh");
   TCase *tc = tcase_create("core");
   tcase_add_test(tc, test_mesh_parse_and_format);
+  tcase_add_test(tc, test_mesh_rank_count_overflow_rejected);
   tcase_add_test(tc, test_mesh_parse_errors_name_the_entry);
   tcase_add_test(tc, test_mesh_slice_is_a_pipeline_stage);
   tcase_add_test(tc, test_placement_parse_roundtrip);
