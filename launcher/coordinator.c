@@ -84,15 +84,19 @@ struct coordinator {
   int failed_rank;
 };
 
+static void rendezvous_free(struct coordinator *co, struct rendezvous *r) {
+  for (int i = 0; r->blobs != NULL && i < co->opts->nproc; i++)
+    free(r->blobs[i].data);
+  free(r->blobs);
+  free(r->key);
+  free(r);
+}
+
 static void rendezvous_clear(struct coordinator *co) {
   while (co->rdv != NULL) {
     struct rendezvous *r = co->rdv;
     co->rdv = r->next;
-    for (int i = 0; i < co->opts->nproc; i++)
-      free(r->blobs[i].data);
-    free(r->blobs);
-    free(r->key);
-    free(r);
+    rendezvous_free(co, r);
   }
 }
 
@@ -255,11 +259,7 @@ static void on_rendezvous(struct coordinator *co, struct mr_conn *c,
   while (*pp != r)
     pp = &(*pp)->next;
   *pp = r->next;
-  r->next = NULL;
-  struct rendezvous *keep = co->rdv;
-  co->rdv = r;
-  rendezvous_clear(co);
-  co->rdv = keep;
+  rendezvous_free(co, r);
 }
 
 /* The self-check's expected digest for a rank: SHA-256 of the job id, the

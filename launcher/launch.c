@@ -127,6 +127,7 @@ int mr_cmd_launch(int argc, char **argv) {
     threads = (long)mr_tunable_int(MR_TUNABLE_THREADS);
   if (threads < 1)
     threads = 1;
+  int code = 0;
   struct mr_devices devices;
   if (mr_discover_devices(&devices) < 0) {
     fprintf(stderr, "meshrun launch: device discovery failed: %s\n", mr_error_message());
@@ -140,16 +141,14 @@ int mr_cmd_launch(int argc, char **argv) {
     struct mr_strategy_choice choice;
     if (mr_strategy_choose(&job, (int)nproc, &choice) < 0) {
       fprintf(stderr, "meshrun launch: %s: %s\n", job_path, mr_error_message());
-      mr_devices_close(&devices);
-      mr_job_close(&job);
-      return 2;
+      code = 2;
+      goto done;
     }
     char *text = mr_strategy_apply(&job, &choice.chosen.strategy);
     if (text == NULL) {
       fprintf(stderr, "meshrun launch: out of memory\n");
-      mr_devices_close(&devices);
-      mr_job_close(&job);
-      return 1;
+      code = 1;
+      goto done;
     }
     free(job.text);
     job.text = text;
@@ -162,9 +161,8 @@ int mr_cmd_launch(int argc, char **argv) {
     snprintf(worker, sizeof worker, "%s", wenv);
   else if (mr_cli_find_sibling("meshrun-worker", "worker", worker, sizeof worker) < 0) {
     fprintf(stderr, "meshrun launch: cannot find meshrun-worker beside meshrun or on PATH\n");
-    mr_devices_close(&devices);
-    mr_job_close(&job);
-    return 1;
+    code = 1;
+    goto done;
   }
   char dir_buf[4096];
   if (log_dir == NULL) {
@@ -175,9 +173,8 @@ int mr_cmd_launch(int argc, char **argv) {
   }
   if (mr_mkdir_p(log_dir) < 0) {
     fprintf(stderr, "meshrun launch: --log-dir: %s\n", mr_error_message());
-    mr_devices_close(&devices);
-    mr_job_close(&job);
-    return 2;
+    code = 2;
+    goto done;
   }
   mr_log_set_prefix("launcher");
   struct mr_launch_opts opts = {
@@ -194,7 +191,8 @@ int mr_cmd_launch(int argc, char **argv) {
       .metrics_path = metrics,
       .devices = &devices,
   };
-  int code = mr_coordinator_run(&opts);
+  code = mr_coordinator_run(&opts);
+done:
   mr_devices_close(&devices);
   mr_job_close(&job);
   return code;
