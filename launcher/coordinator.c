@@ -23,6 +23,7 @@
 #include "common/tunable.h"
 #include "launcher/conn.h"
 #include "launcher/ranks.h"
+#include "worker/comm/comm.h"
 
 enum phase {
   PHASE_RUNNING,   // the group is starting or training
@@ -584,6 +585,11 @@ static void finish(struct coordinator *co, int code) {
 
 /* Called when every worker of a stopping group has exited. */
 static void group_stopped(struct coordinator *co) {
+  /* a rank killed while its group was being created leaves the segment */
+  int swept = mr_comm_shm_sweep(co->job_id);
+  if (swept > 0)
+    MR_INFO("launch", "removed %d shared-memory segment%s left by the stopped group", swept,
+            swept == 1 ? "" : "s");
   if (co->preempting && co->stop_signal == 0) {
     finish(co, 0);
     return;
@@ -839,6 +845,7 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   code = co->exit_code;
   mr_ranks_close(&co->ranks);
   uv_run(&co->loop, UV_RUN_DEFAULT);
+  mr_comm_shm_sweep(co->job_id);
 close_loop:
   rendezvous_clear(co);
   pending_clear(co);

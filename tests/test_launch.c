@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -344,6 +345,59 @@ START_TEST(test_launch_hang_diagnosed_naming_rank_and_operation) {
 }
 END_TEST
 
+/* A rank killed while its group is being created (before every member has
+ * mapped the segment, after which it is unlinked) leaves the segment
+ * behind; the launcher removes every segment of its job once the group
+ * stopped.  The left-over segment is made here, named as the comm names
+ * them, while a real training job runs; then a rank is killed. */
+START_TEST(test_launch_killed_rank_leaves_no_shared_memory) {
+  char dir[64], path[160];
+  mr_t_tmpdir(dir, sizeof dir);
+  snprintf(path, sizeof path, "%s/train.bin", dir);
+  mr_t_write_tokens(path, 4000);
+  snprintf(path, sizeof path, "%s/job.json", dir);
+  FILE *f = fopen(path, "w");
+  fprintf(f, "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 16,"
+             " \"intermediate_size\": 24, \"num_hidden_layers\": 1, \"num_attention_heads\": 2,"
+             " \"max_position_embeddings\": 16},"
+             " \"data\": {\"train\": \"train.bin\"},"
+             " \"train\": {\"steps\": 50, \"global_batch\": 2, \"seq_len\": 8}}\n");
+  fclose(f);
+  static char stall[] = "MESHRUN_TEST_STALL=1:3";
+  char logdir[160];
+  snprintf(logdir, sizeof logdir, "%s/logs", dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--max-restarts", "0",
+                  "--log-dir", logdir, path, NULL};
+  char *env[] = {stall, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, env);
+  ck_assert_msg(mr_t_wait_for_text(p.err_path, "info launch: job ", 20) >= 0,
+                "launcher never started");
+  char *err = mr_t_slurp(p.err_path);
+  char id[17] = {0};
+  ck_assert(sscanf(strstr(err, "info launch: job "), "info launch: job %16[0-9a-f]:", id) == 1);
+  free(err);
+  char name[96];
+  snprintf(name, sizeof name, "/meshrun-%s-00000000deadbeef-0123456789abcdef-0", id);
+  int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+  ck_assert_int_ge(fd, 0);
+  close(fd);
+  char rlog[200];
+  snprintf(rlog, sizeof rlog, "%s/rank-0.log", logdir);
+  ck_assert_msg(mr_t_wait_for_text(rlog, "parameters", 20) >= 0, "training never started");
+  pid_t kids[8];
+  ck_assert_int_eq(mr_t_children(p.pid, kids, 8), 2);
+  kill(kids[0], SIGKILL);
+  ck_assert_int_eq(mr_t_wait(&p, 20), 1);
+  fd = shm_open(name, O_RDWR, 0600);
+  if (fd >= 0) {
+    close(fd);
+    shm_unlink(name);
+  }
+  ck_assert_msg(fd < 0, "left behind: /dev/shm%s", name);
+}
+END_TEST
+
 static Suite *launch_suite(void) {
   Suite *s = suite_create("launch");
   TCase *tc = tcase_create("e2e");
@@ -356,6 +410,7 @@ static Suite *launch_suite(void) {
   tcase_add_test(tc, test_launch_sigterm_stops_every_worker);
   tcase_add_test(tc, test_launch_bad_clients_refused_job_still_finishes);
   tcase_add_test(tc, test_launch_hang_diagnosed_naming_rank_and_operation);
+  tcase_add_test(tc, test_launch_killed_rank_leaves_no_shared_memory);
   suite_add_tcase(s, tc);
   return s;
 }
