@@ -33,7 +33,8 @@
   XX(EPEER, -17, "peer failed")                                             \
   XX(ENOFIT, -18, "does not fit in memory")                                 \
   XX(ECANCELED, -19, "operation canceled")                                  \
-  XX(ERANGE, -20, "value out of range")
+  XX(ERANGE, -20, "value out of range")                                     \
+  XX(EPLAN, -21, "rank programs do not match")
 
 enum mr_errno {
 #define XX(name, value, desc) MR_##name = value,
