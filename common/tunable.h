@@ -40,6 +40,8 @@
      "test hook: pause a checkpoint write half way, ms")                     \
   XX(TEST_STALL, "MESHRUN_TEST_STALL", "",                                  \
      "test hook: \"RANK:STEP\" stalls that rank at that step")             \
+  XX(TEST_COMM_TRACE, "MESHRUN_TEST_COMM_TRACE", "",                        \
+     "test hook: each rank appends every collective it issues to PATH.RANK") \
   XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \
      "lines of a failed rank's log shown on exit")                           \
   XX(LOSS_SCALE_GROWTH, "MESHRUN_LOSS_SCALE_GROWTH_INTERVAL", "2000",        \

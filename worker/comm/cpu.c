@@ -51,6 +51,7 @@ struct mr__cpu {
   size_t wake_bytes;           /* ops this large wake the progress thread */
   uint64_t moves;              /* times any op advanced: waiters stop backing
                                   off while data moves */
+  FILE *trace;                 /* MESHRUN_TEST_COMM_TRACE: every op issued */
 };
 
 int64_t mr__now_ns(void) {
@@ -273,6 +274,9 @@ static int submit(struct mr__group *g, struct mr__op *op, size_t bytes,
   op->group = g;
   pthread_mutex_lock(&c->lock);
   op->seq = ++g->issued;
+  if (c->trace != NULL) /* kind, count, dtype, group, global peer */
+    fprintf(c->trace, "%s %zu %s %s %d\n", mr__op_name(op->kind), op->count,
+            mr_dtype_name(op->dt), g->desc, op->peer >= 0 ? g->ranks[op->peer] : -1);
   if (g->broken != NULL) {
     snprintf(op->err, sizeof op->err, "%s #%llu on group %s not run: %s",
              mr__op_name(op->kind), (unsigned long long)op->seq, g->desc,
@@ -701,6 +705,16 @@ static int cpu_open(const struct mr_bootstrap *bs, struct mr_comm **out) {
       goto err;
     }
   c->info.job_id = c->job_id;
+  const char *trace = mr_tunable_str(MR_TUNABLE_TEST_COMM_TRACE);
+  if (trace != NULL && trace[0] != '\0') {
+    char path[4096];
+    snprintf(path, sizeof path, "%s.%d", trace, bs->rank);
+    if ((c->trace = fopen(path, "a")) == NULL) {
+      rc = mr_error_set(mr_from_errno(errno), "%s: %s", path, strerror(errno));
+      goto err;
+    }
+    setvbuf(c->trace, NULL, _IOLBF, 0);
+  }
   int port = 0;
   MR_TRY_GOTO(rc, listen_any(&c->info.listen_fd, &port), err);
   struct {
@@ -762,6 +776,8 @@ static void cpu_close(struct mr_comm *cc) {
   }
   if (c->info.listen_fd >= 0)
     close(c->info.listen_fd);
+  if (c->trace != NULL)
+    fclose(c->trace);
   pthread_mutex_destroy(&c->lock);
   pthread_cond_destroy(&c->wake);
   free(c->peers);
