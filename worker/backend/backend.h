@@ -17,10 +17,12 @@
 #define MR_BACKEND_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 struct mr_backend;
 struct mr_stream;
 struct mr_event;
+struct mr_adamw; // worker/backend/cpu/kernels.h: AdamW hyper-parameters
 
 enum mr_copy_kind {
   MR_COPY_HOST_TO_DEVICE = 0,
@@ -30,7 +32,7 @@ enum mr_copy_kind {
 
 /* A kernel: kctx is the backend's context (see above), args its own struct,
  * borrowed for the duration of the call.  Returns 0 or a negative MR_E*. */
-typedef int (*mr_kernel_fn)(void *kctx, const void *args);
+typedef int (*mr_launch_fn)(void *kctx, const void *args);
 
 struct mr_backend_ops {
   const char *name; // "cpu", "cuda"
@@ -47,7 +49,7 @@ struct mr_backend_ops {
   void (*stream_free)(struct mr_backend *be, struct mr_stream *s);
   /* Queues fn(kctx, args) on s.  The caller keeps args alive until the
    * stream has passed it (on the CPU: until launch returns). */
-  int (*launch)(struct mr_backend *be, struct mr_stream *s, mr_kernel_fn fn,
+  int (*launch)(struct mr_backend *be, struct mr_stream *s, mr_launch_fn fn,
                 const void *args);
   int (*event_new)(struct mr_backend *be, struct mr_event **out);
   void (*event_free)(struct mr_backend *be, struct mr_event *ev);
@@ -62,9 +64,31 @@ struct mr_backend_ops {
   int (*event_query)(struct mr_backend *be, struct mr_event *ev);
   /* Host waits for everything queued on s (NULL: on every stream). */
   int (*synchronize)(struct mr_backend *be, struct mr_stream *s);
-  /* The kernel context passed to kernels launched on this backend. */
+  /* The kernel context passed to kernels launched on this backend, and to
+   * the op registry's kernels for this backend (common/ops.h mr_kernel_fn:
+   * on the CPU a struct mr_cpu_ctx, on CUDA the backend's stream context). */
   void *(*kernel_ctx)(struct mr_backend *be);
   void (*destroy)(struct mr_backend *be);
+
+  /* What the distributed runtime needs besides the op kernels, on the
+   * compute stream, all on device memory (float32):
+   * registry: which op registry kernels run here (enum mr_backend_kind). */
+  int registry;
+  /* y[i] = a * y[i] + b * x[i] for n elements (x may be y). */
+  int (*axpby)(struct mr_backend *be, float *y, const float *x, float a, float b,
+               size_t n);
+  /* *out = sum of x[i]^2 in double over fixed 4096-element chunks summed in
+   * order (the same for any thread or block count); returns when *out (host
+   * memory) holds it. */
+  int (*sumsq)(struct mr_backend *be, const float *x, size_t n, double *out);
+  /* One AdamW step t (1-based) on n elements, torch.optim.AdamW's order
+   * (worker/backend/cpu/kernels.h mr_cpu_adamw_step). */
+  int (*adamw)(struct mr_backend *be, float *p, const float *grad, float *m,
+               float *v, size_t n, const struct mr_adamw *h, int64_t t);
+  /* rows of width bytes from src (rows spitch bytes apart) to dst (dpitch
+   * apart): the packing of a tensor's block for a collective. */
+  int (*copy2d)(struct mr_backend *be, void *dst, size_t dpitch, const void *src,
+                size_t spitch, size_t width, size_t rows);
 };
 
 struct mr_backend {
