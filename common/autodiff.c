@@ -63,6 +63,7 @@ int mr_autodiff(struct mr_graph *g, int out, int *seed) {
     }
     for (int j = 0; j < MR_OP_MAX_IN; j++)
       din[j] = -1;
+    int first_new = g->n_ops;
     MR_TRY_GOTO(rc, def->grad(g, i, dout, din), out);
     if (g->n_tensors + 16 > cap) {
       int ncap = 2 * g->n_tensors + 64;
@@ -79,6 +80,10 @@ int mr_autodiff(struct mr_graph *g, int out, int *seed) {
     for (int j = 0; j < op.n_in; j++)
       if (op.in[j] >= 0 && din[j] >= 0)
         MR_TRY_GOTO(rc, accumulate(g, acc, op.in[j], din[j]), out);
+    for (int k = first_new; k < g->n_ops; k++) { /* pipeline stages follow it */
+      g->ops[k].backward = 1;
+      g->ops[k].fwd_op = i;
+    }
   }
   for (int i = 0; i < g->n_tensors && i < cap; i++) {
     struct mr_tensor *t = &g->tensors[i];

@@ -162,9 +162,35 @@ static int try_collective(struct sim *s, int r) {
   return 1;
 }
 
+static int detached(const struct mr_comm_event *e) {
+  return e->kind == MR_CEV_SEND && e->batch == MR_CEV_DETACHED;
+}
+
+/* Matches the receive e of rank r with the oldest detached send its peer
+ * has issued to r and not yet seen received: 1 matched, 0 none, <0. */
+static int match_detached(struct sim *s, int r, int e) {
+  const struct mr_comm_event *ev = &s->tr[r].ev[e];
+  int p = ev->peer;
+  for (int f = 0; f < s->pc[p]; f++) {
+    const struct mr_comm_event *o = &s->tr[p].ev[f];
+    if (!detached(o) || s->matched[p][f] || o->peer != r || !same_group(ev, o))
+      continue;
+    if (o->count != ev->count || o->dtype != ev->dtype)
+      return mismatch(s, r, e, p, f, o->count != ev->count ? "different counts"
+                                                            : "different dtypes");
+    s->matched[r][e] = s->matched[p][f] = 1;
+    return 1;
+  }
+  return 0;
+}
+
 /* Matches what it can of rank r's current p2p batch: 1 completed, 0 waits. */
 static int try_p2p(struct sim *s, int r) {
   int b = s->pc[r], end = batch_end(s, r, b), all = 1;
+  if (detached(&s->tr[r].ev[b])) { /* issued; it never blocks */
+    s->pc[r]++;
+    return 1;
+  }
   for (int e = b; e < end; e++) {
     if (s->matched[r][e])
       continue;
@@ -175,6 +201,13 @@ static int try_p2p(struct sim *s, int r) {
       describe(s, r, e);
       say(s, " names peer %d (world %d)", p, s->world);
       return mr_error_set(MR_EPLAN, "%s", s->msg);
+    }
+    if (ev->kind == MR_CEV_RECV) {
+      int m = match_detached(s, r, e);
+      if (m < 0)
+        return m;
+      if (m > 0)
+        continue;
     }
     if (done(s, p) || !is_p2p(&s->tr[p].ev[s->pc[p]])) {
       all = 0;
@@ -274,6 +307,15 @@ int mr_comm_check(const struct mr_comm_trace *trace, int world) {
     }
     if (!left) {
       rc = 0;
+      for (int r = 0; r < world && rc == 0; r++)
+        for (int e = 0; e < trace[r].n; e++)
+          if (detached(&trace[r].ev[e]) && !s->matched[r][e]) {
+            say(s, "rank programs do not match: rank %d's ", r);
+            describe(s, r, e);
+            say(s, " is never received");
+            rc = mr_error_set(MR_EPLAN, "%s", s->msg);
+            break;
+          }
       break;
     }
     if (!moved) {

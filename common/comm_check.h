@@ -10,7 +10,10 @@
  * the same count and dtype.  Point-to-point events posted together (the
  * same `batch` number, e.g. 1F1B's send-activation/receive-gradient pair)
  * complete together once each has its partner, as with batched isend/irecv;
- * everything else blocks in program order.  The first mismatch, or the
+ * a detached send (batch MR_CEV_DETACHED, started and waited on only at
+ * the end) never blocks: the peer's receives match such sends in the order
+ * they were issued, and one never received is an error; everything else
+ * blocks in program order.  The first mismatch, or the
  * state in which no rank can move (a deadlock), is reported naming the
  * ranks, the group, the operation's ordinal on the group and the
  * instructions involved. */
@@ -42,10 +45,14 @@ struct mr_comm_event {
   int64_t count;                // elements (per rank, as the comm API takes)
   enum mr_dtype dtype;
   int root;                     // BROADCAST: group rank of the root
-  int batch;                    // p2p posted together: same number >= 0; -1 alone
+  int batch;                    // p2p posted together: same number >= 0; -1 alone;
+                                // MR_CEV_DETACHED: a send the program does
+                                // not wait for (matched later, in order)
   int id;                       // the instruction's id in the rank's program
   const char *what;             // what it moves, e.g. "layer 3 attention out"
 };
+
+#define MR_CEV_DETACHED (-2)
 
 struct mr_comm_trace {
   const struct mr_comm_event *ev; // borrowed, [n] in program order

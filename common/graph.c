@@ -105,6 +105,7 @@ static int prepare(const struct mr_graph *g, int kind, const int *in, int n_in,
   op->kind = kind;
   op->n_in = n_in;
   op->n_out = def->n_out;
+  op->fwd_op = -1;
   for (int i = 0; i < MR_OP_MAX_IN; i++)
     op->in[i] = -1;
   for (int i = 0; i < MR_OP_MAX_OUT; i++)

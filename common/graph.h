@@ -58,6 +58,9 @@ struct mr_op {
   int out[MR_OP_MAX_OUT];
   double attr[MR_OP_MAX_ATTR]; // meaning per op kind, see ops.h
   int backward;                // 1 for ops emitted by autodiff
+  int fwd_op;                  // backward ops: the forward op whose gradient
+                               // builder emitted it (recomputation: the op
+                               // it repeats); -1 for forward ops
   int stage;                   // pipeline stage, 0 until partitioned
 };
 

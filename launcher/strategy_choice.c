@@ -8,32 +8,29 @@
 #include "common/error.h"
 #include "launcher/cli.h"
 #include "launcher/planner/cluster.h"
+#include "launcher/spmd/lower.h"
 
-static int runnable(const struct mr_strategy_hint *h, int world) {
-  if (h->tp > 1)
-    return mr_error_set(MR_ENOTSUP, "strategy.tensor_parallel.degree = %d: this runtime "
-                        "executes data parallelism only (tensor parallelism: not yet)", h->tp);
-  if (h->pp > 1)
-    return mr_error_set(MR_ENOTSUP, "strategy.pipeline_parallel.degree = %d: this runtime "
-                        "executes data parallelism only (pipelines: not yet)", h->pp);
-  if (h->dp > 0 && h->dp != world)
-    return mr_error_set(MR_ENOTSUP, "strategy.data_parallel.degree = %d, but %d ranks run: "
-                        "data parallelism must span every rank", h->dp, world);
-  if (h->sequence_parallel == 1)
-    return mr_error_set(MR_ENOTSUP, "strategy.sequence_parallel.enable: not yet executed");
-  if (h->zero_stage > 1)
-    return mr_error_set(MR_ENOTSUP, "strategy.sharding.stage = %d: ZeRO stages 0 and 1 run "
-                        "today", h->zero_stage);
-  if (h->offload == 1)
-    return mr_error_set(MR_ENOTSUP, "strategy.sharding.offload: not yet executed");
-  if (h->recompute == 1)
-    return mr_error_set(MR_ENOTSUP, "strategy.recompute.enable: not yet executed");
-  return 0;
+/* The job with strategy s written in, parsed. */
+static int job_with(const struct mr_job *job, const struct mr_strategy *st, struct mr_job *out) {
+  char *text = mr_strategy_apply(job, st);
+  if (text == NULL)
+    return MR_ENOMEM;
+  int rc = mr_job_parse(text, job->path, "/", out);
+  free(text);
+  return rc;
+}
+
+/* Whether st lowers to rank programs whose communication fits together. */
+static int runs(const struct mr_job *job, const struct mr_strategy *st, int world) {
+  struct mr_job j;
+  MR_TRY(job_with(job, st, &j));
+  int rc = mr_lower_check_all(&j, world);
+  mr_job_close(&j);
+  return rc;
 }
 
 int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_choice *out) {
   memset(out, 0, sizeof *out);
-  MR_TRY(runnable(&job->strategy, world));
   const char *name = job->cluster != NULL ? job->cluster : "cpu-local";
   if (mr_plan_cluster_path(name, out->cluster_path, sizeof out->cluster_path) < 0)
     return mr_error_set(MR_ENOENT, "cluster \"%s\": no such spec", name);
@@ -52,48 +49,41 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
   }
   struct mr_plan_request req = {.model = &job->model, .train = &job->train,
                                 .hint = &job->strategy, .cluster = &cluster,
-                                .world = world, .top_k = 1};
+                                .world = world, .top_k = MR_PLAN_TOP_MAX};
+  if (job->strategy.auto_mode == MR_AUTO_MANUAL) {
+    MR_TRY(mr_plan_choose(&req, &out->chosen));
+    out->best = out->chosen;
+    out->have_best = 1;
+    return runs(job, &out->chosen.strategy, world);
+  }
   struct mr_plan_result *res = calloc(1, sizeof *res);
   if (res == NULL)
     return MR_ENOMEM;
-  if (job->strategy.auto_mode != MR_AUTO_MANUAL && mr_plan_search(&req, res) == 0) {
-    out->best = res->top[0];
-    out->have_best = 1;
+  int rc = mr_plan_search(&req, res);
+  if (rc < 0) {
+    free(res);
+    return rc;
   }
-  /* within what runs: every rank data-parallel, the rest as the job says */
-  struct mr_strategy_hint h = job->strategy;
-  h.dp = world;
-  h.tp = 1;
-  h.pp = 1;
-  h.sequence_parallel = 0;
-  h.offload = 0;
-  h.recompute = 0;
-  h.micro_batches = 1;
-  h.virtual_stages = 1;
-  if (h.auto_mode == MR_AUTO_FULL)
-    h.auto_mode = MR_AUTO_SEMI;
-  int rc = MR_ENOFIT;
-  struct mr_plan_candidate best;
-  int found = 0;
-  for (int stage = 0; stage <= 1; stage++) {
-    if (h.zero_stage >= 0 && h.zero_stage != stage)
-      continue;
-    struct mr_strategy_hint hs = h;
-    hs.zero_stage = stage;
-    req.hint = &hs;
-    struct mr_plan_candidate c;
-    int r = mr_plan_choose(&req, &c);
-    if (r == 0 && (!found || c.cost.step_time_s < best.cost.step_time_s)) {
-      best = c;
-      found = 1;
-    } else if (r < 0 && !found) {
-      rc = r;
+  /* the fastest candidate the runtime can lower (a model with tied
+   * embeddings cannot span pipeline stages, for one) */
+  rc = MR_ENOFIT;
+  char first_err[512] = "";
+  for (int i = 0; i < res->n_top; i++) {
+    int r = runs(job, &res->top[i].strategy, world);
+    if (r == 0) {
+      out->chosen = res->top[i];
+      out->best = res->top[0];
+      out->have_best = 1;
+      rc = 0;
+      break;
     }
+    if (first_err[0] == '\0')
+      snprintf(first_err, sizeof first_err, "%s", mr_error_message());
   }
   free(res);
-  if (!found)
-    return rc;
-  out->chosen = best;
+  if (rc < 0)
+    return mr_error_set(MR_ENOFIT, "none of the planner's best strategies can be run: %s",
+                        first_err);
   return 0;
 }
 
@@ -106,7 +96,25 @@ char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s) {
   cJSON_AddStringToObject(st, "auto_mode", "manual");
   cJSON_AddNumberToObject(cJSON_AddObjectToObject(st, "data_parallel"), "degree", s->dp);
   cJSON_AddNumberToObject(cJSON_AddObjectToObject(st, "tensor_parallel"), "degree", s->tp);
-  cJSON_AddNumberToObject(cJSON_AddObjectToObject(st, "pipeline_parallel"), "degree", s->pp);
+  cJSON *pp = cJSON_AddObjectToObject(st, "pipeline_parallel");
+  cJSON_AddNumberToObject(pp, "degree", s->pp);
+  static const char *const schedules[] = {"1f1b", "gpipe", "interleaved"};
+  if (s->pp > 1) {
+    cJSON_AddStringToObject(pp, "schedule",
+                            schedules[s->virtual_stages > 1 ? MR_PP_INTERLEAVED : s->schedule]);
+    cJSON_AddNumberToObject(pp, "virtual_stages", s->virtual_stages > 1 ? s->virtual_stages : 1);
+  }
+  cJSON_AddNumberToObject(pp, "micro_batches", s->micro_batches > 0 ? s->micro_batches : 1);
+  cJSON_AddBoolToObject(cJSON_AddObjectToObject(st, "sequence_parallel"), "enable",
+                        s->sequence_parallel && s->tp > 1);
+  cJSON *rc = cJSON_AddObjectToObject(st, "recompute");
+  cJSON_AddBoolToObject(rc, "enable", s->recompute != MR_RECOMPUTE_NONE);
+  if (s->recompute != MR_RECOMPUTE_NONE) {
+    cJSON_AddStringToObject(rc, "granularity",
+                            s->recompute == MR_RECOMPUTE_MODE_SELECTIVE ? "selective" : "full");
+    cJSON_AddNumberToObject(rc, "checkpoint_every_n_layers",
+                            s->recompute_every_n > 0 ? s->recompute_every_n : 1);
+  }
   cJSON *sh = cJSON_AddObjectToObject(st, "sharding");
   cJSON_AddNumberToObject(sh, "stage", s->zero_stage);
   cJSON_AddBoolToObject(sh, "offload", s->offload);
@@ -123,10 +131,15 @@ char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s) {
 
 static void describe(const struct mr_plan_candidate *c, char *buf, size_t n) {
   const struct mr_strategy *s = &c->strategy;
-  snprintf(buf, n, "dp%d x tp%d x pp%d, ZeRO-%d, micro-batch %d x %d, %s; predicted %.3f s/step, "
-           "%.0f tokens/s, %.1f%% MFU, %.0f MiB per rank",
-           s->dp, s->tp, s->pp, s->zero_stage, s->micro_batch_size,
-           s->grad_accum_steps > 0 ? s->grad_accum_steps : 1,
+  static const char *const rcs[] = {"", ", selective recompute", ", full recompute"};
+  snprintf(buf, n, "dp%d x tp%d x pp%d%s%s, ZeRO-%d%s%s, micro-batch %d x %d, %s; predicted "
+           "%.3f s/step, %.0f tokens/s, %.1f%% MFU, %.0f MiB per rank",
+           s->dp, s->tp, s->pp,
+           s->pp > 1 ? (s->virtual_stages > 1 ? " (interleaved)"
+                        : s->schedule == MR_PP_GPIPE ? " (gpipe)" : " (1f1b)") : "",
+           s->sequence_parallel && s->tp > 1 ? ", sequence parallel" : "", s->zero_stage,
+           s->offload ? " offload" : "", rcs[s->recompute], s->micro_batch_size,
+           s->micro_batches * (s->grad_accum_steps > 0 ? s->grad_accum_steps : 1),
            s->amp_dtype == MR_AMP_BF16 ? "bf16" : s->amp_dtype == MR_AMP_FP16 ? "fp16" : "fp32",
            c->cost.step_time_s, c->cost.tokens_per_s, 100 * c->cost.mfu,
            (double)c->cost.mem.total / 1048576.0);
@@ -136,12 +149,9 @@ void mr_strategy_print(const struct mr_strategy_choice *c, FILE *f) {
   char line[512];
   describe(&c->chosen, line, sizeof line);
   fprintf(f, "meshrun: strategy: %s\n", line);
-  if (c->have_best && (c->best.strategy.tp != c->chosen.strategy.tp ||
-                       c->best.strategy.pp != c->chosen.strategy.pp ||
-                       c->best.strategy.zero_stage != c->chosen.strategy.zero_stage ||
-                       c->best.strategy.sequence_parallel || c->best.strategy.recompute)) {
+  if (c->have_best && memcmp(&c->best.strategy, &c->chosen.strategy, sizeof c->best.strategy)) {
     describe(&c->best, line, sizeof line);
-    fprintf(f, "meshrun: the planner's unconstrained best: %s (not all of it runs yet)\n", line);
+    fprintf(f, "meshrun: the planner's best, which this job cannot run: %s\n", line);
   }
   fprintf(f, "meshrun: cluster spec: %s\n", c->cluster_path);
 }

@@ -1,14 +1,11 @@
 /* strategy_choice.h - the strategy `meshrun launch` runs a job with.
  *
- * The planner (launcher/planner) searches everything the job leaves open.
- * The worker runtime executes a subset of what the planner models: data
- * parallelism over every rank, ZeRO stage 0 or 1 and gradient
- * accumulation, in fp32/bf16/fp16.  So the launcher searches twice: once
- * unconstrained, to report what the planner would pick, and once within
- * what runs, to pick the strategy it sends.  A job that fixes something
- * the runtime cannot execute (tensor or pipeline parallelism, sequence
- * parallelism, ZeRO-2/3, recompute, offload) is refused with a message
- * naming the field. */
+ * The planner (launcher/planner) searches everything the job leaves open
+ * (manual mode: the job's strategy, evaluated).  The launcher takes the
+ * fastest candidate that lowers to rank programs whose communication fits
+ * together (launcher/spmd/lower.h, checked for every rank before any
+ * worker starts): a model with tied embeddings, say, cannot span pipeline
+ * stages. */
 #ifndef MR_STRATEGY_CHOICE_H
 #define MR_STRATEGY_CHOICE_H
 
@@ -24,8 +21,10 @@ struct mr_strategy_choice {
   char cluster_path[4096];
 };
 
-/* Chooses for job on world ranks.  Returns 0, MR_ENOTSUP (a fixed field the
- * runtime cannot run; message names it), MR_ENOFIT, or a cluster error. */
+/* Chooses for job on world ranks.  Returns 0, MR_ENOFIT, MR_EINVAL /
+ * MR_ENOTSUP / MR_EPLAN (the job's own strategy cannot be lowered or its
+ * programs do not fit together; the message names why), or a cluster
+ * error. */
 int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_choice *out);
 
 /* Writes the chosen strategy into the job's canonical text (the plan body

@@ -19,6 +19,7 @@
 #include "worker/logits.h"
 #include "worker/sample.h"
 #include "worker/comm/comm.h"
+#include "worker/dist_train.h"
 #include "worker/selfcheck.h"
 #include "worker/train.h"
 
@@ -87,16 +88,15 @@ static int run_training(struct mr_client *c) {
     log_dir = ".";
   char weights[4096];
   snprintf(weights, sizeof weights, "%s/model.safetensors", log_dir);
-  /* what this runtime executes today: data parallelism over every rank */
+  /* checkpointing jobs still run on the data-parallel trainer */
+  int legacy = job.checkpoint.dir != NULL;
   const struct mr_strategy_hint *h = &job.strategy;
-  if ((h->tp > 1) || (h->pp > 1) || (h->dp > 0 && h->dp != c->world_size) ||
-      h->zero_stage > 1 || h->sequence_parallel == 1) {
+  if (legacy && ((h->tp > 1) || (h->pp > 1) || (h->dp > 0 && h->dp != c->world_size) ||
+                 h->zero_stage > 1 || h->sequence_parallel == 1 || h->recompute == 1)) {
     mr_job_close(&job);
     return mr_error_set(MR_ENOTSUP,
-                        "this worker runs data parallelism over all %d ranks, with ZeRO "
-                        "stage 0 or 1 and gradient accumulation (no tensor, pipeline or "
-                        "sequence parallelism, no ZeRO-2/3 yet)",
-                        c->world_size);
+                        "checkpoints are written for data parallelism over all %d ranks "
+                        "with ZeRO stage 0 or 1 only", c->world_size);
   }
   struct mr_comm *comm = NULL;
   struct mr_comm_group *world = NULL;
@@ -107,7 +107,7 @@ static int run_training(struct mr_client *c) {
     int *ranks = calloc((size_t)c->world_size, sizeof *ranks);
     for (int i = 0; rc == 0 && ranks != NULL && i < c->world_size; i++)
       ranks[i] = i;
-    if (rc == 0)
+    if (rc == 0 && legacy)
       rc = ranks != NULL ? comm->ops->group_new(comm, "data", ranks, c->world_size, &world)
                          : MR_ENOMEM;
     free(ranks);
@@ -129,13 +129,13 @@ static int run_training(struct mr_client *c) {
       .threads = (int)mr_tunable_int(MR_TUNABLE_THREADS),
       .log_dir = log_dir,
       .metrics_path = NULL, /* the coordinator writes the job's metrics file */
-      .weights_out = c->rank == 0 ? weights : NULL,
+      .weights_out = c->rank == 0 || !legacy ? weights : NULL,
       .reporter = &rep,
       .dp_group = world,
       .resume_dir = plan->resume_dir != NULL && plan->resume_dir[0] != '\0' ? plan->resume_dir
                                                                              : NULL,
   };
-  rc = mr_train_run(&job, &env);
+  rc = legacy ? mr_train_run(&job, &env) : mr_dist_train_run(&job, &env, comm);
   mr_client_set_blocked_probe(c, NULL, NULL);
   if (comm != NULL)
     comm->ops->close(comm);

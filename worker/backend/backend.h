@@ -74,7 +74,8 @@ struct mr_backend_ops {
    * compute stream, all on device memory (float32):
    * registry: which op registry kernels run here (enum mr_backend_kind). */
   int registry;
-  /* y[i] = a * y[i] + b * x[i] for n elements (x may be y). */
+  /* y[i] = a * y[i] + b * x[i] for n elements (x may be y); a == 0: y is
+   * only written (whatever it held, NaN included). */
   int (*axpby)(struct mr_backend *be, float *y, const float *x, float a, float b,
                size_t n);
   /* *out = sum of x[i]^2 in double over fixed 4096-element chunks summed in

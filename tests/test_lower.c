@@ -1,0 +1,175 @@
+/* test_lower.c - lowering the tiny LLaMA to rank programs under every
+ * strategy the runtime executes: every rank's communication must fit
+ * together (the static check), buffers must be planned for every tensor
+ * read, the schedule must run each (chunk, micro-batch) forward before its
+ * backward, and the memory plan must follow the strategy (ZeRO-3 keeps a
+ * dp-th of the parameter and optimizer bytes, recomputation keeps fewer
+ * activations, a 1F1B stage keeps at most pp - stage micro-batches). */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check_main.h"
+#include "common/error.h"
+#include "common/job.h"
+#include "launcher/spmd/lower.h"
+
+static void job_for(struct mr_job *job, const char *strategy, int layers, int tie) {
+  char text[2048];
+  snprintf(text, sizeof text,
+           "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 32,"
+           " \"intermediate_size\": 56, \"num_hidden_layers\": %d, \"num_attention_heads\": 8,"
+           " \"num_key_value_heads\": 4, \"max_position_embeddings\": 64,"
+           " \"tie_word_embeddings\": %s},"
+           " \"data\": {\"train\": \"train.bin\"},"
+           " \"train\": {\"steps\": 4, \"global_batch\": 16, \"seq_len\": 16},"
+           " \"strategy\": {\"auto_mode\": \"manual\"%s%s}}",
+           layers, tie ? "true" : "false", strategy[0] ? ", " : "", strategy);
+  ck_assert_msg(mr_job_parse(text, "job.json", "/tmp", job) == 0, "%s", mr_error_message());
+}
+
+static void check_layout(const char *strategy, int world) {
+  struct mr_job job;
+  job_for(&job, strategy, 4, 0);
+  int rc = mr_lower_check_all(&job, world);
+  ck_assert_msg(rc == 0, "%s on %d ranks: %s", strategy, world, mr_error_message());
+  /* every (chunk, micro) forward runs before its backward, once each */
+  struct mr_lowered L;
+  ck_assert_int_eq(mr_lower_graph(&job, world, &L), 0);
+  for (int r = 0; r < world; r++) {
+    struct mr_rank_program p;
+    ck_assert_msg(mr_rank_program_build(&L, r, &p) == 0, "%s", mr_error_message());
+    int seen[64][64] = {{0}};
+    for (int i = 0; i < p.n_step; i++) {
+      const struct mr_ins *in = &p.step[i];
+      if (in->kind != MR_INS_KERNEL)
+        continue;
+      const struct mr_pass *ps = &p.passes[in->pass];
+      int *s = &seen[ps->chunk][in->micro];
+      if (!ps->backward)
+        *s |= 1;
+      else
+        ck_assert_msg(*s & 1, "%s rank %d: backward of chunk %d micro %d before forward",
+                      strategy, r, ps->chunk, in->micro);
+    }
+    for (int c = p.pipe; c < L.n_chunks; c += L.lay.pp)
+      for (int m = 0; m < L.lay.n_micro; m++)
+        ck_assert_msg(seen[c][m] == 1, "%s rank %d: chunk %d micro %d not run", strategy, r,
+                      c, m);
+    mr_rank_program_close(&p);
+  }
+  mr_lowered_close(&L);
+  mr_job_close(&job);
+}
+
+START_TEST(test_lower_layouts_check) {
+  static const struct {
+    const char *s;
+    int world;
+  } cases[] = {
+      {"", 1},
+      {"\"data_parallel\": {\"degree\": 8}", 8},
+      {"\"tensor_parallel\": {\"degree\": 4}, \"data_parallel\": {\"degree\": 2}", 8},
+      {"\"pipeline_parallel\": {\"degree\": 4, \"micro_batches\": 4}, "
+       "\"data_parallel\": {\"degree\": 2}", 8},
+      {"\"pipeline_parallel\": {\"degree\": 2, \"schedule\": \"interleaved\", "
+       "\"virtual_stages\": 2, \"micro_batches\": 4}", 2},
+      {"\"pipeline_parallel\": {\"degree\": 2, \"schedule\": \"gpipe\", \"micro_batches\": 4}",
+       2},
+      {"\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
+       "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}, "
+       "\"sequence_parallel\": {\"enable\": true}", 8},
+      {"\"data_parallel\": {\"degree\": 4}, \"sharding\": {\"stage\": 1}", 4},
+      {"\"data_parallel\": {\"degree\": 4}, \"sharding\": {\"stage\": 2}", 4},
+      {"\"data_parallel\": {\"degree\": 4}, \"sharding\": {\"stage\": 3}", 4},
+      {"\"data_parallel\": {\"degree\": 2}, \"recompute\": {\"enable\": true}", 2},
+      {"\"tensor_parallel\": {\"degree\": 2}, \"recompute\": {\"enable\": true, "
+       "\"granularity\": \"selective\"}", 2},
+      {"\"gradient_accumulation_steps\": 4", 1},
+      {"\"tensor_parallel\": {\"degree\": 2}, \"data_parallel\": {\"degree\": 2}, "
+       "\"sharding\": {\"stage\": 3}", 4},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    check_layout(cases[i].s, cases[i].world);
+}
+END_TEST
+
+/* Parameter + optimizer bytes of rank 0 under a strategy. */
+static int64_t model_state(const char *strategy, int world, int64_t *stash) {
+  struct mr_job job;
+  job_for(&job, strategy, 4, 0);
+  struct mr_lowered L;
+  ck_assert_msg(mr_lower_graph(&job, world, &L) == 0, "%s", mr_error_message());
+  struct mr_rank_program p;
+  ck_assert_int_eq(mr_rank_program_build(&L, 0, &p), 0);
+  int64_t b = p.param_bytes + p.optim_bytes;
+  if (stash) {
+    *stash = 0;
+    for (int c = 0; c < L.n_chunks; c++)
+      *stash += p.stash_bytes[c] * p.stash_slots[c];
+  }
+  mr_rank_program_close(&p);
+  mr_lowered_close(&L);
+  mr_job_close(&job);
+  return b;
+}
+
+START_TEST(test_lower_zero3_quarter_of_dp8_state) {
+  int64_t dp8 = model_state("\"data_parallel\": {\"degree\": 8}", 8, NULL);
+  int64_t z3 = model_state("\"data_parallel\": {\"degree\": 8}, \"sharding\": {\"stage\": 3}", 8,
+                           NULL);
+  ck_assert_msg(4 * z3 <= dp8, "ZeRO-3 %lld vs dp8 %lld", (long long)z3, (long long)dp8);
+}
+END_TEST
+
+START_TEST(test_lower_recompute_keeps_fewer_activations) {
+  int64_t none, full, sel;
+  model_state("", 1, &none);
+  model_state("\"recompute\": {\"enable\": true}", 1, &full);
+  model_state("\"recompute\": {\"enable\": true, \"granularity\": \"selective\"}", 1, &sel);
+  ck_assert_msg(full < sel && sel < none, "kept: none %lld, selective %lld, full %lld",
+                (long long)none, (long long)sel, (long long)full);
+}
+END_TEST
+
+START_TEST(test_lower_1f1b_in_flight) {
+  struct mr_job job;
+  job_for(&job, "\"pipeline_parallel\": {\"degree\": 4, \"micro_batches\": 8}", 4, 0);
+  struct mr_lowered L;
+  ck_assert_int_eq(mr_lower_graph(&job, 4, &L), 0);
+  for (int r = 0; r < 4; r++) {
+    struct mr_rank_program p;
+    ck_assert_int_eq(mr_rank_program_build(&L, r, &p), 0);
+    ck_assert_int_eq(p.stash_slots[r], 4 - r);
+    mr_rank_program_close(&p);
+  }
+  mr_lowered_close(&L);
+  mr_job_close(&job);
+}
+END_TEST
+
+START_TEST(test_lower_tied_embeddings_across_stages_refused) {
+  struct mr_job job;
+  job_for(&job, "\"pipeline_parallel\": {\"degree\": 2}", 4, 1);
+  struct mr_lowered L;
+  ck_assert_int_eq(mr_lower_graph(&job, 2, &L), MR_ENOTSUP);
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "model.embed_tokens.weight"));
+  mr_job_close(&job);
+}
+END_TEST
+
+static Suite *lower_suite(void) {
+  Suite *s = suite_create("lower");
+  TCase *tc = tcase_create("lower");
+  tcase_set_timeout(tc, 120);
+  tcase_add_test(tc, test_lower_layouts_check);
+  tcase_add_test(tc, test_lower_zero3_quarter_of_dp8_state);
+  tcase_add_test(tc, test_lower_recompute_keeps_fewer_activations);
+  tcase_add_test(tc, test_lower_1f1b_in_flight);
+  tcase_add_test(tc, test_lower_tied_embeddings_across_stages_refused);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+MR_TEST_MAIN(lower_suite)

@@ -1,0 +1,105 @@
+/* dist_train.c - one rank's training loop on the runtime. */
+#include "worker/dist_train.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/tunable.h"
+#include "launcher/spmd/lower.h"
+#include "worker/backend/cpu/cpu_backend.h"
+#include "worker/exec_extra.h"
+#include "worker/runtime.h"
+
+static void write_metrics(FILE *f, const struct mr_step_report *r) {
+  /* JSON has no infinity: a norm that overflowed is written as null */
+  fprintf(f, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,", (long long)r->step, r->loss, r->lr);
+  if (isfinite(r->grad_norm))
+    fprintf(f, "\"grad_norm\":%.6g,", r->grad_norm);
+  else
+    fprintf(f, "\"grad_norm\":null,");
+  fprintf(f, "\"tokens_per_s\":%.1f,\"loss_scale\":%g,\"step_time_s\":%.4f,"
+          "\"comm_wait_s\":%.4f,\"peak_memory_bytes\":%llu,\"skipped\":%d",
+          r->tokens_per_s, r->loss_scale, r->step_time_s, r->comm_wait_s,
+          (unsigned long long)r->peak_memory_bytes, r->skipped);
+  if (!isnan(r->val_loss))
+    fprintf(f, ",\"val_loss\":%.6f", r->val_loss);
+  fputs("}\n", f);
+  fflush(f);
+}
+
+int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
+                      struct mr_comm *comm) {
+  struct mr_lowered L;
+  MR_TRY(mr_lower_graph(job, env->world_size, &L));
+  int threads = env->threads > 0 ? env->threads : 1;
+  enum mr_amp_mode amp = job->strategy.amp_dtype == MR_AMP_BF16   ? MR_AMP_ROUND_BF16
+                         : job->strategy.amp_dtype == MR_AMP_FP16 ? MR_AMP_ROUND_F16
+                                                                   : MR_AMP_NONE;
+  struct mr_cpu_ctx cpu;
+  struct mr_backend *be = NULL;
+  struct mr_runtime *rt = NULL;
+  FILE *mf = NULL;
+  int rc = mr_cpu_ctx_init(&cpu, threads, amp);
+  if (rc < 0) {
+    mr_lowered_close(&L);
+    return rc;
+  }
+  mr_cpu_kernels_register();
+  MR_TRY_GOTO(rc, mr_cpu_backend_wrap(cpu.pool, &cpu, &be), out);
+  MR_TRY_GOTO(rc, mr_runtime_new(job, &L, env->rank, be, comm, &rt), out);
+  mr_runtime_set_reporter(rt, env->reporter);
+  if (env->metrics_path && !(mf = fopen(env->metrics_path, "a"))) {
+    rc = mr_error_set(mr_from_errno(errno), "%s: cannot open for metrics: %s",
+                      env->metrics_path, strerror(errno));
+    goto out;
+  }
+  int64_t first = 1;
+  if (env->rank == 0) {
+    char lay[256];
+    mr_layout_format(&L.lay, lay, sizeof lay);
+    MR_INFO("train", "%lld parameters; %s; planned peak %.1f MiB on rank 0",
+            (long long)mr_model_param_count(&job->model), lay,
+            (double)mr_rank_program_peak_bytes(mr_runtime_program(rt)) / 1048576.0);
+  }
+  int stall_rank = -1;
+  long long stall_step = -1;
+  if (sscanf(mr_tunable_str(MR_TUNABLE_TEST_STALL), "%d:%lld", &stall_rank, &stall_step) != 2)
+    stall_rank = -1;
+  for (int64_t s = first; s <= job->train.steps; s++) {
+    /* test hook: this rank stops working (its heartbeats go on): a hang */
+    while (stall_rank == env->rank && stall_step == s &&
+           !env->reporter->stop_requested(env->reporter->ctx))
+      usleep(10000);
+    if (env->reporter->stop_requested && env->reporter->stop_requested(env->reporter->ctx))
+      break;
+    struct mr_step_report r;
+    MR_TRY_GOTO(rc, mr_runtime_step(rt, s, &r), out);
+    int64_t ev = job->train.eval_interval_steps;
+    if (ev > 0 && (s % ev == 0 || s == job->train.steps))
+      MR_TRY_GOTO(rc, mr_runtime_eval(rt, &r.val_loss), out);
+    if (mf)
+      write_metrics(mf, &r);
+    if (env->reporter->step)
+      env->reporter->step(env->reporter->ctx, &r);
+    int64_t li = job->train.log_interval_steps > 0 ? job->train.log_interval_steps : 1;
+    if (s % li == 0 && env->world_size <= 1 && getenv("MESHRUN_LAUNCHER_PID") == NULL)
+      MR_INFO("train", "step %lld loss %.4f lr %.3g norm %.3g %.0f tok/s%s", (long long)s,
+              r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.skipped ? " (skipped)" : "");
+  }
+  if (env->weights_out)
+    MR_TRY_GOTO(rc, mr_runtime_save_weights(rt, env->weights_out), out);
+out:
+  if (mf)
+    fclose(mf);
+  mr_runtime_free(rt);
+  mr_backend_free(be);
+  mr_cpu_ctx_close(&cpu);
+  mr_lowered_close(&L);
+  return rc;
+}

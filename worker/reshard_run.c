@@ -1,0 +1,219 @@
+/* reshard_run.c - reshard steps on local shards. */
+#include "worker/reshard_run.h"
+
+#include <string.h>
+#include <time.h>
+
+#include "common/error.h"
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int mr_box_copy(struct mr_backend *be, int ndim, const int64_t *len, void *dst,
+                const int64_t *dshape, const int64_t *doff, const void *src,
+                const int64_t *sshape, const int64_t *soff, size_t es) {
+  for (int d = 0; d < ndim; d++)
+    if (len[d] == 0)
+      return 0;
+  if (ndim == 1)
+    return be->ops->copy2d(be, (char *)dst + (size_t)doff[0] * es, 0,
+                           (const char *)src + (size_t)soff[0] * es, 0, (size_t)len[0] * es, 1);
+  /* strides in elements */
+  int64_t ds[MR_TENSOR_MAX_DIMS], ss[MR_TENSOR_MAX_DIMS];
+  ds[ndim - 1] = ss[ndim - 1] = 1;
+  for (int d = ndim - 2; d >= 0; d--) {
+    ds[d] = ds[d + 1] * dshape[d + 1];
+    ss[d] = ss[d + 1] * sshape[d + 1];
+  }
+  /* the last two dims are one 2-D copy; loop over the others */
+  int64_t outer = 1;
+  for (int d = 0; d < ndim - 2; d++)
+    outer *= len[d];
+  for (int64_t o = 0; o < outer; o++) {
+    int64_t rem = o, dp = 0, sp = 0;
+    for (int d = ndim - 3; d >= 0; d--) {
+      int64_t i = rem % len[d];
+      rem /= len[d];
+      dp += (doff[d] + i) * ds[d];
+      sp += (soff[d] + i) * ss[d];
+    }
+    dp += doff[ndim - 2] * ds[ndim - 2] + doff[ndim - 1];
+    sp += soff[ndim - 2] * ss[ndim - 2] + soff[ndim - 1];
+    MR_TRY(be->ops->copy2d(be, (char *)dst + (size_t)dp * es, (size_t)ds[ndim - 2] * es,
+                           (const char *)src + (size_t)sp * es, (size_t)ss[ndim - 2] * es,
+                           (size_t)len[ndim - 1] * es, (size_t)len[ndim - 2]));
+  }
+  return 0;
+}
+
+static int64_t numel(int ndim, const int64_t *len) {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; d++)
+    n *= len[d];
+  return n;
+}
+
+static enum mr_red_op red(enum mr_reduce_op op) {
+  return op == MR_REDUCE_AVG ? MR_RED_AVG : op == MR_REDUCE_MAX ? MR_RED_MAX : MR_RED_SUM;
+}
+
+static int wait_req(struct mr_reshard_ctx *x, struct mr_comm_req *req) {
+  double t0 = now();
+  int rc = mr_comm_wait(req);
+  x->wait_s += now() - t0;
+  return rc;
+}
+
+/* One step: cur (shape len under before) -> dst (shape after). */
+static int step(struct mr_reshard_ctx *x, const struct mr_reshard_step *s,
+                const struct mr_dist_attr *before, int ndim, const int64_t *shape,
+                enum mr_dtype dt, const void *cur, void *dst) {
+  struct mr_backend *be = x->be;
+  size_t es = mr_dtype_size(dt);
+  int64_t off[MR_TENSOR_MAX_DIMS], len[MR_TENSOR_MAX_DIMS], aoff[MR_TENSOR_MAX_DIMS], alen[MR_TENSOR_MAX_DIMS];
+  mr_dist_local(x->mesh, before, ndim, shape, x->coord, off, len);
+  mr_dist_local(x->mesh, &s->after, ndim, shape, x->coord, aoff, alen);
+  int64_t zero[MR_TENSOR_MAX_DIMS] = {0};
+  int k = s->group_size, c = s->mesh_dim >= 0 ? x->coord[s->mesh_dim] : 0;
+  struct mr_comm_group *grp = s->mesh_dim >= 0 ? x->group[s->mesh_dim] : NULL;
+  size_t n_in = (size_t)numel(ndim, len), n_out = (size_t)numel(ndim, alen);
+  struct mr_comm_req *req;
+  if (grp == NULL && (s->kind == MR_RS_ALL_GATHER || s->kind == MR_RS_ALL_REDUCE ||
+                      s->kind == MR_RS_REDUCE_SCATTER || s->kind == MR_RS_ALL_TO_ALL))
+    return be->ops->copy2d(be, dst, 0, cur, 0, n_in * es, 1); /* a group of one */
+  switch (s->kind) {
+  case MR_RS_SLICE: {
+    int64_t so[MR_TENSOR_MAX_DIMS] = {0};
+    so[s->tdim] = mr_split_off(len[s->tdim], k, c);
+    return mr_box_copy(be, ndim, alen, dst, alen, zero, cur, len, so, es);
+  }
+  case MR_RS_ALL_GATHER: {
+    size_t counts[64];
+    int64_t lens[64];
+    if (k > 64)
+      return mr_error_set(MR_ENOTSUP, "reshard: AllGather over more than 64 ranks");
+    size_t total = 0;
+    for (int i = 0; i < k; i++) {
+      int c2[MR_MESH_MAX_DIMS];
+      memcpy(c2, x->coord, sizeof c2);
+      c2[s->mesh_dim] = i;
+      int64_t o2[MR_TENSOR_MAX_DIMS], l2[MR_TENSOR_MAX_DIMS];
+      mr_dist_local(x->mesh, before, ndim, shape, c2, o2, l2);
+      lens[i] = l2[s->tdim];
+      counts[i] = (size_t)numel(ndim, l2);
+      total += counts[i];
+    }
+    void *tmp = x->scratch[2];
+    MR_TRY(mr_comm_all_gather(grp, cur, tmp, n_in, counts, dt, &req));
+    MR_TRY(wait_req(x, req));
+    size_t at = 0;
+    int64_t doff[MR_TENSOR_MAX_DIMS] = {0};
+    for (int i = 0; i < k; i++) {
+      int64_t plen[MR_TENSOR_MAX_DIMS];
+      memcpy(plen, len, sizeof plen);
+      plen[s->tdim] = lens[i];
+      MR_TRY(mr_box_copy(be, ndim, plen, dst, alen, doff, (char *)tmp + at * es, plen, zero, es));
+      doff[s->tdim] += lens[i];
+      at += counts[i];
+    }
+    return 0;
+  }
+  case MR_RS_ALL_REDUCE:
+    MR_TRY(mr_comm_all_reduce(grp, cur, dst, n_in, dt, red(s->op), &req));
+    return wait_req(x, req);
+  case MR_RS_REDUCE_SCATTER: {
+    int64_t piece = n_in / (size_t)(len[s->tdim] ? len[s->tdim] : 1) *
+                    mr_split_len(len[s->tdim], k, 0);
+    char *pack = x->scratch[2];
+    int64_t so[MR_TENSOR_MAX_DIMS] = {0};
+    for (int i = 0; i < k; i++) {
+      int64_t plen[MR_TENSOR_MAX_DIMS];
+      memcpy(plen, len, sizeof plen);
+      plen[s->tdim] = mr_split_len(len[s->tdim], k, i);
+      so[s->tdim] = mr_split_off(len[s->tdim], k, i);
+      int64_t used = numel(ndim, plen);
+      MR_TRY(mr_box_copy(be, ndim, plen, pack + (size_t)(i * piece) * es, plen, zero, cur, len,
+                         so, es));
+      if (used < piece)
+        MR_TRY(be->ops->memset(be, NULL, pack + (size_t)(i * piece + used) * es, 0,
+                               (size_t)(piece - used) * es));
+    }
+    char *recv = pack + (size_t)(k * piece) * es;
+    MR_TRY(mr_comm_reduce_scatter(grp, pack, recv, (size_t)piece, dt, red(s->op), &req));
+    MR_TRY(wait_req(x, req));
+    return be->ops->copy2d(be, dst, 0, recv, 0, n_out * es, 1);
+  }
+  case MR_RS_ALL_TO_ALL: {
+    /* split tdim2 into k pieces (block j to rank j), gather tdim */
+    int c0[MR_MESH_MAX_DIMS];
+    memcpy(c0, x->coord, sizeof c0);
+    c0[s->mesh_dim] = 0;
+    int64_t o0[MR_TENSOR_MAX_DIMS], l0[MR_TENSOR_MAX_DIMS];
+    mr_dist_local(x->mesh, before, ndim, shape, c0, o0, l0);
+    int64_t blen[MR_TENSOR_MAX_DIMS];
+    memcpy(blen, len, sizeof blen);
+    blen[s->tdim2] = mr_split_len(len[s->tdim2], k, 0);
+    blen[s->tdim] = l0[s->tdim];
+    int64_t block = numel(ndim, blen);
+    char *pack = x->scratch[2], *recv = pack + (size_t)(k * block) * es;
+    int64_t so[MR_TENSOR_MAX_DIMS] = {0};
+    for (int j = 0; j < k; j++) {
+      int64_t plen[MR_TENSOR_MAX_DIMS];
+      memcpy(plen, len, sizeof plen);
+      plen[s->tdim2] = mr_split_len(len[s->tdim2], k, j);
+      so[s->tdim2] = mr_split_off(len[s->tdim2], k, j);
+      MR_TRY(mr_box_copy(be, ndim, plen, pack + (size_t)(j * block) * es, plen, zero, cur, len,
+                         so, es));
+    }
+    MR_TRY(mr_comm_all_to_all(grp, pack, recv, (size_t)block, dt, &req));
+    MR_TRY(wait_req(x, req));
+    int64_t doff[MR_TENSOR_MAX_DIMS] = {0};
+    for (int i = 0; i < k; i++) {
+      int c2[MR_MESH_MAX_DIMS];
+      memcpy(c2, x->coord, sizeof c2);
+      c2[s->mesh_dim] = i;
+      int64_t o2[MR_TENSOR_MAX_DIMS], l2[MR_TENSOR_MAX_DIMS];
+      mr_dist_local(x->mesh, before, ndim, shape, c2, o2, l2);
+      int64_t plen[MR_TENSOR_MAX_DIMS];
+      memcpy(plen, alen, sizeof plen);
+      plen[s->tdim] = l2[s->tdim];
+      MR_TRY(mr_box_copy(be, ndim, plen, dst, alen, doff, recv + (size_t)(i * block) * es, plen,
+                         zero, es));
+      doff[s->tdim] += l2[s->tdim];
+    }
+    return 0;
+  }
+  case MR_RS_ZERO_NONROOT:
+    if (c != 0)
+      return be->ops->memset(be, NULL, dst, 0, n_out * es);
+    return be->ops->copy2d(be, dst, 0, cur, 0, n_out * es, 1);
+  case MR_RS_SCALE:
+    return be->ops->axpby(be, dst, cur, 0.0f, (float)s->factor, n_out);
+  default:
+    return mr_error_set(MR_ENOTSUP, "reshard: step %s is not run within a stage",
+                        mr_reshard_kind_name(s->kind));
+  }
+}
+
+int mr_reshard_run(struct mr_reshard_ctx *x, const struct mr_reshard_plan *plan,
+                   const struct mr_dist_attr *src, int ndim, const int64_t *shape,
+                   enum mr_dtype dt, const void *in, void *out) {
+  if (plan->n_steps == 0) {
+    int64_t off[MR_TENSOR_MAX_DIMS], len[MR_TENSOR_MAX_DIMS];
+    mr_dist_local(x->mesh, src, ndim, shape, x->coord, off, len);
+    return x->be->ops->copy2d(x->be, out, 0, in, 0, (size_t)numel(ndim, len) * mr_dtype_size(dt),
+                              1);
+  }
+  const void *cur = in;
+  struct mr_dist_attr before = *src;
+  for (int i = 0; i < plan->n_steps; i++) {
+    void *dst = i == plan->n_steps - 1 ? out : x->scratch[i % 2];
+    MR_TRY(step(x, &plan->steps[i], &before, ndim, shape, dt, cur, dst));
+    before = plan->steps[i].after;
+    cur = dst;
+  }
+  return 0;
+}

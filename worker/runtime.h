@@ -1,0 +1,89 @@
+/* runtime.h - runs a rank program (launcher/spmd/lower.h): the training
+ * steps of one rank of a distributed job, on a device backend and a comm
+ * backend.
+ *
+ * The runtime allocates every region the program planned (parameters,
+ * gradient accumulators, optimizer state, the activations kept per
+ * micro-batch slot, the arena, send buffers, reshard staging) once, then
+ * walks the step's instructions: kernels through the op registry on local
+ * shards, reshards as collectives on the data or model group, pipeline
+ * boundaries as sends (started and left in flight) and receives (waited),
+ * gradient synchronisation started as each gradient is final.  Before
+ * every wait it tells its reporter which instruction it waits on, so a hang
+ * names the rank, the instruction and the operation.
+ *
+ * Parameters start from the counter-based initializer (the same global
+ * values on any strategy: each rank draws exactly its shard's elements) or
+ * a safetensors file / Hugging Face folder, read slice by slice. */
+#ifndef MR_RUNTIME_H
+#define MR_RUNTIME_H
+
+#include <stdint.h>
+
+#include "common/job.h"
+#include "launcher/spmd/lower.h"
+#include "worker/backend/backend.h"
+#include "worker/comm/comm.h"
+#include "worker/reporter.h"
+
+struct mr_runtime;
+
+/* Builds rank `rank`'s program from L (borrowed, must outlive the runtime),
+ * creates its groups on comm (collective: every rank of the job calls it;
+ * comm may be NULL for one rank), allocates its regions on be (borrowed),
+ * initializes or loads the parameters and opens the token files.  Returns
+ * 0 or an error with a message. */
+int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int rank,
+                   struct mr_backend *be, struct mr_comm *comm, struct mr_runtime **out);
+
+void mr_runtime_free(struct mr_runtime *rt);
+
+/* Optional: where to report the instruction being waited on. */
+void mr_runtime_set_reporter(struct mr_runtime *rt, const struct mr_reporter *rep);
+
+/* Runs optimizer step `step` (1-based); fills r (loss: the step's mean
+ * over every micro-batch, on every rank).  Returns 0 or an error. */
+int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *r);
+
+/* Mean loss over train.eval_batches batches of the validation data (the
+ * training data when there is none), on every rank. */
+int mr_runtime_eval(struct mr_runtime *rt, double *loss);
+
+/* Reduces flag (0/1) to its maximum over every rank (checkpoint agreement). */
+int mr_runtime_agree(struct mr_runtime *rt, int flag, int *any);
+
+/* The program (borrowed). */
+const struct mr_rank_program *mr_runtime_program(const struct mr_runtime *rt);
+
+/* Planned peak bytes of this rank (mr_rank_program_peak_bytes) and the
+ * bytes actually allocated through the backend (offloaded state apart). */
+int64_t mr_runtime_allocated_bytes(const struct mr_runtime *rt);
+
+/* A parameter's state for checkpoints: the local tensor (under ZeRO-3 only
+ * the rank's block is kept: `param` is then its block and param_block 1),
+ * the AdamW moments of elements [begin, begin + len) of the flattened local
+ * tensor, and where the local tensor sits in the global one. */
+struct mr_rt_param {
+  const char *name;
+  int ndim;
+  const int64_t *shape;          // global
+  const int64_t *goff, *glen;    // the local tensor within it
+  int64_t numel;                 // local
+  float *param;                  // host-visible when the backend is the CPU
+  int param_block;
+  float *m, *v;
+  int64_t begin, len;
+};
+
+/* Fills *out (owned by the runtime) and returns the count. */
+int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out);
+
+/* The loss scaler (fp16), for checkpoints.  Borrowed. */
+struct mr_loss_scaler *mr_runtime_scaler(struct mr_runtime *rt);
+
+/* Writes the full weights (safetensors, HF names) to path; collective over
+ * every rank (each parameter is gathered to rank 0, which writes).
+ * Returns 0 or an error. */
+int mr_runtime_save_weights(struct mr_runtime *rt, const char *path);
+
+#endif
