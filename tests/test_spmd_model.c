@@ -325,6 +325,27 @@ START_TEST(test_llama_vocab_parallel_loss_tp4_uneven_vocabulary) {
 }
 END_TEST
 
+/* With sequence parallelism too: the targets come split by rows over
+ * model, so the finishing step takes its row statistics reduce-scattered;
+ * the logits still never move. */
+START_TEST(test_llama_vocab_parallel_loss_with_sequence_parallel) {
+  struct fx f, ref;
+  build_form(&f, 4, 4, 1, 12, 0, 41, MR_LOSS_VOCAB_PARALLEL);
+  build_form(&ref, 4, 4, 1, 12, 0, 41, MR_LOSS_FUSED);
+  struct mr_dist_graph dg;
+  complete(&f, "model=4", 1, megatron_vocab, 3, &dg);
+  int lg = f.mo.logits;
+  ck_assert_int_eq(dg.tensor[lg].p[0].kind, MR_SHARD);
+  ck_assert_int_eq(dg.tensor[lg].p[0].dim, 1);
+  for (int e = 0; e < dg.n_edges; e++)
+    ck_assert_int_ne(dg.edges[e].tensor, lg);
+  check_against(&f, &dg, &ref);
+  mr_dist_graph_close(&dg);
+  mr_model_close(&f.mo);
+  mr_model_close(&ref.mo);
+}
+END_TEST
+
 /* The fused loss with a vocabulary-split head: the logits are gathered. */
 START_TEST(test_llama_fused_loss_gathers_split_logits) {
   struct fx f;
@@ -430,6 +451,7 @@ static Suite *spmd_model_suite(void) {
   tcase_add_test(tc, test_llama_tp4_sequence_parallel);
   tcase_add_loop_test(tc, test_llama_vocab_parallel_loss_dp2_tp2, 0, 2);
   tcase_add_loop_test(tc, test_llama_vocab_parallel_loss_tp4_uneven_vocabulary, 0, 2);
+  tcase_add_test(tc, test_llama_vocab_parallel_loss_with_sequence_parallel);
   tcase_add_test(tc, test_llama_fused_loss_gathers_split_logits);
   tcase_add_test(tc, test_complete_model_chooses_the_loss_form);
   tcase_add_test(tc, test_llama_heads_not_divisible_is_an_error);
