@@ -290,10 +290,11 @@ static int count(const struct edge *e, int n, const char *ek, int backward,
 }
 
 /* A LLaMA job with `layers` layers, hidden 64, 4 heads, vocabulary 96,
- * batch 4 x 16 tokens, sequence parallelism off, Megatron's shard rules
- * (and the vocabulary split too when `vocab`). */
-static void llama_job(int layers, int vocab, char *path, size_t n) {
+ * batch 4 x 16 tokens, sequence parallelism off; shard rules: none (0),
+ * Megatron's (1), and the vocabulary split too (2). */
+static void llama_job(int layers, int rules, char *path, size_t n) {
   char text[2000];
+  static const char *const names[] = {"llama-bare.json", "llama.json", "llama-vocab.json"};
   snprintf(text, sizeof text,
            "{\"model\": {\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\","
            " \"vocab_size\": 96, \"hidden_size\": 64, \"intermediate_size\": 128,"
@@ -302,14 +303,18 @@ static void llama_job(int layers, int vocab, char *path, size_t n) {
            " \"tie_word_embeddings\": false},"
            " \"data\": {\"train\": \"none.bin\"},"
            " \"train\": {\"global_batch\": 4, \"seq_len\": 16},"
-           " \"strategy\": {\"sequence_parallel\": {\"enable\": false}},"
-           " \"shard_rules\": ["
-           "{\"match\": \"q_proj|k_proj|v_proj|gate_proj|up_proj\", \"placements\": {\"model\": \"Shard(0)\"}},"
-           "{\"match\": \"o_proj|down_proj\", \"placements\": {\"model\": \"Shard(1)\"}}%s]}",
+           " \"strategy\": {\"sequence_parallel\": {\"enable\": false}}%s%s%s}",
            layers,
-           vocab ? ",{\"match\": \"embed_tokens|lm_head\", \"placements\": {\"model\": \"Shard(0)\"}}"
-                 : "");
-  write_file(vocab ? "llama-vocab.json" : "llama.json", text, path, n);
+           rules ? ", \"shard_rules\": ["
+                   "{\"match\": \"q_proj|k_proj|v_proj|gate_proj|up_proj\", \"placements\": "
+                   "{\"model\": \"Shard(0)\"}},"
+                   "{\"match\": \"o_proj|down_proj\", \"placements\": {\"model\": \"Shard(1)\"}}"
+                 : "",
+           rules == 2 ? ",{\"match\": \"embed_tokens|lm_head\", \"placements\": "
+                        "{\"model\": \"Shard(0)\"}}"
+                      : "",
+           rules ? "]" : "");
+  write_file(names[rules], text, path, n);
 }
 
 #define MAX_EDGES 256
@@ -323,7 +328,8 @@ START_TEST(test_plan_cli_mesh_explain_megatron_counts) {
   const int L = 3, dp = 2, tp = 4, hidden = 64;
   const long long rows = 4 * 16 / dp;
   char job[700];
-  llama_job(L, 0, job, sizeof job);
+  /* the job's rules, or none: the same layout by default */
+  llama_job(L, _i == 0 ? 1 : 0, job, sizeof job);
   const char *args[] = {job, "--mesh", "data=2,model=4", "--explain", NULL};
   char *out, *err;
   ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
@@ -331,6 +337,8 @@ START_TEST(test_plan_cli_mesh_explain_megatron_counts) {
   ck_assert_ptr_nonnull(strstr(out, "placements and reshards on mesh data=2,model=4 "
                                     "(given by --mesh)"));
   ck_assert_ptr_nonnull(strstr(out, "loss: fused cross_entropy"));
+  ck_assert_ptr_nonnull(strstr(out, _i == 0 ? "shard rules: the job's (2)"
+                                            : "shard rules: Megatron's for LLaMA"));
   static struct edge e[MAX_EDGES];
   int n = parse_edges(out, e, MAX_EDGES);
   ck_assert_int_eq(count(e, n, "operand", 0, "AllReduce", "model"), 2 * L);
@@ -367,7 +375,7 @@ START_TEST(test_plan_cli_explain_vocab_parallel_loss) {
   const int L = 2, dp = 2, tp = 2;
   const long long rows = 4 * 16 / dp;
   char job[700];
-  llama_job(L, 1, job, sizeof job);
+  llama_job(L, 2, job, sizeof job);
   const char *args[] = {job, "--mesh", "data=2,model=2", "--explain", NULL};
   char *out, *err;
   ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
@@ -398,7 +406,7 @@ END_TEST
 START_TEST(test_plan_cli_explain_follows_the_search_and_the_alias) {
   mr_t_tmpdir(dir, sizeof dir);
   char job[700];
-  llama_job(2, 0, job, sizeof job);
+  llama_job(2, 1, job, sizeof job);
   const char *args[] = {job, "--nproc", "4", "--explain", NULL};
   char *out, *err;
   ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
@@ -428,7 +436,7 @@ END_TEST
 START_TEST(test_plan_cli_bad_mesh_exits_2_naming_it) {
   mr_t_tmpdir(dir, sizeof dir);
   char job[700];
-  llama_job(2, 0, job, sizeof job);
+  llama_job(2, 1, job, sizeof job);
   static const struct {
     const char *a[4];
     const char *say[2];
@@ -482,7 +490,7 @@ static Suite *plan_cli_suite(void) {
   tcase_add_test(tc, test_plan_cli_does_not_fit);
   tcase_add_test(tc, test_plan_cli_bad_input_exits_2_naming_it);
   tcase_add_test(tc, test_plan_cli_calibrate_writes_a_spec_plan_accepts);
-  tcase_add_test(tc, test_plan_cli_mesh_explain_megatron_counts);
+  tcase_add_loop_test(tc, test_plan_cli_mesh_explain_megatron_counts, 0, 2);
   tcase_add_test(tc, test_plan_cli_explain_vocab_parallel_loss);
   tcase_add_test(tc, test_plan_cli_explain_follows_the_search_and_the_alias);
   tcase_add_test(tc, test_plan_cli_bad_mesh_exits_2_naming_it);
