@@ -12,8 +12,8 @@
 
 #include "common/error.h"
 #include "common/job.h"
-#include "common/tunable.h"
 #include "common/mesh.h"
+#include "common/tunable.h"
 #include "launcher/cli.h"
 #include "launcher/explain.h"
 #include "launcher/planner/cluster.h"
@@ -291,31 +291,35 @@ static int fix_mesh(const char *spec, long nproc, struct mr_strategy_hint *h,
 }
 
 /* --explain: the placements on the given mesh, or on s's data x model
- * mesh.  Returns the exit code: 0, 2 (a layout the mesh cannot hold) or 1. */
+ * mesh (s: the chosen strategy, or the least-memory one when none fits,
+ * as `whose` says).  Returns the exit code: 0, 2 (a layout the mesh
+ * cannot hold) or 1. */
 static int explain_section(const struct mr_job *job, const struct mr_mesh *given,
-                           const struct mr_strategy *s) {
+                           const struct mr_strategy *s, const char *whose) {
   struct mr_mesh m;
-  char spec[64];
   if (given != NULL) {
     m = *given;
   } else {
+    char spec[64];
     snprintf(spec, sizeof spec, "data=%d,model=%d", s->dp, s->tp);
     if (mr_mesh_parse(spec, &m) < 0) {
       fprintf(stderr, "meshrun plan: --explain: %s\n", mr_error_message());
       return 1;
     }
   }
-  int sp = s != NULL ? s->sequence_parallel : job->strategy.sequence_parallel == 1;
   char name[128];
   mr_mesh_format(&m, name, sizeof name);
-  printf("\nplacements and reshards on mesh %s (%s", name,
-         given != NULL ? "given by --mesh" : "the chosen strategy's data x model");
-  if (s != NULL && s->pp > 1)
+  printf("\nplacements and reshards on mesh %s (", name);
+  if (given != NULL)
+    printf("given by --mesh");
+  else
+    printf("the %s data x model", whose);
+  if (s->pp > 1)
     printf("; each of the %d pipeline stages holds such a mesh, the whole "
            "model is shown", s->pp);
   printf("):\n");
   fflush(stdout);
-  int rc = mr_explain(job, &m, sp, stdout);
+  int rc = mr_explain(job, &m, s->sequence_parallel, stdout);
   if (rc < 0) {
     fprintf(stderr, "meshrun plan: --explain on mesh %s: %s\n", name,
             mr_error_message());
@@ -508,7 +512,8 @@ int mr_cmd_plan(int argc, char **argv) {
   int ex = 0;
   if (explain) /* what fits, else what needs the least memory */
     ex = explain_section(&job, mesh_arg != NULL ? &given : NULL,
-                         rc == 0 ? &res->top[0].strategy : &res->least_memory.strategy);
+                         rc == 0 ? &res->top[0].strategy : &res->least_memory.strategy,
+                         rc == 0 ? "chosen strategy's" : "least-memory strategy's");
   free(res);
   mr_job_close(&job);
   return ex != 0 ? ex : rc == 0 ? 0 : 1;
