@@ -181,9 +181,30 @@ static int build_gpt2(struct mr_model *m) {
   return 0;
 }
 
+/* loss = mean cross-entropy of logits against labels, in three steps:
+ * row maxima, sums of exponentials with the targets' logits, the mean. */
+static int vocab_parallel_loss(struct mr_graph *g, int logits, int labels,
+                               int *out) {
+  int m, se[MR_OP_MAX_OUT];
+  int in1[1] = {logits};
+  CK(mr_graph_op(g, MR_OP_XENT_MAX, "loss.max", in1, 1, NULL, &m));
+  int in2[3] = {logits, labels, m};
+  CK(mr_graph_op(g, MR_OP_XENT_SUMEXP, "loss.sumexp", in2, 3, NULL, se));
+  int in3[4] = {se[0], se[1], m, labels};
+  CK(mr_graph_op(g, MR_OP_XENT_FINISH, "loss", in3, 4, NULL, out));
+  return 0;
+}
+
 int mr_model_build(const struct mr_model_config *cfg, int64_t batch,
                    int64_t seq, struct mr_model *m) {
+  return mr_model_build_loss(cfg, batch, seq, MR_LOSS_FUSED, m);
+}
+
+int mr_model_build_loss(const struct mr_model_config *cfg, int64_t batch,
+                        int64_t seq, enum mr_loss_form form,
+                        struct mr_model *m) {
   memset(m, 0, sizeof *m);
+  m->loss_form = form;
   mr_graph_init(&m->graph);
   m->cfg = *cfg;
   m->batch = batch;
@@ -213,7 +234,10 @@ int mr_model_build(const struct mr_model_config *cfg, int64_t batch,
     return rc;
   int out[MR_OP_MAX_OUT];
   int in[2] = {m->logits, m->labels};
-  rc = mr_graph_op(g, MR_OP_CROSS_ENTROPY, "loss", in, 2, NULL, out);
+  if (form == MR_LOSS_VOCAB_PARALLEL)
+    rc = vocab_parallel_loss(g, m->logits, m->labels, out);
+  else
+    rc = mr_graph_op(g, MR_OP_CROSS_ENTROPY, "loss", in, 2, NULL, out);
   if (rc < 0)
     return rc;
   m->loss = out[0];

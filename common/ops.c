@@ -240,6 +240,70 @@ static int infer_xent_bwd(const struct mr_graph *g, const struct mr_op *op,
   return 0;
 }
 
+/* a 1-D tensor of n elements of type dt */
+static int vec(const struct mr_graph *g, int id, int64_t n, enum mr_dtype dt) {
+  return id >= 0 && T(g, id)->ndim == 1 && ROWS(g, id) == n && T(g, id)->dtype == dt;
+}
+
+static int present_vec(const struct mr_graph *g, const struct mr_op *op, int i,
+                       int64_t n) {
+  return i >= op->n_in || op->in[i] < 0 || vec(g, op->in[i], n, MR_F32);
+}
+
+static int infer_xent_max(const struct mr_graph *g, const struct mr_op *op,
+                          struct mr_shape *o) {
+  MR_TRY(need(is2d(g, op->in[0]), g, op, "expected logits[N,V]"));
+  set1(o, ROWS(g, op->in[0]), MR_F32);
+  return 0;
+}
+
+static int infer_xent_sumexp(const struct mr_graph *g, const struct mr_op *op,
+                             struct mr_shape *o) {
+  int l = op->in[0];
+  int64_t n = is2d(g, l) ? ROWS(g, l) : -1;
+  MR_TRY(need(n >= 0 && vec(g, op->in[1], n, MR_I32) &&
+                  vec(g, op->in[2], n, MR_F32) && op->attr[0] >= 0,
+              g, op, "expected logits[N,V], targets[N] int32 and m[N]"));
+  set1(&o[0], n, MR_F32);
+  set1(&o[1], n, MR_F32);
+  return 0;
+}
+
+static int infer_xent_sumexp_bwd(const struct mr_graph *g, const struct mr_op *op,
+                                 struct mr_shape *o) {
+  int l = op->in[0];
+  int64_t n = is2d(g, l) ? ROWS(g, l) : -1;
+  MR_TRY(need(n >= 0 && vec(g, op->in[1], n, MR_I32) &&
+                  vec(g, op->in[2], n, MR_F32) && present_vec(g, op, 3, n) &&
+                  present_vec(g, op, 4, n),
+              g, op, "expected logits[N,V], targets[N] int32, m, ds, dtl [N]"));
+  like(o, T(g, l));
+  return 0;
+}
+
+static int infer_xent_finish(const struct mr_graph *g, const struct mr_op *op,
+                             struct mr_shape *o) {
+  int64_t n = T(g, op->in[0])->ndim == 1 ? ROWS(g, op->in[0]) : -1;
+  MR_TRY(need(vec(g, op->in[0], n, MR_F32) && vec(g, op->in[1], n, MR_F32) &&
+                  vec(g, op->in[2], n, MR_F32) && vec(g, op->in[3], n, MR_I32),
+              g, op, "expected s, tl, m [N] and targets[N] int32"));
+  set1(&o[0], 1, MR_F32);
+  set1(&o[1], n, MR_F32);
+  return 0;
+}
+
+static int infer_xent_finish_bwd(const struct mr_graph *g, const struct mr_op *op,
+                                 struct mr_shape *o) {
+  int64_t n = T(g, op->in[0])->ndim == 1 ? ROWS(g, op->in[0]) : -1;
+  MR_TRY(need(vec(g, op->in[0], n, MR_F32) && vec(g, op->in[1], n, MR_I32) &&
+                  (op->n_in < 3 || op->in[2] < 0 || NUMEL(g, op->in[2]) == 1) &&
+                  present_vec(g, op, 3, n),
+              g, op, "expected s[N], targets[N] int32, dloss[1], dlse[N]"));
+  set1(&o[0], n, MR_F32);
+  set1(&o[1], n, MR_F32);
+  return 0;
+}
+
 /* ---- gradient builders ---- */
 
 /* Name for the gradient of tensor id. */
@@ -395,6 +459,31 @@ static int grad_xent(struct mr_graph *g, int op_id, const int *dout, int *din) {
               4, NULL, &din[0]);
 }
 
+/* The row maxima m only shift the exponentials: the loss and lse do not
+ * depend on them (their partials through xent_sumexp and xent_finish
+ * cancel), so neither builder passes a gradient to m, and xent_max has
+ * none to pass on. */
+static int grad_xent_sumexp(struct mr_graph *g, int op_id, const int *dout,
+                            int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  din[1] = din[2] = -1;
+  int in[5] = {op.in[0], op.in[1], op.in[2], dout[0], dout[1]};
+  return emit(g, MR_OP_XENT_SUMEXP_BWD, gname(g, op.in[0], nm, sizeof nm), in,
+              5, op.attr, &din[0]);
+}
+
+static int grad_xent_finish(struct mr_graph *g, int op_id, const int *dout,
+                            int *din) {
+  struct mr_op op = g->ops[op_id];
+  char nm[MR_TENSOR_NAME_MAX];
+  din[2] = din[3] = -1;
+  int in[4] = {op.in[0], op.in[3], dout[0], dout[1]};
+  /* writes ds and dtl, the gradients of inputs 0 and 1 */
+  return emit(g, MR_OP_XENT_FINISH_BWD, gname(g, op.in[0], nm, sizeof nm), in,
+              4, op.attr, din);
+}
+
 /* ---- costs ---- */
 
 static double flops_matmul(const struct mr_graph *g, const struct mr_op *op) {
@@ -413,6 +502,13 @@ static double flops_attention(const struct mr_graph *g, const struct mr_op *op) 
 
 static double flops_elem(const struct mr_graph *g, const struct mr_op *op) {
   return 5.0 * NUMEL(g, op->out[0]);
+}
+
+/* per logit a compare (xent_max), or a subtract, an exponential (counted
+ * as 2) and an add (xent_sumexp and its backward); about as much per row
+ * for the finishing steps, whose first input is [N] */
+static double flops_xent_steps(const struct mr_graph *g, const struct mr_op *op) {
+  return (op->kind == MR_OP_XENT_MAX ? 1.0 : 4.0) * NUMEL(g, op->in[0]);
 }
 
 static double bytes_io(const struct mr_graph *g, const struct mr_op *op) {
@@ -463,6 +559,16 @@ static const struct mr_op_def defs[MR_OP_COUNT] = {
         flops_elem),
     ROW(MR_OP_CROSS_ENTROPY_BWD, "cross_entropy_bwd", 4, 4, 1, infer_xent_bwd,
         NULL, flops_elem),
+    ROW(MR_OP_XENT_MAX, "xent_max", 1, 1, 1, infer_xent_max, NULL,
+        flops_xent_steps),
+    ROW(MR_OP_XENT_SUMEXP, "xent_sumexp", 3, 3, 2, infer_xent_sumexp,
+        grad_xent_sumexp, flops_xent_steps),
+    ROW(MR_OP_XENT_SUMEXP_BWD, "xent_sumexp_bwd", 3, 5, 1, infer_xent_sumexp_bwd,
+        NULL, flops_xent_steps),
+    ROW(MR_OP_XENT_FINISH, "xent_finish", 4, 4, 2, infer_xent_finish,
+        grad_xent_finish, flops_xent_steps),
+    ROW(MR_OP_XENT_FINISH_BWD, "xent_finish_bwd", 2, 4, 2, infer_xent_finish_bwd,
+        NULL, flops_xent_steps),
 };
 
 /* ops registered at run time (plugins) follow the built-in ones */

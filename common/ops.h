@@ -37,6 +37,25 @@
  *                    a0 = rows the mean divides by (0: N; a row shard
  *                    passes the global row count)
  *   cross_entropy_bwd dloss[1], logits, targets, lse -> dlogits  a0 as above
+ *
+ * Cross-entropy in three steps, so that logits split by vocabulary are
+ * consumed where they lie (each step's partial result is reduced over the
+ * vocabulary shards: a max, then sums of [N] values):
+ *   xent_max         logits[N,V]                   -> m[N] row maxima
+ *                    (no gradient: m only shifts the exponentials, and
+ *                    the loss does not depend on it)
+ *   xent_sumexp      logits[N,V], targets[N] i32, m[N] -> s[N], tl[N]
+ *                    s = sum_v exp(logits - m), tl = the target's logit;
+ *                    a1 > 0: the logits are columns [a0, a0+V) of a
+ *                    vocabulary of a1 (a target outside them gives tl 0)
+ *   xent_sumexp_bwd  logits, targets, m[, ds[N][, dtl[N]]] -> dlogits
+ *                    ds * exp(logits - m), plus dtl at the target's
+ *                    column; an absent ds or dtl is zero; a0, a1 as above
+ *   xent_finish      s, tl, m, targets             -> loss[1] (mean), lse[N]
+ *                    lse = m + log s; loss = sum (lse - tl) over the rows
+ *                    whose target is >= 0, over a0 (0: their count)
+ *   xent_finish_bwd  s, targets[, dloss[1][, dlse]] -> ds, dtl  a0 as above;
+ *                    an absent dloss or dlse is zero
  */
 #ifndef MR_OPS_H
 #define MR_OPS_H
@@ -64,6 +83,11 @@ enum mr_op_kind {
   MR_OP_CONCAT3,
   MR_OP_CROSS_ENTROPY,
   MR_OP_CROSS_ENTROPY_BWD,
+  MR_OP_XENT_MAX,
+  MR_OP_XENT_SUMEXP,
+  MR_OP_XENT_SUMEXP_BWD,
+  MR_OP_XENT_FINISH,
+  MR_OP_XENT_FINISH_BWD,
   MR_OP_COUNT
 };
 

@@ -1,16 +1,17 @@
 /* explain.c - prints a completed distributed graph. */
 #include "launcher/explain.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/autodiff.h"
 #include "common/dtype.h"
 #include "common/error.h"
 #include "common/mesh.h"
 #include "common/model.h"
 #include "common/ops.h"
 #include "common/plugin.h"
+#include "launcher/cli.h"
 #include "launcher/spmd/completion.h"
 #include "launcher/spmd/rules.h"
 
@@ -44,14 +45,56 @@ static void print_plan(const struct mr_dist_graph *dg,
   }
 }
 
-static void print_graph(const struct mr_dist_graph *dg, FILE *out) {
+static const char *const phase_names[] = {"forward", "backward",
+                                          "gradient sync", "loss"};
+
+/* Per mesh dim, the collectives (steps that move bytes) by phase. */
+static void print_per_dim(const struct mr_dist_graph *dg, FILE *out) {
+  static const enum mr_reshard_kind kinds[] = {
+      MR_RS_ALL_GATHER, MR_RS_ALL_REDUCE, MR_RS_REDUCE_SCATTER,
+      MR_RS_ALL_TO_ALL, MR_RS_SEND_RECV};
+  /* edge kind and backward flag of each phase */
+  static const int ek[4] = {MR_EDGE_OPERAND, MR_EDGE_OPERAND,
+                            MR_EDGE_GRAD_SYNC, MR_EDGE_LOSS};
+  static const int bw[4] = {0, 1, -1, -1};
+  fprintf(out, "\ncollectives per mesh dim:\n");
+  for (int md = 0; md < dg->mesh.ndim; md++) {
+    fprintf(out, "  %s:", dg->mesh.names[md]);
+    int any = 0;
+    for (int ph = 0; ph < 4; ph++) {
+      int first = 1;
+      for (size_t k = 0; k < MR_ARRAY_LEN(kinds); k++) {
+        int n = mr_dist_graph_count(dg, ek[ph], kinds[k], md, bw[ph]);
+        if (n == 0)
+          continue;
+        if (first)
+          fprintf(out, "%s %s", any ? ";" : "", phase_names[ph]);
+        fprintf(out, "%s %d %s", first ? "" : ",", n,
+                mr_reshard_kind_name(kinds[k]));
+        first = 0;
+        any = 1;
+      }
+    }
+    fprintf(out, "%s\n", any ? "" : " none");
+  }
+}
+
+static void print_graph(const struct mr_dist_graph *dg, const struct mr_model *mo,
+                        const char *rules, FILE *out) {
   const struct mr_graph *g = dg->g;
   char mesh[128], pl[160], sh[64];
   mr_mesh_format(&dg->mesh, mesh, sizeof mesh);
   fprintf(out, "mesh %s (%d ranks), %d tensors, %d ops, %d propagation "
-          "sweeps\n\ntensors (name, role, global shape, placements, largest "
-          "local bytes):\n", mesh, mr_mesh_size(&dg->mesh), g->n_tensors,
-          g->n_ops, dg->iterations);
+          "sweeps\n", mesh, mr_mesh_size(&dg->mesh), g->n_tensors, g->n_ops,
+          dg->iterations);
+  fprintf(out, "shard rules: %s\n", rules);
+  if (mo->loss_form == MR_LOSS_VOCAB_PARALLEL)
+    fprintf(out, "loss: vocabulary-parallel cross-entropy (xent_max, "
+            "xent_sumexp, xent_finish): the logits stay split by vocabulary\n");
+  else
+    fprintf(out, "loss: fused cross_entropy\n");
+  fprintf(out, "\ntensors (name, role, global shape, placements, largest "
+          "local bytes):\n");
   for (int t = 0; t < g->n_tensors; t++) {
     const struct mr_tensor *tt = &g->tensors[t];
     mr_dist_format(&dg->tensor[t], pl, sizeof pl);
@@ -78,6 +121,7 @@ static void print_graph(const struct mr_dist_graph *dg, FILE *out) {
             (long long)x->plan.bytes);
     print_plan(dg, &x->plan, out);
   }
+  print_per_dim(dg, out);
   int nf = 0, nb = 0;
   for (int e = 0; e < dg->n_edges; e++)
     for (int s = 0; s < dg->edges[e].plan.n_steps; s++)
@@ -88,71 +132,74 @@ static void print_graph(const struct mr_dist_graph *dg, FILE *out) {
           (long long)mr_dist_graph_bytes(dg));
 }
 
-int mr_explain(const struct mr_job *job, const char *mesh_spec, FILE *out) {
-  struct mr_mesh m;
-  MR_TRY(mr_mesh_parse(mesh_spec, &m));
-  struct mr_model mo;
-  int rc = mr_model_build(&job->model, job->train.global_batch,
-                          job->train.seq_len, &mo);
-  int seed;
-  if (rc == 0)
-    rc = mr_autodiff(&mo.graph, mo.loss, &seed);
-  struct mr_dist_graph dg;
-  memset(&dg, 0, sizeof dg);
-  if (rc == 0) {
-    struct mr_completion_opts o;
-    memset(&o, 0, sizeof o);
-    o.rules = job->shard_rules;
-    o.n_rules = job->n_shard_rules;
-    o.data_dim = mr_mesh_dim(&m, "data");
-    o.seq_dim = job->strategy.sequence_parallel == 1 ? mr_mesh_dim(&m, "model")
-                                                     : -1;
-    rc = mr_spmd_complete(&mo.graph, &m, &o, &dg);
+/* Megatron's tensor-parallel layout of a LLaMA block, which the cost
+ * model's tensor parallelism assumes: column-parallel q/k/v and gate/up,
+ * row-parallel o and down. */
+static struct mr_shard_rule_placement megatron_col = {"model", "Shard(0)"};
+static struct mr_shard_rule_placement megatron_row = {"model", "Shard(1)"};
+static const struct mr_shard_rule megatron_llama[] = {
+    {"q_proj|k_proj|v_proj|gate_proj|up_proj", &megatron_col, 1},
+    {"o_proj|down_proj", &megatron_row, 1},
+};
+
+int mr_explain(const struct mr_job *job, const struct mr_mesh *m,
+               int sequence_parallel, FILE *out) {
+  struct mr_completion_opts o;
+  memset(&o, 0, sizeof o);
+  o.rules = job->shard_rules;
+  o.n_rules = job->n_shard_rules;
+  char rules[256];
+  snprintf(rules, sizeof rules, "the job's (%d)", job->n_shard_rules);
+  if (job->n_shard_rules == 0 && job->model.family == MR_MODEL_LLAMA) {
+    o.rules = megatron_llama;
+    o.n_rules = (int)MR_ARRAY_LEN(megatron_llama);
+    snprintf(rules, sizeof rules, "Megatron's for LLaMA, as the job gives "
+             "none (%s Shard(0), %s Shard(1) on model)", megatron_llama[0].match,
+             megatron_llama[1].match);
+  } else if (job->n_shard_rules == 0) {
+    snprintf(rules, sizeof rules, "none");
   }
-  if (rc == 0)
-    print_graph(&dg, out);
+  o.data_dim = mr_mesh_dim(m, "data");
+  o.seq_dim = sequence_parallel == 1 ? mr_mesh_dim(m, "model") : -1;
+  struct mr_model mo;
+  struct mr_dist_graph dg;
+  MR_TRY(mr_spmd_complete_model(&job->model, job->train.global_batch,
+                                job->train.seq_len, m, &o, &mo, &dg));
+  print_graph(&dg, &mo, rules, out);
   mr_dist_graph_close(&dg);
   mr_model_close(&mo);
-  return rc;
+  return 0;
 }
 
 int mr_cmd_explain(int argc, char **argv) {
-  const char *job_path = NULL, *mesh = NULL;
   struct mr_plugin_api api;
   mr_plugin_api_init(&api);
   api.spmd_rule_register = mr_spmd_rule_register;
+  char **args = calloc((size_t)argc + 2, sizeof *args);
+  if (args == NULL)
+    return 1;
+  int n = 0;
+  args[n++] = (char *)"plan";
   for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--mesh") && i + 1 < argc) {
-      mesh = argv[++i];
-    } else if (!strcmp(argv[i], "--plugin") && i + 1 < argc) {
-      if (mr_plugin_load(argv[++i], &api) < 0) {
-        fprintf(stderr, "meshrun explain: --plugin: %s\n", mr_error_message());
-        return 2;
-      }
-    } else if (!strcmp(argv[i], "--help")) {
-      printf("usage: meshrun explain JOB.json --mesh data=2,model=4 "
-             "[--plugin lib.so]...\n"
-             "prints every tensor's placements and every reshard\n");
-      return 0;
-    } else if (argv[i][0] != '-' && !job_path) {
-      job_path = argv[i];
-    } else {
-      fprintf(stderr, "meshrun explain: unexpected argument \"%s\"\n", argv[i]);
+    if (strcmp(argv[i], "--plugin") != 0) {
+      args[n++] = argv[i];
+      continue;
+    }
+    if (i + 1 == argc) {
+      fprintf(stderr, "meshrun explain: --plugin: expected a shared object "
+              "path\n");
+      free(args);
+      return 2;
+    }
+    if (mr_plugin_load(argv[++i], &api) < 0) {
+      fprintf(stderr, "meshrun explain: --plugin: %s\n", mr_error_message());
+      free(args);
       return 2;
     }
   }
-  if (!job_path || !mesh) {
-    fprintf(stderr, "usage: meshrun explain JOB.json --mesh data=2,model=4\n");
-    return 2;
-  }
-  struct mr_job job;
-  if (mr_job_load(job_path, &job) < 0) {
-    fprintf(stderr, "meshrun explain: %s\n", mr_error_message());
-    return 2;
-  }
-  int rc = mr_explain(&job, mesh, stdout);
-  if (rc < 0)
-    fprintf(stderr, "meshrun explain: %s\n", mr_error_message());
-  mr_job_close(&job);
-  return rc == 0 ? 0 : (rc == MR_EINVAL ? 2 : 1);
+  args[n++] = (char *)"--explain";
+  args[n] = NULL;
+  int rc = mr_cmd_plan(n, args);
+  free(args);
+  return rc;
 }

@@ -12,8 +12,10 @@
 
 #include "common/error.h"
 #include "common/job.h"
+#include "common/mesh.h"
 #include "common/tunable.h"
 #include "launcher/cli.h"
+#include "launcher/explain.h"
 #include "launcher/planner/cluster.h"
 #include "launcher/planner/cost.h"
 #include "launcher/planner/partition.h"
@@ -32,7 +34,13 @@ static void usage(FILE *f) {
           "  --nproc N        ranks to plan for (default: every device of the spec;\n"
           "                   nodes are added to hold N)\n"
           "  --top K          alternatives to show (default 5, at most %d)\n"
-          "  --json           machine-readable output\n",
+          "  --json           machine-readable output\n"
+          "  --mesh SPEC      a fixed mesh instead of the search over meshes, e.g.\n"
+          "                   data=2,model=4: the data and tensor parallel degrees\n"
+          "                   (no pipeline); the rest of the strategy is still chosen\n"
+          "  --explain        also print, on that mesh or on the chosen strategy's\n"
+          "                   data x model mesh, every tensor's placements and every\n"
+          "                   reshard with its bytes (`meshrun explain` is this)\n",
           MR_PLAN_TOP_MAX);
 }
 
@@ -242,14 +250,93 @@ static void print_candidate(const struct mr_plan_candidate *c, double device) {
   print_memory(&k->mem, device);
 }
 
+/* --mesh SPEC: dims "data" and "model" only (the degrees the strategy
+ * has names for), as many ranks as --nproc if given, and degrees the job
+ * does not fix otherwise; then the job's hint takes them.  Prints why
+ * not and returns -1. */
+static int fix_mesh(const char *spec, long nproc, struct mr_strategy_hint *h,
+                    struct mr_mesh *m) {
+  if (mr_mesh_parse(spec, m) < 0) {
+    fprintf(stderr, "meshrun plan: %s\n", mr_error_message());
+    return -1;
+  }
+  for (int i = 0; i < m->ndim; i++)
+    if (strcmp(m->names[i], "data") != 0 && strcmp(m->names[i], "model") != 0) {
+      fprintf(stderr, "meshrun plan: --mesh \"%s\": dim \"%s\": expected the "
+              "dims data and model, e.g. data=2,model=4\n", spec, m->names[i]);
+      return -1;
+    }
+  int dd = mr_mesh_dim(m, "data"), md = mr_mesh_dim(m, "model");
+  int dp = dd >= 0 ? m->shape[dd] : 1, tp = md >= 0 ? m->shape[md] : 1;
+  if (nproc > 0 && nproc != mr_mesh_size(m)) {
+    fprintf(stderr, "meshrun plan: --mesh \"%s\" has %d ranks but --nproc is "
+            "%ld: expected the same world size\n", spec, mr_mesh_size(m), nproc);
+    return -1;
+  }
+  static const char *const field[] = {"strategy.data_parallel.degree",
+                                      "strategy.tensor_parallel.degree",
+                                      "strategy.pipeline_parallel.degree"};
+  const int want[3] = {dp, tp, 1}, has[3] = {h->dp, h->tp, h->pp};
+  for (int i = 0; i < 3; i++)
+    if (has[i] > 0 && has[i] != want[i]) {
+      fprintf(stderr, "meshrun plan: --mesh \"%s\" gives %s %d but the job "
+              "fixes it to %d: expected them to agree\n", spec, field[i],
+              want[i], has[i]);
+      return -1;
+    }
+  h->dp = dp;
+  h->tp = tp;
+  h->pp = 1;
+  return 0;
+}
+
+/* --explain: the placements on the given mesh, or on s's data x model
+ * mesh (s: the chosen strategy, or the least-memory one when none fits,
+ * as `whose` says).  Returns the exit code: 0, 2 (a layout the mesh
+ * cannot hold) or 1. */
+static int explain_section(const struct mr_job *job, const struct mr_mesh *given,
+                           const struct mr_strategy *s, const char *whose) {
+  struct mr_mesh m;
+  if (given != NULL) {
+    m = *given;
+  } else {
+    char spec[64];
+    snprintf(spec, sizeof spec, "data=%d,model=%d", s->dp, s->tp);
+    if (mr_mesh_parse(spec, &m) < 0) {
+      fprintf(stderr, "meshrun plan: --explain: %s\n", mr_error_message());
+      return 1;
+    }
+  }
+  char name[128];
+  mr_mesh_format(&m, name, sizeof name);
+  printf("\nplacements and reshards on mesh %s (", name);
+  if (given != NULL)
+    printf("given by --mesh");
+  else
+    printf("the %s data x model", whose);
+  if (s->pp > 1)
+    printf("; each of the %d pipeline stages holds such a mesh, the whole "
+           "model is shown", s->pp);
+  printf("):\n");
+  fflush(stdout);
+  int rc = mr_explain(job, &m, s->sequence_parallel, stdout);
+  if (rc < 0) {
+    fprintf(stderr, "meshrun plan: --explain on mesh %s: %s\n", name,
+            mr_error_message());
+    return rc == MR_EINVAL ? 2 : 1;
+  }
+  return 0;
+}
+
 int mr_cmd_plan(int argc, char **argv) {
   static const struct option opts[] = {
       {"cluster", required_argument, NULL, 'c'}, {"nproc", required_argument, NULL, 'n'},
       {"top", required_argument, NULL, 'k'},     {"json", no_argument, NULL, 'j'},
+      {"mesh", required_argument, NULL, 'm'},    {"explain", no_argument, NULL, 'e'},
       {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0}};
-  const char *cluster_arg = NULL;
+  const char *cluster_arg = NULL, *mesh_arg = NULL;
   long nproc = 0, top = 5;
-  int json = 0, c;
+  int json = 0, explain = 0, c;
   optind = 1;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     switch (c) {
@@ -263,6 +350,8 @@ int mr_cmd_plan(int argc, char **argv) {
         return 2;
       break;
     case 'j': json = 1; break;
+    case 'm': mesh_arg = optarg; break;
+    case 'e': explain = 1; break;
     case 'h': usage(stdout); return 0;
     default: usage(stderr); return 2;
     }
@@ -272,11 +361,24 @@ int mr_cmd_plan(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
+  if (explain && json) {
+    fprintf(stderr, "meshrun plan: --explain prints text: expected it without "
+            "--json\n");
+    return 2;
+  }
   const char *job_path = argv[optind];
   struct mr_job job;
   if (mr_job_load(job_path, &job) < 0) {
     fprintf(stderr, "meshrun plan: %s\n", mr_error_message());
     return 2;
+  }
+  struct mr_mesh given;
+  if (mesh_arg != NULL) {
+    if (fix_mesh(mesh_arg, nproc, &job.strategy, &given) < 0) {
+      mr_job_close(&job);
+      return 2;
+    }
+    nproc = mr_mesh_size(&given);
   }
   struct mr_cluster cl;
   int rc = load_cluster(cluster_arg != NULL ? cluster_arg
@@ -318,7 +420,11 @@ int mr_cmd_plan(int argc, char **argv) {
   }
   double search_s = now_s() - t0;
   if (rc < 0 && rc != MR_ENOFIT) {
-    fprintf(stderr, "meshrun plan: %s: %s\n", job_path, mr_error_message());
+    if (mesh_arg != NULL)
+      fprintf(stderr, "meshrun plan: %s: --mesh \"%s\": %s\n", job_path, mesh_arg,
+              mr_error_message());
+    else
+      fprintf(stderr, "meshrun plan: %s: %s\n", job_path, mr_error_message());
     free(res);
     mr_job_close(&job);
     return 2;
@@ -403,7 +509,12 @@ int mr_cmd_plan(int argc, char **argv) {
     printf("searched %lld strategies (%lld too big for a device) in %.3f s\n",
            (long long)res->considered, (long long)res->pruned_memory, search_s);
   }
+  int ex = 0;
+  if (explain) /* what fits, else what needs the least memory */
+    ex = explain_section(&job, mesh_arg != NULL ? &given : NULL,
+                         rc == 0 ? &res->top[0].strategy : &res->least_memory.strategy,
+                         rc == 0 ? "chosen strategy's" : "least-memory strategy's");
   free(res);
   mr_job_close(&job);
-  return rc == 0 ? 0 : 1;
+  return ex != 0 ? ex : rc == 0 ? 0 : 1;
 }

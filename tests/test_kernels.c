@@ -6,6 +6,7 @@
 #include "kernels_ref.h"
 
 #include "common/error.h"
+#include "worker/backend/cpu/xent_vocab.h"
 
 /* ---- matmul ---- */
 
@@ -537,6 +538,137 @@ START_TEST(test_kernels_xent_fused) {
 }
 END_TEST
 
+/* ---- vocabulary-parallel cross-entropy ---- */
+
+/* Columns [lo, hi) of x[N, V], contiguous. */
+static float *columns(const float *x, int N, int V, int lo, int hi) {
+  float *c = malloc(sizeof(float) * (size_t)(N * (hi - lo) + 1));
+  for (int i = 0; i < N; i++)
+    memcpy(c + (size_t)i * (hi - lo), x + (size_t)i * V + lo,
+           sizeof(float) * (size_t)(hi - lo));
+  return c;
+}
+
+/* The three steps run on vocabulary shards (uneven, one empty) and their
+ * results combined as the all-reduces would (max, then sums): lse and the
+ * loss against the double reference, the backward against finite
+ * differences of it, 1 and 3 threads bitwise equal. */
+START_TEST(test_kernels_xent_vocab_shards) {
+  struct mr_pool *pools[2] = {ref_pool(1), ref_pool(3)};
+  uint64_t seed = 21;
+  int N = 23, V = 301;
+  static const int cut[] = {0, 7, 150, 301, 301};
+  int K = (int)MR_ARRAY_LEN(cut) - 1;
+  size_t n = (size_t)N * V;
+  float *x = ref_randf(n, &seed, 4);
+  x[5] = 80.0f; x[V + 200] = -80.0f;
+  int32_t *t = malloc(sizeof(int32_t) * N);
+  for (int i = 0; i < N; i++)
+    t[i] = (int32_t)((i * 37) % V);
+  t[3] = -100; t[17] = -100;
+  float *d[2];
+  for (int pi = 0; pi < 2; pi++) {
+    struct mr_pool *p = pools[pi];
+    float *m = malloc(sizeof(float) * N), *s = calloc((size_t)N, sizeof(float));
+    float *tl = calloc((size_t)N, sizeof(float)), *part = malloc(sizeof(float) * N);
+    float *part2 = malloc(sizeof(float) * N);
+    for (int i = 0; i < N; i++)
+      m[i] = -INFINITY;
+    for (int k = 0; k < K; k++) {
+      float *c = columns(x, N, V, cut[k], cut[k + 1]);
+      ck_assert_int_eq(mr_cpu_xent_rowmax(p, part, c, N, cut[k + 1] - cut[k]), 0);
+      for (int i = 0; i < N; i++)
+        m[i] = fmaxf(m[i], part[i]);
+      free(c);
+    }
+    for (int k = 0; k < K; k++) {
+      float *c = columns(x, N, V, cut[k], cut[k + 1]);
+      ck_assert_int_eq(mr_cpu_xent_sumexp(p, part, part2, c, t, m, N,
+                                          cut[k + 1] - cut[k], cut[k], V), 0);
+      for (int i = 0; i < N; i++) {
+        s[i] += part[i];
+        tl[i] += part2[i];
+      }
+      free(c);
+    }
+    float loss, *lse = malloc(sizeof(float) * N);
+    ck_assert_int_eq(mr_cpu_xent_finish(&loss, lse, s, tl, m, t, N, 0), 0);
+    double *xd = ref_tod(x, n), want = 0;
+    for (int i = 0; i < N; i++) {
+      double l;
+      xent_row(xd + (size_t)i * V, V, &l);
+      ck_assert_double_eq_tol(lse[i], l, 1e-5 * fmax(1, fabs(l)));
+      if (t[i] >= 0)
+        want += (l - xd[(size_t)i * V + t[i]]) / (N - 2);
+    }
+    ck_assert_double_eq_tol(loss, want, 2e-5 * fmax(1, fabs(want)));
+    /* backward: dloss 0.7 through the finishing step, then each shard */
+    float *ds = malloc(sizeof(float) * N), *dtl = malloc(sizeof(float) * N);
+    ck_assert_int_eq(mr_cpu_xent_finish_bwd(ds, dtl, 0.7f, NULL, s, t, N, 0), 0);
+    d[pi] = malloc(sizeof(float) * n);
+    for (int k = 0; k < K; k++) {
+      int w = cut[k + 1] - cut[k];
+      float *c = columns(x, N, V, cut[k], cut[k + 1]);
+      ck_assert_int_eq(mr_cpu_xent_sumexp_bwd(p, c, c, t, m, ds, dtl, N, w,
+                                              cut[k], V), 0); /* in place */
+      for (int i = 0; i < N; i++)
+        memcpy(d[pi] + (size_t)i * V + cut[k], c + (size_t)i * w,
+               sizeof(float) * (size_t)w);
+      free(c);
+    }
+    float *dl = malloc(sizeof(float) * N);
+    for (int i = 0; i < N; i++)
+      dl[i] = 0.7f / (float)(N - 2);
+    struct xent_ctx ctx = {N, V, xd, t, dl, -1};
+    for (size_t i = 0; i < n; i += n / 500 + 1) {
+      ctx.only_row = (int)(i / (size_t)V);
+      ref_fd_check("xent_vocab dlogits", xent_loss, &ctx, xd + i, 1, d[pi] + i, 1,
+                   1e-5, 1e-4);
+    }
+    for (int j = 0; j < V; j++)
+      ck_assert_float_eq(d[pi][3 * (size_t)V + j], 0.0f); /* ignored row */
+    free(m), free(s), free(tl), free(part), free(part2), free(lse);
+    free(ds), free(dtl), free(dl), free(xd);
+  }
+  ck_assert(memcmp(d[0], d[1], sizeof(float) * n) == 0);
+  free(d[0]), free(d[1]), free(x), free(t);
+  mr_pool_free(pools[0]);
+  mr_pool_free(pools[1]);
+}
+END_TEST
+
+/* NaN, -inf rows, an empty shard, targets out of range. */
+START_TEST(test_kernels_xent_vocab_edges) {
+  struct mr_pool *p = ref_pool(2);
+  float x[3 * 4] = {1, 2, NAN, 0, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                    0.5f, -1, 3, 2};
+  int32_t t[3] = {5, 1, -1};
+  float m[3], s[3], tl[3];
+  ck_assert_int_eq(mr_cpu_xent_rowmax(p, m, x, 3, 4), 0);
+  ck_assert(isnan(m[0]));
+  ck_assert(m[1] == -INFINITY);
+  ck_assert_float_eq(m[2], 3.0f);
+  /* columns 4..7 of a vocabulary of 8: row 0's target 5 is column 1 */
+  ck_assert_int_eq(mr_cpu_xent_sumexp(p, s, tl, x, t, m, 3, 4, 4, 8), 0);
+  ck_assert(isnan(s[0]));
+  ck_assert_float_eq(tl[0], 2.0f);
+  ck_assert_float_eq(s[1], 0.0f); /* no mass, not NaN */
+  ck_assert_float_eq(tl[1], 0.0f); /* target 1 is another shard's */
+  ck_assert_float_eq(tl[2], 0.0f); /* ignored */
+  /* an empty shard */
+  float me[3], se[3], te[3], mg[3] = {1, 2, 3};
+  ck_assert_int_eq(mr_cpu_xent_rowmax(p, me, x, 3, 0), 0);
+  ck_assert(me[0] == -INFINITY);
+  ck_assert_int_eq(mr_cpu_xent_sumexp(p, se, te, x, t, mg, 3, 0, 8, 8), 0);
+  ck_assert(se[0] == 0.0f && te[0] == 0.0f);
+  t[2] = 8;
+  ck_assert_int_eq(mr_cpu_xent_sumexp(p, s, tl, x, t, m, 3, 4, 4, 8), MR_ERANGE);
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "row 2"));
+  ck_assert_int_eq(mr_cpu_xent_sumexp(p, s, tl, x, t, m, 3, 4, 6, 8), MR_EINVAL);
+  mr_pool_free(p);
+}
+END_TEST
+
 /* The same checks on the portable (non-AVX2) copies of the kernels. */
 START_TEST(test_kernels_portable_path) {
   ref_force_portable();
@@ -544,6 +676,7 @@ START_TEST(test_kernels_portable_path) {
   check_norm(1, 70, 257);
   test_kernels_swiglu_gelu_fn(_i);
   test_kernels_xent_fused_fn(_i);
+  test_kernels_xent_vocab_shards_fn(_i);
   test_kernels_rope_positions_fn(_i);
 }
 END_TEST
@@ -562,6 +695,8 @@ static Suite *kernels_suite(void) {
   tcase_add_test(tc, test_kernels_layernorm_odd_shapes);
   tcase_add_test(tc, test_kernels_rope_positions);
   tcase_add_test(tc, test_kernels_xent_fused);
+  tcase_add_test(tc, test_kernels_xent_vocab_shards);
+  tcase_add_test(tc, test_kernels_xent_vocab_edges);
   tcase_add_test(tc, test_kernels_portable_path);
   suite_add_tcase(s, tc);
   return s;

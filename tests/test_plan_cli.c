@@ -13,11 +13,11 @@
 
 static char dir[256];
 
-static int run_plan(const char *const *args, char **out, char **err) {
+static int run_cmd(const char *cmd, const char *const *args, char **out, char **err) {
   char *argv[16];
   int n = 0;
   argv[n++] = (char *)mr_t_meshrun();
-  argv[n++] = (char *)"plan";
+  argv[n++] = (char *)cmd;
   for (int i = 0; args[i] != NULL && n < 15; i++)
     argv[n++] = (char *)args[i];
   argv[n] = NULL;
@@ -30,6 +30,10 @@ static int run_plan(const char *const *args, char **out, char **err) {
   *out = mr_t_slurp(p.out_path);
   *err = mr_t_slurp(p.err_path);
   return rc;
+}
+
+static int run_plan(const char *const *args, char **out, char **err) {
+  return run_cmd("plan", args, out, err);
 }
 
 static void write_file(const char *name, const char *text, char *path, size_t n) {
@@ -215,6 +219,268 @@ START_TEST(test_plan_cli_calibrate_writes_a_spec_plan_accepts) {
 }
 END_TEST
 
+/* ---- --mesh and --explain ---- */
+
+/* The reshards section of `--explain` output, read back. */
+struct step {
+  char kind[32], dim[16];
+  long long bytes;
+};
+
+struct edge {
+  char kind[16];               // operand, grad sync, loss
+  char tensor[128];
+  int backward;
+  int n_steps;
+  struct step steps[8];
+};
+
+static int parse_edges(const char *out, struct edge *edges, int max) {
+  const char *p = strstr(out, "\nreshards (");
+  ck_assert_ptr_nonnull(p);
+  const char *end = strstr(p, "\ncollectives per mesh dim:");
+  ck_assert_ptr_nonnull(end);
+  int n = -1;
+  for (p = strchr(p + 1, '\n'); p != NULL && p < end; p = strchr(p + 1, '\n')) {
+    const char *line = p + 1;
+    char buf[512];
+    size_t len = strcspn(line, "\n");
+    if (len >= sizeof buf)
+      len = sizeof buf - 1;
+    memcpy(buf, line, len);
+    buf[len] = 0;
+    if (strncmp(buf, "  #", 3) == 0) {
+      ck_assert_int_lt(++n, max);
+      struct edge *e = &edges[n];
+      memset(e, 0, sizeof *e);
+      const char *w = strchr(buf + 3, ' ') + 1; /* past "  #N " */
+      if (strncmp(w, "grad sync ", 10) == 0) {
+        strcpy(e->kind, "grad sync");
+        w += 10;
+      } else {
+        sscanf(w, "%15s", e->kind);
+        w += strlen(e->kind) + 1;
+      }
+      sscanf(w, "%127[^ :]", e->tensor);
+      e->backward = strstr(buf, " (backward)") != NULL;
+    } else if (strncmp(buf, "      ", 6) == 0 && n >= 0) {
+      struct edge *e = &edges[n];
+      ck_assert_int_lt(e->n_steps, 8);
+      struct step *s = &e->steps[e->n_steps++];
+      memset(s, 0, sizeof *s);
+      sscanf(buf, " %31s on %15s", s->kind, s->dim);
+      s->bytes = atoll(strrchr(buf, ':') + 2);
+    }
+  }
+  return n + 1;
+}
+
+/* Steps of `kind` on mesh dim `dim` over edges of edge kind `ek`,
+ * forward (0), backward (1) or both (-1). */
+static int count(const struct edge *e, int n, const char *ek, int backward,
+                 const char *kind, const char *dim) {
+  int c = 0;
+  for (int i = 0; i < n; i++) {
+    if (strcmp(e[i].kind, ek) != 0 || (backward >= 0 && e[i].backward != backward))
+      continue;
+    for (int k = 0; k < e[i].n_steps; k++)
+      c += strcmp(e[i].steps[k].kind, kind) == 0 && strcmp(e[i].steps[k].dim, dim) == 0;
+  }
+  return c;
+}
+
+/* A LLaMA job with `layers` layers, hidden 64, 4 heads, vocabulary 96,
+ * batch 4 x 16 tokens, sequence parallelism off; shard rules: none (0),
+ * Megatron's (1), and the vocabulary split too (2). */
+static void llama_job(int layers, int rules, char *path, size_t n) {
+  char text[2000];
+  static const char *const names[] = {"llama-bare.json", "llama.json", "llama-vocab.json"};
+  snprintf(text, sizeof text,
+           "{\"model\": {\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\","
+           " \"vocab_size\": 96, \"hidden_size\": 64, \"intermediate_size\": 128,"
+           " \"num_hidden_layers\": %d, \"num_attention_heads\": 4, \"num_key_value_heads\": 4,"
+           " \"max_position_embeddings\": 64, \"rms_norm_eps\": 1e-5, \"rope_theta\": 10000.0,"
+           " \"tie_word_embeddings\": false},"
+           " \"data\": {\"train\": \"none.bin\"},"
+           " \"train\": {\"global_batch\": 4, \"seq_len\": 16},"
+           " \"strategy\": {\"sequence_parallel\": {\"enable\": false}}%s%s%s}",
+           layers,
+           rules ? ", \"shard_rules\": ["
+                   "{\"match\": \"q_proj|k_proj|v_proj|gate_proj|up_proj\", \"placements\": "
+                   "{\"model\": \"Shard(0)\"}},"
+                   "{\"match\": \"o_proj|down_proj\", \"placements\": {\"model\": \"Shard(1)\"}}"
+                 : "",
+           rules == 2 ? ",{\"match\": \"embed_tokens|lm_head\", \"placements\": "
+                        "{\"model\": \"Shard(0)\"}}"
+                      : "",
+           rules ? "]" : "");
+  write_file(names[rules], text, path, n);
+}
+
+#define MAX_EDGES 256
+
+/* Megatron on data=2,model=4 with 3 layers: per layer one forward
+ * AllReduce on model after attention and one after the MLP, each of the
+ * [rows per data rank, hidden] activation; as many in the backward;
+ * nothing else on model; on data, one gradient AllReduce per parameter. */
+START_TEST(test_plan_cli_mesh_explain_megatron_counts) {
+  mr_t_tmpdir(dir, sizeof dir);
+  const int L = 3, dp = 2, tp = 4, hidden = 64;
+  const long long rows = 4 * 16 / dp;
+  char job[700];
+  /* the job's rules, or none: the same layout by default */
+  llama_job(L, _i == 0 ? 1 : 0, job, sizeof job);
+  const char *args[] = {job, "--mesh", "data=2,model=4", "--explain", NULL};
+  char *out, *err;
+  ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
+  ck_assert_ptr_nonnull(strstr(out, "dp 2 x tp 4 x pp 1"));
+  ck_assert_ptr_nonnull(strstr(out, "placements and reshards on mesh data=2,model=4 "
+                                    "(given by --mesh)"));
+  ck_assert_ptr_nonnull(strstr(out, "loss: fused cross_entropy"));
+  ck_assert_ptr_nonnull(strstr(out, _i == 0 ? "shard rules: the job's (2)"
+                                            : "shard rules: Megatron's for LLaMA"));
+  static struct edge e[MAX_EDGES];
+  int n = parse_edges(out, e, MAX_EDGES);
+  ck_assert_int_eq(count(e, n, "operand", 0, "AllReduce", "model"), 2 * L);
+  ck_assert_int_eq(count(e, n, "operand", 1, "AllReduce", "model"), 2 * L);
+  const char *other[] = {"AllGather", "ReduceScatter", "AllToAll"};
+  for (int k = 0; k < 3; k++) {
+    ck_assert_int_eq(count(e, n, "operand", -1, other[k], "model"), 0);
+    ck_assert_int_eq(count(e, n, "operand", -1, other[k], "data"), 0);
+  }
+  ck_assert_int_eq(count(e, n, "operand", -1, "AllReduce", "data"), 0);
+  /* per layer 2 norms, q k v o gate up down; embedding, final norm, head */
+  ck_assert_int_eq(count(e, n, "grad sync", 1, "AllReduce", "data"), 9 * L + 3);
+  /* ring AllReduce: 2 (k - 1) / k of the local [rows, hidden] floats */
+  long long ar = 2 * (tp - 1) * rows * hidden * 4 / tp;
+  for (int i = 0; i < n; i++)
+    if (!strcmp(e[i].kind, "operand"))
+      for (int k = 0; k < e[i].n_steps; k++)
+        if (!strcmp(e[i].steps[k].kind, "AllReduce"))
+          ck_assert_int_eq(e[i].steps[k].bytes, ar);
+  char want[128];
+  snprintf(want, sizeof want, "  model: forward %d AllReduce; backward %d AllReduce\n",
+           2 * L, 2 * L);
+  ck_assert_msg(strstr(out, want) != NULL, "no \"%s\" in\n%s", want, strstr(out, "collectives"));
+  free(out), free(err);
+}
+END_TEST
+
+/* The vocabulary split as well: the loss is vocabulary-parallel, the
+ * logits are never gathered, and the loss adds three forward AllReduces
+ * of [rows] floats (row max, sums of exponentials, targets' logits) to the
+ * 2 per layer and the embedding's one. */
+START_TEST(test_plan_cli_explain_vocab_parallel_loss) {
+  mr_t_tmpdir(dir, sizeof dir);
+  const int L = 2, dp = 2, tp = 2;
+  const long long rows = 4 * 16 / dp;
+  char job[700];
+  llama_job(L, 2, job, sizeof job);
+  const char *args[] = {job, "--mesh", "data=2,model=2", "--explain", NULL};
+  char *out, *err;
+  ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
+  ck_assert_ptr_nonnull(strstr(out, "loss: vocabulary-parallel cross-entropy"));
+  static struct edge e[MAX_EDGES];
+  int n = parse_edges(out, e, MAX_EDGES);
+  ck_assert_int_eq(count(e, n, "operand", 0, "AllReduce", "model"), 2 * L + 1 + 3);
+  ck_assert_int_eq(count(e, n, "operand", 1, "AllReduce", "model"), 2 * L + 1);
+  ck_assert_int_eq(count(e, n, "operand", -1, "AllGather", "model"), 0);
+  int loss_steps = 0;
+  for (int i = 0; i < n; i++) {
+    ck_assert_str_ne(e[i].tensor, "logits");
+    ck_assert_str_ne(e[i].tensor, "grad/logits");
+    if (strncmp(e[i].tensor, "loss.", 5) != 0 || strcmp(e[i].kind, "operand") != 0)
+      continue;
+    ck_assert_int_eq(e[i].n_steps, 1);
+    ck_assert_str_eq(e[i].steps[0].kind, "AllReduce");
+    ck_assert_int_eq(e[i].steps[0].bytes, 2 * (tp - 1) * rows * 4 / tp);
+    loss_steps++;
+  }
+  ck_assert_int_eq(loss_steps, 3);
+  free(out), free(err);
+}
+END_TEST
+
+/* Without --mesh, the explanation is on the chosen strategy's mesh; and
+ * `meshrun explain` prints the same as `meshrun plan --explain`. */
+START_TEST(test_plan_cli_explain_follows_the_search_and_the_alias) {
+  mr_t_tmpdir(dir, sizeof dir);
+  char job[700];
+  llama_job(2, 1, job, sizeof job);
+  const char *args[] = {job, "--nproc", "4", "--explain", NULL};
+  char *out, *err;
+  ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
+  const char *ch = strstr(out, "chosen:\n  dp ");
+  ck_assert_ptr_nonnull(ch);
+  int dp = 0, tp = 0;
+  ck_assert_int_eq(sscanf(ch, "chosen:\n  dp %d x tp %d", &dp, &tp), 2);
+  ck_assert_int_eq(dp * tp, 4);
+  char want[128];
+  snprintf(want, sizeof want, "placements and reshards on mesh data=%d,model=%d (the "
+           "chosen strategy's data x model", dp, tp);
+  ck_assert_msg(strstr(out, want) != NULL, "%s", out);
+  free(out), free(err);
+  const char *a1[] = {job, "--mesh", "data=2,model=2", "--explain", NULL};
+  const char *a2[] = {job, "--mesh", "data=2,model=2", NULL};
+  char *o1, *e1, *o2, *e2;
+  ck_assert_int_eq(run_plan(a1, &o1, &e1), 0);
+  ck_assert_int_eq(run_cmd("explain", a2, &o2, &e2), 0);
+  const char *x1 = strstr(o1, "\nreshards ("), *x2 = strstr(o2, "\nreshards (");
+  ck_assert(x1 != NULL && x2 != NULL);
+  ck_assert_str_eq(x1, x2);
+  free(o1), free(e1), free(o2), free(e2);
+}
+END_TEST
+
+/* Bad meshes and flags exit 2 naming the flag and what was expected. */
+START_TEST(test_plan_cli_bad_mesh_exits_2_naming_it) {
+  mr_t_tmpdir(dir, sizeof dir);
+  char job[700];
+  llama_job(2, 1, job, sizeof job);
+  static const struct {
+    const char *a[4];
+    const char *say[2];
+  } cases[] = {
+      {{"--mesh", "x=2", NULL}, {"--mesh \"x=2\": dim \"x\"", "expected the dims data and model"}},
+      {{"--mesh", "data=two", NULL}, {"--mesh \"data=two\"", "expected a positive integer"}},
+      {{"--mesh", "data=2model=2", NULL}, {"--mesh \"data=2model=2\"", "expected"}},
+      {{"--mesh", "data=2,model=2", "--nproc", "8"}, {"has 4 ranks but --nproc is 8", "expected"}},
+      {{"--mesh", "data=1,model=3", NULL}, {"--mesh \"data=1,model=3\"", "heads"}},
+      {{"--explain", "--json", NULL}, {"--explain", "expected it without --json"}},
+      {{"--mesh", NULL}, {"--mesh", "requires an argument"}},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    const char *args[8];
+    int n = 0;
+    args[n++] = job;
+    for (int k = 0; k < 4 && cases[i].a[k] != NULL; k++)
+      args[n++] = cases[i].a[k];
+    args[n] = NULL;
+    char *out, *err;
+    ck_assert_int_eq(run_plan(args, &out, &err), 2);
+    for (int k = 0; k < 2; k++)
+      ck_assert_msg(strstr(err, cases[i].say[k]) != NULL, "case %zu: no \"%s\" in: %s", i,
+                    cases[i].say[k], err);
+    free(out), free(err);
+  }
+  /* the job fixes another degree */
+  char text[1200], job2[700];
+  char *src = mr_t_slurp(job);
+  const char *at = strstr(src, "\"strategy\": {");
+  ck_assert_ptr_nonnull(at);
+  snprintf(text, sizeof text, "%.*s\"strategy\": {\"tensor_parallel\": {\"degree\": 2}, %s",
+           (int)(at - src), src, at + strlen("\"strategy\": {"));
+  write_file("fixed.json", text, job2, sizeof job2);
+  free(src);
+  const char *args[] = {job2, "--mesh", "data=1,model=4", NULL};
+  char *out, *err;
+  ck_assert_int_eq(run_plan(args, &out, &err), 2);
+  ck_assert_msg(strstr(err, "strategy.tensor_parallel.degree 4 but the job fixes it to 2"),
+                "%s", err);
+  free(out), free(err);
+}
+END_TEST
+
 static Suite *plan_cli_suite(void) {
   Suite *s = suite_create("plan_cli");
   TCase *tc = tcase_create("cli");
@@ -224,6 +490,10 @@ static Suite *plan_cli_suite(void) {
   tcase_add_test(tc, test_plan_cli_does_not_fit);
   tcase_add_test(tc, test_plan_cli_bad_input_exits_2_naming_it);
   tcase_add_test(tc, test_plan_cli_calibrate_writes_a_spec_plan_accepts);
+  tcase_add_loop_test(tc, test_plan_cli_mesh_explain_megatron_counts, 0, 2);
+  tcase_add_test(tc, test_plan_cli_explain_vocab_parallel_loss);
+  tcase_add_test(tc, test_plan_cli_explain_follows_the_search_and_the_alias);
+  tcase_add_test(tc, test_plan_cli_bad_mesh_exits_2_naming_it);
   suite_add_tcase(s, tc);
   return s;
 }

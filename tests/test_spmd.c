@@ -163,6 +163,35 @@ static void build(int kind, uint32_t *s, struct opcase *c) {
     c->positive[n] = 1;
     in[n++] = in1(g, "lse", MR_F32, N);
     break;
+  case MR_OP_XENT_MAX:
+    in[n++] = in2(g, "logits", N, V);
+    break;
+  case MR_OP_XENT_SUMEXP:
+  case MR_OP_XENT_SUMEXP_BWD:
+    in[n++] = in2(g, "logits", N, V);
+    in[n++] = in1(g, "targets", MR_I32, N);
+    in[n++] = in1(g, "m", MR_F32, N);
+    if (kind == MR_OP_XENT_SUMEXP_BWD) {
+      in[n++] = in1(g, "ds", MR_F32, N);
+      if (lcg(s) & 1) /* dtl absent: zero */
+        in[n++] = in1(g, "dtl", MR_F32, N);
+    }
+    break;
+  case MR_OP_XENT_FINISH:
+    c->positive[n] = 1;
+    in[n++] = in1(g, "s", MR_F32, N);
+    in[n++] = in1(g, "tl", MR_F32, N);
+    in[n++] = in1(g, "m", MR_F32, N);
+    in[n++] = in1(g, "targets", MR_I32, N);
+    break;
+  case MR_OP_XENT_FINISH_BWD:
+    c->positive[n] = 1;
+    in[n++] = in1(g, "s", MR_F32, N);
+    in[n++] = in1(g, "targets", MR_I32, N);
+    in[n++] = in1(g, "dloss", MR_F32, 1);
+    if (lcg(s) & 1)
+      in[n++] = in1(g, "dlse", MR_F32, N);
+    break;
   default:
     ck_abort_msg("no case for op %d", kind);
   }

@@ -12,6 +12,7 @@
 #include "common/ops.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/backend/cpu/pool.h"
+#include "worker/backend/cpu/xent_vocab.h"
 
 #define TT(g, id) (&(g)->tensors[(id)])
 #define NEL(g, id) mr_tensor_numel(TT(g, id))
@@ -406,6 +407,52 @@ static int k_xent_bwd(void *ctx, const struct mr_graph *g,
   return mr_cpu_xent_bwd(POOL(ctx), b[4], b[1], b[3], y, NULL, scale, n, v);
 }
 
+/* a1 > 0: the logits are columns [a0, a0 + V) of a vocabulary of a1 */
+static int64_t vocab_of(const struct mr_op *op, int v) {
+  return op->attr[1] > 0 ? (int64_t)op->attr[1] : v;
+}
+
+static int k_xent_max(void *ctx, const struct mr_graph *g,
+                      const struct mr_op *op, void *const *b) {
+  return mr_cpu_xent_rowmax(POOL(ctx), b[1], b[0], ROWS(g, op->in[0]),
+                            COLS(g, op->in[0]));
+}
+
+static int k_xent_sumexp(void *ctx, const struct mr_graph *g,
+                         const struct mr_op *op, void *const *b) {
+  int n = ROWS(g, op->in[0]), v = COLS(g, op->in[0]);
+  return mr_cpu_xent_sumexp(POOL(ctx), b[3], b[4], b[0], b[1], b[2], n, v,
+                            (int64_t)op->attr[0], vocab_of(op, v));
+}
+
+static int k_xent_sumexp_bwd(void *ctx, const struct mr_graph *g,
+                             const struct mr_op *op, void *const *b) {
+  int n = ROWS(g, op->in[0]), v = COLS(g, op->in[0]);
+  const float *ds = op->n_in > 3 ? b[3] : NULL, *dtl = op->n_in > 4 ? b[4] : NULL;
+  return mr_cpu_xent_sumexp_bwd(POOL(ctx), b[op->n_in], b[0], b[1], b[2], ds,
+                                dtl, n, v, (int64_t)op->attr[0],
+                                vocab_of(op, v));
+}
+
+/* a0 > 0: a row shard divides by the rows of the whole batch, so each
+ * rank's loss is its Partial(sum) operand (as cross_entropy) */
+static int k_xent_finish(void *ctx, const struct mr_graph *g,
+                         const struct mr_op *op, void *const *b) {
+  (void)ctx;
+  return mr_cpu_xent_finish(b[4], b[5], b[0], b[1], b[2], b[3],
+                            ROWS(g, op->in[0]), op->attr[0]);
+}
+
+static int k_xent_finish_bwd(void *ctx, const struct mr_graph *g,
+                             const struct mr_op *op, void *const *b) {
+  (void)ctx;
+  const float *dloss = op->n_in > 2 ? b[2] : NULL;
+  const float *dlse = op->n_in > 3 ? b[3] : NULL;
+  return mr_cpu_xent_finish_bwd(b[op->n_in], b[op->n_in + 1],
+                                dloss ? dloss[0] : 0.0f, dlse, b[0], b[1],
+                                ROWS(g, op->in[0]), op->attr[0]);
+}
+
 void mr_cpu_kernels_register(void) {
   static const struct {
     int kind;
@@ -421,6 +468,9 @@ void mr_cpu_kernels_register(void) {
       {MR_OP_ATTENTION, k_attention},     {MR_OP_ATTENTION_BWD, k_attention_bwd},
       {MR_OP_SPLIT3, k_split3},           {MR_OP_CONCAT3, k_concat3},
       {MR_OP_CROSS_ENTROPY, k_xent},      {MR_OP_CROSS_ENTROPY_BWD, k_xent_bwd},
+      {MR_OP_XENT_MAX, k_xent_max},       {MR_OP_XENT_SUMEXP, k_xent_sumexp},
+      {MR_OP_XENT_SUMEXP_BWD, k_xent_sumexp_bwd},
+      {MR_OP_XENT_FINISH, k_xent_finish}, {MR_OP_XENT_FINISH_BWD, k_xent_finish_bwd},
   };
   for (size_t i = 0; i < MR_ARRAY_LEN(table); i++)
     mr_op_set_kernel(table[i].kind, MR_BACKEND_CPU, table[i].fn);

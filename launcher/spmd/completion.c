@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/autodiff.h"
 #include "common/dtype.h"
 #include "common/error.h"
 #include "common/ops.h"
@@ -325,4 +326,65 @@ int64_t mr_dist_graph_bytes(const struct mr_dist_graph *dg) {
   for (int e = 0; e < dg->n_edges; e++)
     b += dg->edges[e].plan.bytes;
   return b;
+}
+
+int mr_dist_graph_splits(const struct mr_dist_graph *dg, int t, int dim) {
+  const struct mr_dist_attr *d = &dg->tensor[t];
+  for (int md = 0; md < d->ndim; md++)
+    if (d->p[md].kind == MR_SHARD && d->p[md].dim == dim &&
+        dg->mesh.shape[md] > 1)
+      return 1;
+  return 0;
+}
+
+/* Builds, differentiates and completes one form; on failure closes both. */
+static int complete_form(const struct mr_model_config *cfg, int64_t batch,
+                         int64_t seq, enum mr_loss_form form,
+                         const struct mr_mesh *m,
+                         const struct mr_completion_opts *o,
+                         struct mr_model *mo, struct mr_dist_graph *dg) {
+  memset(dg, 0, sizeof *dg);
+  int seed, rc = mr_model_build_loss(cfg, batch, seq, form, mo);
+  if (rc == 0)
+    rc = mr_autodiff(&mo->graph, mo->loss, &seed);
+  if (rc == 0)
+    rc = mr_spmd_complete(&mo->graph, m, o, dg);
+  if (rc < 0)
+    mr_model_close(mo);
+  return rc;
+}
+
+int mr_spmd_complete_model(const struct mr_model_config *cfg, int64_t batch,
+                           int64_t seq, const struct mr_mesh *m,
+                           const struct mr_completion_opts *o,
+                           struct mr_model *mo, struct mr_dist_graph *dg) {
+  memset(mo, 0, sizeof *mo);
+  memset(dg, 0, sizeof *dg);
+  if (o->seed)
+    return mr_error_set(MR_EINVAL, "completion of a model: explicit seeds "
+                        "are not supported (the loss forms number tensors "
+                        "differently)");
+  MR_TRY(complete_form(cfg, batch, seq, MR_LOSS_FUSED, m, o, mo, dg));
+  if (!mr_dist_graph_splits(dg, mo->logits, 1))
+    return 0;
+  struct mr_model vp;
+  struct mr_dist_graph vdg;
+  int rc = complete_form(cfg, batch, seq, MR_LOSS_VOCAB_PARALLEL, m, o, &vp,
+                         &vdg);
+  if (rc < 0) {
+    mr_dist_graph_close(dg);
+    mr_model_close(mo);
+    return rc;
+  }
+  if (mr_dist_graph_bytes(&vdg) >= mr_dist_graph_bytes(dg)) {
+    mr_dist_graph_close(&vdg);
+    mr_model_close(&vp);
+    return 0;
+  }
+  mr_dist_graph_close(dg);
+  mr_model_close(mo);
+  *mo = vp;
+  *dg = vdg;
+  dg->g = &mo->graph; /* the graph struct moved; its arrays did not */
+  return 0;
 }

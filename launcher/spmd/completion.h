@@ -23,6 +23,7 @@
 #include "common/graph.h"
 #include "common/job.h"
 #include "common/mesh.h"
+#include "common/model.h"
 #include "launcher/spmd/reshard.h"
 
 enum mr_edge_kind {
@@ -72,6 +73,25 @@ int mr_spmd_complete(const struct mr_graph *g, const struct mr_mesh *m,
                      struct mr_dist_graph *dg);
 
 void mr_dist_graph_close(struct mr_dist_graph *dg);
+
+/* Builds the training graph (forward + backward) of model cfg for batch x
+ * seq tokens into mo and completes it on m into dg (both caller-allocated;
+ * on success the caller closes both, on failure both hold nothing).  The
+ * loss is the fused cross_entropy unless that graph's logits come out split
+ * by vocabulary (the head Shard(0) on a mesh dim), which the fused op would
+ * have to gather: then the model is rebuilt with the vocabulary-parallel
+ * loss (common/model.h), which reads the logits where they lie, and kept
+ * when its reshards move fewer bytes (they do once V > 6: three [N]
+ * all-reduces instead of an [N, V] all-gather).  o->seed must be NULL (the
+ * forms number their tensors differently).  Returns 0, MR_EINVAL (as
+ * mr_spmd_complete, or seeds given) or an error building the graph. */
+int mr_spmd_complete_model(const struct mr_model_config *cfg, int64_t batch,
+                           int64_t seq, const struct mr_mesh *m,
+                           const struct mr_completion_opts *o,
+                           struct mr_model *mo, struct mr_dist_graph *dg);
+
+/* 1 when dg splits tensor t's dim `dim` over some mesh dim of size > 1. */
+int mr_dist_graph_splits(const struct mr_dist_graph *dg, int t, int dim);
 
 /* Steps of kind over all edges of edge kind ek (-1: any) on mesh dim md
  * (-1: any), forward (backward = 0), backward (1) or both (-1). */

@@ -89,7 +89,8 @@ static void apply(const struct mr_spmd_spec *s, const struct mr_mesh *m,
       int p = pos(s->in[i], a->letter[md]);
       /* the output (0) is a Partial(sum) of per-rank terms: a bias added
        * on every rank must be an operand too */
-      int summed = (a->letter[md] && !has(s->out[0], a->letter[md])) ||
+      int summed = (a->letter[md] && !has(s->out[0], a->letter[md]) &&
+                    s->contract_op == MR_REDUCE_SUM) ||
                    (a->partial[md] && a->pop[md] == MR_REDUCE_SUM);
       if (a->letter[md] && p >= 0)
         need[i].p[md] = mr_shard(p);
@@ -108,7 +109,7 @@ static void apply(const struct mr_spmd_spec *s, const struct mr_mesh *m,
       if (c && has(s->out[o], c))
         out[o].p[md] = mr_shard(pos(s->out[o], c));
       else if (c)
-        out[o].p[md] = mr_partial(MR_REDUCE_SUM); /* contracted */
+        out[o].p[md] = mr_partial(s->contract_op); /* contracted */
       else if (a->partial[md])
         out[o].p[md] = mr_partial(a->pop[md]);
     }
@@ -271,7 +272,7 @@ int mr_spmd_infer_reverse(const struct mr_spmd_rule *r,
           a.letter[md] = c;
       } else if (p.kind == MR_PARTIAL) {
         for (const char *c = s.contract; *c && !a.letter[md]; c++)
-          if (!has(s.out[o], *c) && p.reduce == MR_REDUCE_SUM &&
+          if (!has(s.out[o], *c) && p.reduce == s.contract_op &&
               choosable(&s, m, &a, md, *c, &bad))
             a.letter[md] = *c;
         if (!a.letter[md] && s.linear != MR_SPMD_NONLINEAR &&

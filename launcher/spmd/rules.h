@@ -6,7 +6,8 @@
  * A rule describes its op in einsum notation: one letter per tensor dim
  * ("mk,nk->mn" for x W^T).  A mesh dim shards at most one letter; a letter
  * absent from an output and listed in `contract` makes that output
- * Partial(sum) where it is sharded; letters in `forbid` are never sharded.
+ * Partial(sum) where it is sharded (Partial(max) for a row maximum:
+ * `contract_op`); letters in `forbid` are never sharded.
  * `atoms` says in how many indivisible pieces a dim comes (heads for
  * attention columns, whole sequences for RoPE rows): a mesh dim may shard it
  * only when its degree divides that count.  Ops linear in all inputs jointly
@@ -43,6 +44,8 @@ struct mr_spmd_spec {
   enum mr_spmd_linear linear;
   unsigned additive;          // bit i: input i is added to the output
   unsigned nonfloat;          // bit i: input i is integer (never Partial)
+  enum mr_reduce_op contract_op; // how outputs reduce over a sharded
+                              // contracted letter: sum (0), or max
 };
 
 /* Fills the spec of op in g.  Returns 0 or MR_EINVAL. */

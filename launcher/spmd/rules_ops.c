@@ -298,6 +298,111 @@ static void xent_localize(const struct mr_graph *g, const struct mr_op *op,
   attr[0] = (double)T(g, logits)->shape[0]; /* the mean is over all rows */
 }
 
+/* Vocabulary-parallel cross-entropy: with the vocabulary (v) sharded, the
+ * row maxima are Partial(max) and the sums of exponentials and the
+ * targets' logits Partial(sum), all [N]: completion all-reduces them before
+ * the finishing step, and the logits never move.  Each shard learns its
+ * first column from `localize`, as a vocabulary-sharded embedding does. */
+static int spec_xent_max(const struct mr_graph *g, const struct mr_op *op,
+                         struct mr_spmd_spec *s) {
+  (void)g, (void)op;
+  s->n_in = s->n_out = 1;
+  set(s->in[0], "nv");
+  set(s->out[0], "n");
+  set(s->contract, "v");
+  s->contract_op = MR_REDUCE_MAX;
+  return 0;
+}
+
+static int spec_xent_sumexp(const struct mr_graph *g, const struct mr_op *op,
+                            struct mr_spmd_spec *s) {
+  (void)g, (void)op;
+  s->n_in = 3;
+  s->n_out = 2;
+  set(s->in[0], "nv");
+  set(s->in[1], "n");
+  set(s->in[2], "n"); /* m: whole rows' maxima, so replicated over v */
+  s->nonfloat = 1u << 1;
+  set(s->out[0], "n");
+  set(s->out[1], "n");
+  set(s->contract, "v");
+  return 0;
+}
+
+static int spec_xent_sumexp_bwd(const struct mr_graph *g,
+                                const struct mr_op *op,
+                                struct mr_spmd_spec *s) {
+  (void)g;
+  /* logits, targets, m[, ds[, dtl]] -> dlogits: local per shard */
+  s->n_in = op->n_in;
+  s->n_out = 1;
+  set(s->in[0], "nv");
+  for (int i = 1; i < op->n_in; i++)
+    if (op->in[i] >= 0)
+      set(s->in[i], "n");
+  s->nonfloat = 1u << 1;
+  set(s->out[0], "nv");
+  return 0;
+}
+
+static void xent_vocab_localize(const struct mr_graph *g,
+                                const struct mr_op *op, const struct mr_mesh *m,
+                                const struct mr_dist_attr *need,
+                                const int *coord, double *attr) {
+  const struct mr_tensor *l = T(g, op->in[0]);
+  int64_t off[MR_TENSOR_MAX_DIMS], len[MR_TENSOR_MAX_DIMS];
+  mr_dist_local(m, &need[0], l->ndim, l->shape, coord, off, len);
+  memcpy(attr, op->attr, sizeof op->attr);
+  attr[0] = (double)off[1];
+  attr[1] = (double)l->shape[1];
+}
+
+static int spec_xent_finish(const struct mr_graph *g, const struct mr_op *op,
+                            struct mr_spmd_spec *s) {
+  (void)g, (void)op;
+  s->n_in = 4;
+  s->n_out = 2;
+  for (int i = 0; i < 4; i++)
+    set(s->in[i], "n");
+  s->nonfloat = 1u << 3;
+  set(s->out[0], "z");
+  set(s->out[1], "n");
+  /* rows sharded: each rank's loss is its rows' sum over the global row
+   * count, a Partial(sum) operand (as cross_entropy) */
+  set(s->contract, "n");
+  set(s->forbid, "z");
+  return 0;
+}
+
+static int spec_xent_finish_bwd(const struct mr_graph *g,
+                                const struct mr_op *op,
+                                struct mr_spmd_spec *s) {
+  (void)g;
+  /* s, targets[, dloss[, dlse]] -> ds, dtl */
+  s->n_in = op->n_in;
+  s->n_out = 2;
+  set(s->in[0], "n");
+  set(s->in[1], "n");
+  if (op->n_in > 2 && op->in[2] >= 0)
+    set(s->in[2], "z");
+  if (op->n_in > 3 && op->in[3] >= 0)
+    set(s->in[3], "n");
+  s->nonfloat = 1u << 1;
+  set(s->out[0], "n");
+  set(s->out[1], "n");
+  set(s->forbid, "z");
+  return 0;
+}
+
+static void xent_rows_localize(const struct mr_graph *g, const struct mr_op *op,
+                               const struct mr_mesh *m,
+                               const struct mr_dist_attr *need,
+                               const int *coord, double *attr) {
+  (void)coord, (void)m, (void)need;
+  memcpy(attr, op->attr, sizeof op->attr);
+  attr[0] = (double)T(g, op->in[0])->shape[0]; /* the mean is over all rows */
+}
+
 static const struct mr_spmd_rule builtin[] = {
     {"embedding", spec_embedding, embedding_localize},
     {"embedding_bwd", spec_embedding_bwd, NULL},
@@ -319,6 +424,11 @@ static const struct mr_spmd_rule builtin[] = {
     {"concat3", spec_split_concat, NULL},
     {"cross_entropy", spec_xent, xent_localize},
     {"cross_entropy_bwd", spec_xent_bwd, xent_localize},
+    {"xent_max", spec_xent_max, NULL},
+    {"xent_sumexp", spec_xent_sumexp, xent_vocab_localize},
+    {"xent_sumexp_bwd", spec_xent_sumexp_bwd, xent_vocab_localize},
+    {"xent_finish", spec_xent_finish, xent_rows_localize},
+    {"xent_finish_bwd", spec_xent_finish_bwd, xent_rows_localize},
 };
 
 void mr__spmd_builtin_register(void) {
