@@ -91,6 +91,20 @@ START_TEST(test_cost_group_link_by_mesh_position) {
 }
 END_TEST
 
+START_TEST(test_cost_pipeline_send_scatter_gather) {
+  struct mr_link ib = {25e9, 5e-6, 1}, nv = {200e9, 1e-6, 0};
+  /* 4096 tokens × h 6144 × 2 bytes = 50,331,648 bytes.  t 4: each rank
+   * sends its quarter, 12,582,912 bytes: 5 µs + 12,582,912 / 25e9 =
+   * 508.31648 µs; the receiver all-gathers the quarters on NVLink:
+   * 3·1 µs + (3/4)·50,331,648 / 200e9 = 191.74368 µs. */
+  NEAR(mr_cost_pipeline_send_time(4096, 6144, 2, 4, 0, &ib, &nv), 508.31648e-6 + 191.74368e-6);
+  /* sequence parallel: the slices stay sharded, nothing to gather */
+  NEAR(mr_cost_pipeline_send_time(4096, 6144, 2, 4, 1, &ib, &nv), 508.31648e-6);
+  /* t 1: the whole tensor, 5 µs + 50,331,648 / 25e9 */
+  NEAR(mr_cost_pipeline_send_time(4096, 6144, 2, 1, 0, &ib, &nv), 2018.26592e-6);
+}
+END_TEST
+
 START_TEST(test_cost_bubble_fraction_per_schedule) {
   NEAR(mr_cost_bubble_fraction(MR_PP_1F1B, 8, 32, 1), 7.0 / 32);
   NEAR(mr_cost_bubble_fraction(MR_PP_GPIPE, 8, 32, 1), 7.0 / 32);
@@ -253,6 +267,12 @@ START_TEST(test_cost_step_time_identities) {
   NEAR(k.model_tflops_per_device, k.model_flops / k.step_time_s / 128 / 1e12);
   NEAR(k.mem.total, k.mem.params + k.mem.grads + k.mem.optimizer + k.mem.activations +
                         k.mem.buffers + k.mem.workspace);
+  /* pipeline sends: (m + p − 1)·2 of them, each an eighth of 2048 × 4096 ×
+   * 2 bytes over the network (stride 32: 8 flows share 100 GB/s, 5 µs),
+   * 5 µs + 2,097,152 / 12.5e9 = 172.77216 µs, then the all-gather of the
+   * eighths on the node's bus, 7·1 µs + (7/8)·16,777,216 / 200e9 =
+   * 80.40032 µs */
+  NEAR(k.p2p_s, 19 * 2 * (172.77216e-6 + 80.40032e-6));
   /* interleaving: the same work in v·m slots of half-size chunks */
   s.schedule = MR_PP_INTERLEAVED, s.virtual_stages = 2;
   struct mr_cost ki;
@@ -348,6 +368,7 @@ static Suite *cost_suite(void) {
   tcase_add_test(tc, test_cost_gemm_efficiency_saturates);
   tcase_add_test(tc, test_cost_collectives_alpha_beta);
   tcase_add_test(tc, test_cost_group_link_by_mesh_position);
+  tcase_add_test(tc, test_cost_pipeline_send_scatter_gather);
   tcase_add_test(tc, test_cost_bubble_fraction_per_schedule);
   tcase_add_test(tc, test_cost_activation_memory_korthikanti);
   tcase_add_test(tc, test_cost_model_states_by_zero_stage);
