@@ -186,49 +186,76 @@ START_TEST(test_search_does_not_fit_says_what_would) {
 }
 END_TEST
 
+/* A row of Narayanan et al. 2021, Table 1, run as its authors ran it:
+ * micro-batch size and virtual stages from their scripts (Megatron-LM,
+ * examples/sc21/run_table_1.sh). */
 struct table1_row {
   const char *name;
   int64_t h, a, l;
   int t, p, gpus;
   int64_t batch;
-  double tflops; // per GPU, Narayanan et al. 2021, Table 1
+  double tflops;   // per GPU, Table 1
+  int mbs, v;      // micro-batch size; virtual stages (1: plain 1F1B)
+  int disagrees;   // the planner prefers another t × p (docs/PLANNER.md)
 };
 
 static const struct table1_row rows[] = {
-    {"18.4B", 6144, 48, 40, 8, 1, 256, 1024, 135},
-    {"145.6B", 12288, 96, 80, 8, 8, 1536, 2304, 148},
-    {"529.6B", 20480, 128, 105, 8, 35, 2520, 2520, 163},
-    {"1T", 25600, 160, 128, 8, 64, 3072, 3072, 163},
+    {"18.4B", 6144, 48, 40, 8, 1, 256, 1024, 135, 8, 1, 1},
+    {"145.6B", 12288, 96, 80, 8, 8, 1536, 2304, 148, 2, 2, 0},
+    {"529.6B", 20480, 128, 105, 8, 35, 2520, 2520, 163, 1, 3, 0},
+    {"1T", 25600, 160, 128, 8, 64, 3072, 3072, 163, 1, 1, 0},
 };
 
-START_TEST(test_search_megatron_published_step_time_within_15_percent) {
-  const struct table1_row *row = &rows[_i];
+/* The published step time: the paper's FLOPs per iteration (the 96 form)
+ * over its TF/s per GPU × GPUs. */
+static double published_step(const struct table1_row *row) {
+  double B = (double)row->batch, s = 2048, l = (double)row->l, hd = (double)row->h;
+  double F = 96 * B * s * l * hd * hd * (1 + s / (6 * hd) + 51200 / (16 * l * hd));
+  return F / (row->tflops * 1e12 * row->gpus);
+}
+
+/* The planner's prediction for the row's published configuration: its t,
+ * p, micro-batch size, schedule and full recompute fixed. */
+static double predict_published(const struct table1_row *row) {
   struct mr_cluster c = a100();
   c.nodes = row->gpus / 8;
   struct mr_model_config m = gpt(row->h, row->a, row->l);
   struct mr_train_config tr = {.global_batch = row->batch, .seq_len = 2048};
   struct mr_strategy_hint h = paper_hint();
   h.tp = row->t, h.pp = row->p;
-  h.micro_batches = (int)(row->batch / (row->gpus / (row->t * row->p))); // micro-batch 1
+  h.micro_batches = (int)(row->batch / (row->gpus / (row->t * row->p)) / row->mbs);
+  if (row->p > 1) {
+    h.pp_schedule_set = 1;
+    h.pp_schedule = row->v > 1 ? MR_PP_INTERLEAVED : MR_PP_1F1B;
+    h.virtual_stages = row->v;
+  }
   struct mr_plan_request req = {&m, &tr, &h, &c, row->gpus, 1};
   struct mr_plan_result *r = calloc(1, sizeof *r);
   ck_assert_msg(mr_plan_search(&req, r) == 0, "%s: %s", row->name, mr_error_message());
-  double B = (double)row->batch, s = 2048, l = (double)row->l, hd = (double)row->h;
-  double F = 96 * B * s * l * hd * hd * (1 + s / (6 * hd) + 51200 / (16 * l * hd));
-  double published = F / (row->tflops * 1e12 * row->gpus);
+  ck_assert_int_eq(r->top[0].strategy.micro_batch_size, row->mbs);
   double got = r->top[0].cost.step_time_s;
+  free(r);
+  return got;
+}
+
+START_TEST(test_search_megatron_published_step_time_within_15_percent) {
+  const struct table1_row *row = &rows[_i];
+  double got = predict_published(row), published = published_step(row);
   ck_assert_msg(fabs(got / published - 1) < 0.15, "%s: predicted %.2f s, published %.2f s",
                 row->name, got, published);
-  free(r);
 }
 END_TEST
 
 START_TEST(test_search_megatron_choice_matches_or_within_5_percent) {
-  /* 145.6B, 529.6B, 1T: the search with the paper's techniques picks the
-   * published t and p, or a plan it predicts within 5% of its prediction
-   * for the published one.  (18.4B: see docs/PLANNER.md; the model
-   * prefers t 4 × p 2.) */
-  const struct table1_row *row = &rows[_i + 1];
+  /* The search with the paper's techniques picks the published t and p,
+   * or a plan it predicts within 5% of its best plan with the published t
+   * and p.  18.4B is the exception docs/PLANNER.md argues: the model
+   * prefers t 4 × p 2 (the same model-parallel size) because it halves
+   * the tensor-parallel traffic per rank, a configuration the paper did
+   * not measure; there the prediction for the published configuration
+   * must be within 5% of the published step time instead, and the
+   * disagreement below 10%. */
+  const struct table1_row *row = &rows[_i];
   struct mr_cluster c = a100();
   c.nodes = row->gpus / 8;
   struct mr_model_config m = gpt(row->h, row->a, row->l);
@@ -242,11 +269,56 @@ START_TEST(test_search_megatron_choice_matches_or_within_5_percent) {
   h.tp = row->t, h.pp = row->p;
   ck_assert_int_eq(mr_plan_search(&req, r), 0);
   double pub = r->top[0].cost.step_time_s;
-  ck_assert(chosen <= pub * (1 + 1e-12));
-  ck_assert_msg((t == row->t && p == row->p) || chosen >= 0.95 * pub,
-                "%s: chose t %d p %d at %.2f s, published t %d p %d at %.2f s", row->name, t,
-                p, chosen, row->t, row->p, pub);
   free(r);
+  ck_assert(chosen <= pub * (1 + 1e-12));
+  int agrees = (t == row->t && p == row->p) || chosen >= 0.95 * pub;
+  if (!row->disagrees) {
+    ck_assert_msg(agrees, "%s: chose t %d p %d at %.2f s, published t %d p %d at %.2f s",
+                  row->name, t, p, chosen, row->t, row->p, pub);
+    return;
+  }
+  double got = predict_published(row), published = published_step(row);
+  ck_assert_msg(!agrees, "%s: the planner now agrees with the paper (t %d p %d at %.2f s, "
+                "published t×p at %.2f s): update rows[] and docs/PLANNER.md", row->name, t,
+                p, chosen, pub);
+  ck_assert_int_eq(t * p, row->t * row->p);
+  ck_assert_msg(chosen >= 0.90 * pub, "%s: chose t %d p %d at %.2f s, %.1f%% faster than "
+                "the published t×p at %.2f s", row->name, t, p, chosen,
+                100 * (1 - chosen / pub), pub);
+  ck_assert_msg(fabs(got / published - 1) < 0.05, "%s: published configuration predicted "
+                "%.2f s, published %.2f s", row->name, got, published);
+}
+END_TEST
+
+START_TEST(test_search_megatron_39b_with_allreduce_after_the_flush) {
+  /* The 39.1B row (h 8192, a 64, l 48, t 8, p 2, 512 GPUs, batch 1536,
+   * 138 TF/s per GPU) calibrated gemm_half_dim.  Its authors ran it with
+   * micro-batch 4, the plain 1F1B schedule and Megatron's "local" DDP,
+   * which all-reduces the gradients after the pipeline flush instead of
+   * behind the backward (Megatron-LM, examples/sc21/run_table_1.sh and
+   * megatron/training.py).  That run, predicted as the model predicts it
+   * plus the all-reduce of the fuller stage's fp16 gradients over the 32
+   * data-parallel ranks (stride 8: one per node), is the published
+   * 14.45 s within 1%. */
+  struct mr_cluster c = a100();
+  c.nodes = 64;
+  struct mr_model_config m = gpt(8192, 64, 48);
+  struct mr_workload w = {&m, 1536, 2048};
+  struct mr_strategy s;
+  memset(&s, 0, sizeof s);
+  s.dp = 32, s.tp = 8, s.pp = 2, s.mapping = MR_MAP_TP_DP_PP;
+  s.micro_batch_size = 4, s.micro_batches = 12, s.grad_accum_steps = 1;
+  s.virtual_stages = 1, s.schedule = MR_PP_1F1B, s.amp_dtype = MR_AMP_FP16;
+  s.recompute = MR_RECOMPUTE_MODE_FULL, s.recompute_every_n = 1;
+  ck_assert_int_eq(mr_cost_check(&w, &c, &s), 0);
+  struct mr_cost k;
+  mr_cost_evaluate(&w, &c, &s, &k);
+  struct mr_link dl = mr_cost_group_link(&c, 8, 32);
+  double ar = mr_cost_collective_time(MR_COLL_ALLREDUCE, 32, k.mem.grads, &dl);
+  const struct table1_row r39 = {"39.1B", 8192, 64, 48, 8, 2, 512, 1536, 138, 4, 1, 0};
+  double published = published_step(&r39);
+  ck_assert_msg(fabs((k.step_time_s + ar) / published - 1) < 0.01, "predicted %.3f s + "
+                "all-reduce %.3f s, published %.3f s", k.step_time_s, ar, published);
 }
 END_TEST
 
@@ -315,7 +387,8 @@ static Suite *search_suite(void) {
   tcase_add_test(tc, test_search_bad_hints_name_the_field);
   tcase_add_test(tc, test_search_does_not_fit_says_what_would);
   tcase_add_loop_test(tc, test_search_megatron_published_step_time_within_15_percent, 0, 4);
-  tcase_add_loop_test(tc, test_search_megatron_choice_matches_or_within_5_percent, 0, 3);
+  tcase_add_loop_test(tc, test_search_megatron_choice_matches_or_within_5_percent, 0, 4);
+  tcase_add_test(tc, test_search_megatron_39b_with_allreduce_after_the_flush);
   tcase_add_test(tc, test_search_1t_on_3072_gpus_under_a_second);
   tcase_add_test(tc, test_search_choose_manual_is_the_job_strategy);
   suite_add_tcase(s, tc);

@@ -57,6 +57,16 @@ struct mr_link mr_cost_group_link(const struct mr_cluster *c, int stride, int n)
   return l;
 }
 
+double mr_cost_pipeline_send_time(double tokens, double hidden, double elem_bytes, int tp,
+                                  int sequence_parallel, const struct mr_link *pp_link,
+                                  const struct mr_link *tp_link) {
+  double full = tokens * hidden * elem_bytes;
+  double t = mr_cost_collective_time(MR_COLL_P2P, 2, full / tp, pp_link);
+  if (tp > 1 && !sequence_parallel)
+    t += mr_cost_collective_time(MR_COLL_ALLGATHER, tp, full, tp_link);
+  return t;
+}
+
 double mr_cost_bubble_fraction(enum mr_pp_schedule sched, int p, int m, int v) {
   if (p <= 1)
     return 0.0;
@@ -409,8 +419,9 @@ int mr_cost_evaluate_prepared(const struct mr_workload *w, const struct mr_clust
                    (s->recompute == MR_RECOMPUTE_MODE_FULL ? 3.0 : 2.0);
   out->recompute_s = ga * slots * chunk_layers * lt.rc;
   if (p > 1) {
-    double msg = T * h * wb / s->tp; // scatter-gather (or sequence-parallel) activations
-    out->p2p_s = ga * (slots + p - 1) * 2.0 * mr_cost_collective_time(MR_COLL_P2P, 2, msg, &pl);
+    struct mr_link tl = mr_cost_group_link(c, 1, s->tp);
+    out->p2p_s = ga * (slots + p - 1) * 2.0 *
+                 mr_cost_pipeline_send_time(T, h, wb, s->tp, s->sequence_parallel, &pl, &tl);
   }
 
   /* Gradient sync, hidden behind the backward of the last micro-batch on

@@ -97,6 +97,18 @@ double mr_cost_collective_time(enum mr_collective kind, int n, double bytes,
  * one device's share). */
 struct mr_link mr_cost_group_link(const struct mr_cluster *c, int stride, int n);
 
+/* Seconds of one pipeline send of a micro-batch's activations (or their
+ * gradient), T·h elements of w bytes, on the critical path.  Without
+ * sequence parallelism the stage output is replicated over the t
+ * tensor-parallel ranks, so each rank sends its 1/t slice on pp_link and
+ * the receiver all-gathers the slices on tp_link before using them
+ * (Narayanan et al. 2021, §4.1, scatter/gather): α + (T·h·w/t)/β plus
+ * all-gather(t, T·h·w).  With sequence parallelism the slices stay
+ * sharded: the send alone. */
+double mr_cost_pipeline_send_time(double tokens, double hidden, double elem_bytes, int tp,
+                                  int sequence_parallel, const struct mr_link *pp_link,
+                                  const struct mr_link *tp_link);
+
 /* Pipeline bubble over useful time: (p−1)/m for GPipe and 1F1B, (p−1)/(v·m)
  * interleaved; 0 for p == 1. */
 double mr_cost_bubble_fraction(enum mr_pp_schedule sched, int p, int m, int v);
