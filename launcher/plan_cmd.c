@@ -16,6 +16,7 @@
 #include "common/tunable.h"
 #include "launcher/cli.h"
 #include "launcher/explain.h"
+#include "launcher/strategy_choice.h"
 #include "launcher/planner/cluster.h"
 #include "launcher/planner/cost.h"
 #include "launcher/planner/partition.h"
@@ -40,7 +41,11 @@ static void usage(FILE *f) {
           "                   (no pipeline); the rest of the strategy is still chosen\n"
           "  --explain        also print, on that mesh or on the chosen strategy's\n"
           "                   data x model mesh, every tensor's placements and every\n"
-          "                   reshard with its bytes (`meshrun explain` is this)\n",
+          "                   reshard with its bytes (`meshrun explain` is this)\n"
+          "  --dump           also print a rank's program for the chosen strategy: its\n"
+          "                   buffers and every instruction with the communication it\n"
+          "                   issues, after checking every rank's programs fit together\n"
+          "  --rank R         the rank --dump prints (default 0)\n",
           MR_PLAN_TOP_MAX);
 }
 
@@ -333,10 +338,11 @@ int mr_cmd_plan(int argc, char **argv) {
       {"cluster", required_argument, NULL, 'c'}, {"nproc", required_argument, NULL, 'n'},
       {"top", required_argument, NULL, 'k'},     {"json", no_argument, NULL, 'j'},
       {"mesh", required_argument, NULL, 'm'},    {"explain", no_argument, NULL, 'e'},
+      {"rank", required_argument, NULL, 'r'},    {"dump", no_argument, NULL, 'd'},
       {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0}};
   const char *cluster_arg = NULL, *mesh_arg = NULL;
-  long nproc = 0, top = 5;
-  int json = 0, explain = 0, c;
+  long nproc = 0, top = 5, dump_rank = -1;
+  int json = 0, explain = 0, dump = 0, c;
   optind = 1;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     switch (c) {
@@ -352,6 +358,11 @@ int mr_cmd_plan(int argc, char **argv) {
     case 'j': json = 1; break;
     case 'm': mesh_arg = optarg; break;
     case 'e': explain = 1; break;
+    case 'r':
+      if (mr_cli_int("plan", "--rank", optarg, 0, 1 << 24, &dump_rank) < 0)
+        return 2;
+      break;
+    case 'd': dump = 1; break;
     case 'h': usage(stdout); return 0;
     default: usage(stderr); return 2;
     }
@@ -359,6 +370,16 @@ int mr_cmd_plan(int argc, char **argv) {
   if (optind != argc - 1) {
     fprintf(stderr, "meshrun plan: expected one job file\n");
     usage(stderr);
+    return 2;
+  }
+  if (dump && dump_rank < 0)
+    dump_rank = 0;
+  if (dump_rank >= 0 && !dump) {
+    fprintf(stderr, "meshrun plan: --rank R prints rank R's program: expected --dump too\n");
+    return 2;
+  }
+  if (dump && json) {
+    fprintf(stderr, "meshrun plan: --dump prints text: expected it without --json\n");
     return 2;
   }
   if (explain && json) {
@@ -514,6 +535,8 @@ int mr_cmd_plan(int argc, char **argv) {
     ex = explain_section(&job, mesh_arg != NULL ? &given : NULL,
                          rc == 0 ? &res->top[0].strategy : &res->least_memory.strategy,
                          rc == 0 ? "chosen strategy's" : "least-memory strategy's");
+  if (dump && rc == 0 && ex == 0)
+    ex = mr_plan_dump_rank(&job, &res->top[0].strategy, world, (int)dump_rank, stdout);
   free(res);
   mr_job_close(&job);
   return ex != 0 ? ex : rc == 0 ? 0 : 1;

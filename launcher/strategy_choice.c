@@ -12,6 +12,7 @@
 
 /* The job with strategy s written in, parsed. */
 static int job_with(const struct mr_job *job, const struct mr_strategy *st, struct mr_job *out) {
+  memset(out, 0, sizeof *out);
   char *text = mr_strategy_apply(job, st);
   if (text == NULL)
     return MR_ENOMEM;
@@ -154,4 +155,34 @@ void mr_strategy_print(const struct mr_strategy_choice *c, FILE *f) {
     fprintf(f, "meshrun: the planner's best, which this job cannot run: %s\n", line);
   }
   fprintf(f, "meshrun: cluster spec: %s\n", c->cluster_path);
+}
+
+int mr_plan_dump_rank(const struct mr_job *job, const struct mr_strategy *s, int world, int rank,
+                      FILE *f) {
+  if (rank >= world) {
+    fprintf(stderr, "meshrun plan: --rank %d: expected a rank below the world size %d\n", rank,
+            world);
+    return 2;
+  }
+  struct mr_job j;
+  struct mr_lowered L;
+  struct mr_rank_program p;
+  memset(&j, 0, sizeof j);
+  int rc = job_with(job, s, &j);
+  if (rc == 0 && (rc = mr_lower_check_all(&j, world)) == 0 &&
+      (rc = mr_lower_graph(&j, world, &L)) == 0) {
+    if ((rc = mr_rank_program_build(&L, rank, &p)) == 0) {
+      fprintf(f, "\ncommunication check: every rank's program fits together (%d ranks)\n",
+              world);
+      mr_rank_program_dump(&p, f);
+      mr_rank_program_close(&p);
+    }
+    mr_lowered_close(&L);
+  }
+  mr_job_close(&j);
+  if (rc < 0) {
+    fprintf(stderr, "meshrun plan: --dump: %s\n", mr_error_message());
+    return 1;
+  }
+  return 0;
 }

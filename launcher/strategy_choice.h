@@ -32,6 +32,13 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
  * malloc'd text or NULL. */
 char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s);
 
+/* Prints rank `rank`'s program for job under strategy s on world ranks,
+ * after checking every rank's communication fits together (meshrun plan
+ * --rank R --dump).  Returns an exit code: 0, 1 (the check or the lowering
+ * failed, with a message on stderr) or 2 (a bad rank). */
+int mr_plan_dump_rank(const struct mr_job *job, const struct mr_strategy *s, int world, int rank,
+                      FILE *f);
+
 /* Prints the choice: strategy, predictions, and the unconstrained best. */
 void mr_strategy_print(const struct mr_strategy_choice *c, FILE *f);
 

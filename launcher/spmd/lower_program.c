@@ -948,7 +948,7 @@ static void events_of(struct build *b, struct mr_ins *in, int64_t *staging) {
                 what);
     } else if (in->micro == lay->n_micro - 1 && e >= 0) {
       int first = p->n_ev;
-      edge_events(b, in, e, -2, staging);
+      edge_events(b, in, e, -2, NULL); /* in place on the accumulator */
       if (p->n_ev > first)
         pp->sync_ev = first;
     }
