@@ -36,7 +36,7 @@ struct mr_runtime {
   struct mr_comm *comm;
   struct mr_comm_group *pipe_g, *data_g, *model_g; // NULL: a group of one
   struct mr_reshard_ctx rs;
-  char *param, *acc, *optim, *arena, *send, *zero_tmp;
+  char *param, *acc, *optim, *arena, *send, *zero_tmp, *gstage;
   char **stash;                 // [n_chunks]
   int64_t *zero_tmp_off;        // [n_params] ZeRO-2/3 landing block
   int64_t allocated;
@@ -255,6 +255,7 @@ void mr_runtime_free(struct mr_runtime *rt) {
   free_region(rt, rt->arena);
   free_region(rt, rt->send);
   free_region(rt, rt->zero_tmp);
+  free_region(rt, rt->gstage);
   for (int i = 0; i < 3; i++)
     free_region(rt, rt->rs.scratch[i]);
   for (int c = 0; rt->stash && c < rt->L->n_chunks; c++)
@@ -316,6 +317,7 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
   MR_TRY_GOTO(rc, alloc_region(rt, p->arena_bytes, &rt->arena), fail);
   MR_TRY_GOTO(rc, alloc_region(rt, p->send_bytes, &rt->send), fail);
   MR_TRY_GOTO(rc, alloc_region(rt, p->zero_tmp_bytes, &rt->zero_tmp), fail);
+  MR_TRY_GOTO(rc, alloc_region(rt, p->grad_stage_bytes, &rt->gstage), fail);
   for (int i = 0; i < 3; i++) {
     char *s;
     MR_TRY_GOTO(rc, alloc_region(rt, p->scratch_bytes, &s), fail);
@@ -469,6 +471,8 @@ static int reshard(struct mr_runtime *rt, const struct mr_ins *in, const struct 
   return rc;
 }
 
+static int grad_wait_one(struct mr_runtime *rt, const struct mr_ins *in);
+
 /* This micro-batch's gradient of a parameter is final: accumulate it (the
  * mean over micro-batches), and on the last micro-batch start its
  * synchronisation; under ZeRO-2/3 reduce-scatter it now. */
@@ -482,52 +486,54 @@ static int grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
   float *acc = (float *)(rt->acc + pp->acc_offset);
   struct mr_backend *be = rt->be;
   struct mr_comm_req *req;
+  int e = -1;
+  for (int k = 0; k < L->dg.n_edges; k++)
+    if (L->dg.edges[k].kind == MR_EDGE_GRAD_SYNC && L->dg.edges[k].tensor == gt)
+      e = k;
+  const struct mr_reshard_plan *plan = e >= 0 ? &L->dg.edges[e].plan : NULL;
+  if (pp->off_data) { /* to the parameter's shard first (slices, sums off data) */
+    struct mr_reshard_plan off = *plan;
+    off.n_steps = 0;
+    for (int s = 0; s < plan->n_steps; s++)
+      if (plan->steps[s].mesh_dim != L->data_dim)
+        off.steps[off.n_steps++] = plan->steps[s];
+    const struct mr_tensor *t = &L->model.graph.tensors[gt];
+    rt->rs.wait_s = 0;
+    MR_TRY(mr_reshard_run(&rt->rs, &off, &L->dg.edges[e].src, t->ndim, t->shape, t->dtype, gr,
+                          rt->gstage));
+    rt->comm_wait_s += rt->rs.wait_s;
+    gr = (float *)rt->gstage;
+  }
   if (lay->zero >= 2) {
     int64_t padded = pp->block * lay->dp;
     if (padded > pp->numel)
       MR_TRY(be->ops->memset(be, NULL, gr + pp->numel, 0, (size_t)(padded - pp->numel) * 4));
     MR_TRY(mr_comm_reduce_scatter(rt->data_g, gr, rt->zero_tmp + rt->zero_tmp_off[pi],
                                   (size_t)pp->block, MR_F32, MR_RED_SUM, &req));
-    return push_req(rt, rt->pass_req, &rt->n_pass_req, req, pi);
+    MR_TRY(push_req(rt, rt->pass_req, &rt->n_pass_req, req, pi));
+    if (pp->off_data) /* the staging buffer is needed again: land it now */
+      return grad_wait_one(rt, in);
+    return 0;
   }
   int last = in->micro == lay->n_micro - 1;
   float scale = last ? 1.0f / (float)lay->n_micro : 1.0f;
   MR_TRY(be->ops->axpby(be, acc, gr, in->micro == 0 ? 0.0f : scale, scale, (size_t)pp->numel));
-  if (!last)
+  if (!last || plan == NULL || rt->data_g == NULL)
     return 0;
-  /* the synchronisation: its steps in order, the last one left in flight */
-  int e = -1;
-  for (int k = 0; k < L->dg.n_edges; k++)
-    if (L->dg.edges[k].kind == MR_EDGE_GRAD_SYNC && L->dg.edges[k].tensor == gt)
-      e = k;
-  if (e < 0)
-    return 0;
-  const struct mr_reshard_plan *plan = &L->dg.edges[e].plan;
-  int final = -1;
-  for (int s = 0; s < plan->n_steps; s++)
-    if (plan->steps[s].group_size > 1)
-      final = s;
+  /* the data-parallel sum, left in flight */
   for (int s = 0; s < plan->n_steps; s++) {
     const struct mr_reshard_step *st = &plan->steps[s];
-    if (st->group_size <= 1)
+    if (st->mesh_dim != L->data_dim || st->group_size <= 1)
       continue;
-    if (st->kind != MR_RS_ALL_REDUCE)
-      return mr_error_set(MR_ENOTSUP, "runtime: gradient of %s needs a %s",
-                          L->model.graph.tensors[in->tensor].name,
-                          mr_reshard_kind_name(st->kind));
-    struct mr_comm_group *grp = rt->rs.group[st->mesh_dim];
-    MR_TRY(mr_comm_all_reduce(grp, acc, acc, (size_t)pp->numel, MR_F32,
-                              st->op == MR_REDUCE_AVG ? MR_RED_AVG : MR_RED_SUM, &req));
-    if (s == final)
-      return push_req(rt, rt->step_req, &rt->n_step_req, req, pi);
-    MR_TRY(wait_req(rt, req));
+    MR_TRY(mr_comm_all_reduce(rt->data_g, acc, acc, (size_t)pp->numel, MR_F32, MR_RED_SUM, &req));
+    return push_req(rt, rt->step_req, &rt->n_step_req, req, pi);
   }
   return 0;
 }
 
 /* ZeRO-2/3: the pass's reduce-scatters landed; add the blocks to the
  * accumulators. */
-static int grad_wait(struct mr_runtime *rt, const struct mr_ins *in) {
+static int grad_wait_one(struct mr_runtime *rt, const struct mr_ins *in) {
   const struct mr_layout *lay = &rt->L->lay;
   int n = rt->n_pass_req;
   int list[MAX_PENDING];
@@ -618,27 +624,6 @@ static int optimizer(struct mr_runtime *rt, int64_t step, struct mr_step_report 
   const struct mr_lowered *L = rt->L;
   const struct mr_layout *lay = &L->lay;
   struct mr_backend *be = rt->be;
-  const struct mr_graph *g = &L->model.graph;
-  if (lay->zero >= 2) /* the synchronisation's steps off the data dim, on blocks */
-    for (int i = 0; i < rt->p.n_params; i++) {
-      const struct mr_param_plan *pp = &rt->p.params[i];
-      int gt = g->tensors[pp->tensor].grad;
-      for (int e = 0; e < L->dg.n_edges; e++) {
-        const struct mr_reshard_edge *ed = &L->dg.edges[e];
-        if (ed->kind != MR_EDGE_GRAD_SYNC || ed->tensor != gt)
-          continue;
-        for (int s = 0; s < ed->plan.n_steps; s++) {
-          const struct mr_reshard_step *st = &ed->plan.steps[s];
-          if (st->kind != MR_RS_ALL_REDUCE || st->group_size <= 1 || st->mesh_dim == L->data_dim)
-            continue;
-          struct mr_comm_req *req;
-          float *acc = (float *)(rt->acc + pp->acc_offset);
-          MR_TRY(mr_comm_all_reduce(rt->rs.group[st->mesh_dim], acc, acc, (size_t)pp->block,
-                                    MR_F32, MR_RED_SUM, &req));
-          MR_TRY(wait_req(rt, req));
-        }
-      }
-    }
   if (step == rt->inject_step && rt->p.n_params > 0) { /* test hook: an overflow */
     float inf = INFINITY;
     MR_TRY(be->ops->copy(be, NULL, rt->acc + rt->p.params[0].acc_offset, &inf, sizeof inf,
@@ -748,7 +733,7 @@ static int exec(struct mr_runtime *rt, const struct mr_ins *in, int idx, int64_t
     return grad(rt, in, ps);
   case MR_INS_GRAD_WAIT:
     waiting(rt, idx, in, NULL);
-    return grad_wait(rt, in);
+    return grad_wait_one(rt, in);
   case MR_INS_SEND:
     return send(rt, in, ps);
   case MR_INS_SYNC_WAIT:

@@ -252,20 +252,32 @@ static double op_flops(const struct mr_graph *g, int k) {
 }
 
 /* Megatron's layout, used when tensor parallelism is on and the job gives
- * no shard rules. */
-static struct mr_shard_rule_placement megatron_col = {"model", "Shard(0)"};
-static struct mr_shard_rule_placement megatron_row = {"model", "Shard(1)"};
-static struct mr_shard_rule megatron_rules[] = {
-    {"q_proj|k_proj|v_proj|gate_proj|up_proj|c_fc", &megatron_col, 1},
-    {"o_proj|down_proj", &megatron_row, 1},
+ * no shard rules: column-parallel projections in, row-parallel out, the
+ * embedding and the head split by vocabulary (with the vocabulary-parallel
+ * loss).  LLaMA weights are [out, in]; GPT-2's Conv1D weights [in, out],
+ * whose fused q|k|v columns stay whole (split3 needs them so). */
+static struct mr_shard_rule_placement shard0 = {"model", "Shard(0)"};
+static struct mr_shard_rule_placement shard1 = {"model", "Shard(1)"};
+static struct mr_shard_rule llama_rules[] = {
+    {"q_proj|k_proj|v_proj|gate_proj|up_proj|embed_tokens|lm_head", &shard0, 1},
+    {"o_proj|down_proj", &shard1, 1},
+};
+static struct mr_shard_rule gpt2_rules[] = {
+    {"mlp\\.c_fc\\.weight", &shard1, 1},
+    {"mlp\\.c_fc\\.bias|mlp\\.c_proj\\.weight|wte", &shard0, 1},
 };
 
 int mr_lower_graph(const struct mr_job *job, int world, struct mr_lowered *L) {
+  return mr_lower_graph_form(job, world, MR_LOSS_FUSED, L);
+}
+
+int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr_lowered *L) {
   memset(L, 0, sizeof *L);
   int rc;
   MR_TRY(mr_layout_from_job(job, world, &L->lay));
   const struct mr_layout *lay = &L->lay;
-  MR_TRY_GOTO(rc, mr_model_build(&job->model, lay->micro_seqs, job->train.seq_len, &L->model),
+  MR_TRY_GOTO(rc, mr_model_build_loss(&job->model, lay->micro_seqs, job->train.seq_len,
+                                      (enum mr_loss_form)form, &L->model),
               err);
   struct mr_graph *g = &L->model.graph;
   MR_TRY_GOTO(rc, mr_autodiff(g, L->model.loss, &L->seed), err);
@@ -349,12 +361,19 @@ int mr_lower_graph(const struct mr_job *job, int world, struct mr_lowered *L) {
   o.rules = job->shard_rules;
   o.n_rules = job->n_shard_rules;
   if (lay->tp > 1 && job->n_shard_rules == 0) {
-    o.rules = megatron_rules;
-    o.n_rules = (int)(sizeof megatron_rules / sizeof megatron_rules[0]);
+    int llama = job->model.family == MR_MODEL_LLAMA;
+    o.rules = llama ? llama_rules : gpt2_rules;
+    o.n_rules = 2;
   }
   o.data_dim = L->data_dim >= 0 ? L->data_dim : (lay->dp == 1 && lay->tp == 1 ? 0 : -1);
   o.seq_dim = lay->sp ? L->model_dim : -1;
   MR_TRY_GOTO(rc, mr_spmd_complete(g, &L->mesh, &o, &L->dg), err);
+  if (form == MR_LOSS_FUSED && mr_dist_graph_splits(&L->dg, L->model.logits, 1)) {
+    /* the head is split by vocabulary: the vocabulary-parallel loss reads
+     * the logits where they lie instead of gathering them */
+    mr_lowered_close(L);
+    return mr_lower_graph_form(job, world, MR_LOSS_VOCAB_PARALLEL, L);
+  }
 
   /* where each edge runs: before its first consumer */
   const struct mr_dist_graph *dg = &L->dg;
@@ -380,12 +399,11 @@ int mr_lower_graph(const struct mr_job *job, int world, struct mr_lowered *L) {
                           g->tensors[ed->tensor].name);
         goto err;
       }
-      if (ed->kind == MR_EDGE_GRAD_SYNC && st->mesh_dim != L->data_dim &&
-          !(st->kind == MR_RS_ALL_REDUCE && st->op == MR_REDUCE_SUM)) {
-        rc = mr_error_set(MR_ENOTSUP, "lowering: the gradient of %s needs a %s on %s; only "
-                          "sum AllReduces synchronise gradients off the data dim",
-                          g->tensors[ed->tensor].name, mr_reshard_kind_name(st->kind),
-                          L->mesh.names[st->mesh_dim]);
+      if (ed->kind == MR_EDGE_GRAD_SYNC && st->mesh_dim == L->data_dim &&
+          st->group_size > 1 && !(st->kind == MR_RS_ALL_REDUCE && st->op == MR_REDUCE_SUM)) {
+        rc = mr_error_set(MR_ENOTSUP, "lowering: the gradient of %s needs a %s on data; "
+                          "data-parallel gradients are summed", g->tensors[ed->tensor].name,
+                          mr_reshard_kind_name(st->kind));
         goto err;
       }
     }

@@ -101,6 +101,11 @@ struct mr_lowered {
  * MR_ENOTSUP with a message naming what cannot be lowered, or MR_ENOMEM. */
 int mr_lower_graph(const struct mr_job *job, int world, struct mr_lowered *L);
 
+/* The same with the loss in the given form (enum mr_loss_form, common/
+ * model.h); mr_lower_graph starts fused and switches to the vocabulary-
+ * parallel form when completion splits the logits by vocabulary. */
+int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr_lowered *L);
+
 void mr_lowered_close(struct mr_lowered *L);
 
 /* Rank of mesh coordinates (pipe, data, model) and back. */
@@ -181,6 +186,9 @@ struct mr_param_plan {
   int64_t state_offset;           // bytes into the optimizer region (m; v
                                   // follows at + len floats)
   int sync_ev;                    // first event of its synchronisation
+  int off_data;                   // its synchronisation has steps off the data
+                                  // dim (run per micro-batch into the
+                                  // gradient staging buffer)
 };
 
 struct mr_group_desc {
@@ -207,6 +215,8 @@ struct mr_rank_program {
                                   // (one per parameter); ZeRO-1: the largest
                                   // block (what an all-gather sends)
   int64_t scratch_bytes;          // reshard staging (three buffers of this)
+  int64_t grad_stage_bytes;       // a gradient brought to its parameter's
+                                  // shard (padded to dp blocks under ZeRO)
   struct mr_pass *passes;         // templates: per chunk of this rank, F and B
   int n_passes;
   struct mr_ins *tmpl;            // the templates' instructions

@@ -873,8 +873,10 @@ static int is_collective(enum mr_reshard_kind k) {
          k == MR_RS_ALL_REDUCE;
 }
 
-/* Events of edge e's steps (mesh dims other than skip_dim; -2: none). */
-static void edge_events(struct build *b, struct mr_ins *in, int e, int skip_dim,
+/* Events of edge e's steps: all (only -1), those off mesh dim `only`'s
+ * complement... that is: only == -1 every step, only >= 0 the steps on that
+ * mesh dim, only == -2 - d the steps off mesh dim d. */
+static void edge_events(struct build *b, struct mr_ins *in, int e, int only,
                         int64_t *staging) {
   const struct mr_lowered *L = b->L;
   const struct mr_reshard_edge *ed = &L->dg.edges[e];
@@ -882,7 +884,9 @@ static void edge_events(struct build *b, struct mr_ins *in, int e, int skip_dim,
   struct mr_dist_attr before = ed->src;
   for (int s = 0; s < ed->plan.n_steps; s++) {
     const struct mr_reshard_step *st = &ed->plan.steps[s];
-    if (is_collective(st->kind) && st->group_size > 1 && st->mesh_dim != skip_dim) {
+    int take = only == -1 || (only >= 0 && st->mesh_dim == only) ||
+               (only <= -2 && st->mesh_dim != -2 - only);
+    if (take && is_collective(st->kind) && st->group_size > 1) {
       int64_t count = step_count(L, b->p->coord, ed->tensor, &before, st, staging);
       char what[160];
       snprintf(what, sizeof what, "%s of %.80s", mr_reshard_kind_name(st->kind),
@@ -937,40 +941,28 @@ static void events_of(struct build *b, struct mr_ins *in, int64_t *staging) {
     break;
   }
   case MR_INS_RESHARD:
-    edge_events(b, in, in->edge, -2, staging);
+    edge_events(b, in, in->edge, -1, staging);
     break;
   case MR_INS_GRAD: {
     struct mr_param_plan *pp = &p->params[p->param_of[in->tensor]];
     int e = sync_edge(L, in->tensor);
     snprintf(what, sizeof what, "gradient of %.80s", g->tensors[in->tensor].name);
+    /* off the data dim (a slice to the parameter's shard, a sum over
+     * sequence-parallel ranks): every micro-batch, before accumulating */
+    if (e >= 0)
+      edge_events(b, in, e, -2 - L->data_dim, staging);
     if (lay->zero >= 2) {
       add_event(b, in, MR_CEV_REDUCE_SCATTER, &p->data_group, -1, pp->block, MR_F32, 0, -1,
                 what);
-    } else if (in->micro == lay->n_micro - 1 && e >= 0) {
+    } else if (in->micro == lay->n_micro - 1 && e >= 0 && L->data_dim >= 0) {
       int first = p->n_ev;
-      edge_events(b, in, e, -2, NULL); /* in place on the accumulator */
+      edge_events(b, in, e, L->data_dim, NULL); /* in place on the accumulator */
       if (p->n_ev > first)
         pp->sync_ev = first;
     }
     break;
   }
   case MR_INS_OPTIMIZER:
-    if (lay->zero >= 2) /* off-data parts of the sync, on the blocks */
-      for (int i = 0; i < p->n_params; i++) {
-        int e = sync_edge(L, p->params[i].tensor);
-        if (e < 0)
-          continue;
-        const struct mr_reshard_edge *ed = &L->dg.edges[e];
-        for (int s = 0; s < ed->plan.n_steps; s++) {
-          const struct mr_reshard_step *st = &ed->plan.steps[s];
-          if (st->kind == MR_RS_ALL_REDUCE && st->group_size > 1 && st->mesh_dim != L->data_dim) {
-            snprintf(what, sizeof what, "gradient of %.80s",
-                     g->tensors[p->params[i].tensor].name);
-            add_event(b, in, MR_CEV_ALL_REDUCE, dim_group(p, st->mesh_dim), -1,
-                      p->params[i].block, MR_F32, 0, -1, what);
-          }
-        }
-      }
     small_allreduces(b, in, "gradient norm", 0);
     if (lay->zero == 1 || lay->zero == 2)
       for (int i = 0; i < p->n_params; i++) {
@@ -1106,7 +1098,17 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
     for (int i = 0; i < p->n_params; i++)
       z += ALIGNED(p->params[i].block * 4);
     p->zero_tmp_bytes = z;
-  } else if (lay->zero == 1) { /* the block an all-gather sends */
+  }
+  for (int i = 0; i < p->n_params; i++) {
+    struct mr_param_plan *pp = &p->params[i];
+    int e = sync_edge(L, pp->tensor);
+    for (int s = 0; e >= 0 && s < L->dg.edges[e].plan.n_steps; s++)
+      pp->off_data |= L->dg.edges[e].plan.steps[s].mesh_dim != L->data_dim;
+    int64_t need = pp->block * lay->dp > pp->numel ? pp->block * lay->dp : pp->numel;
+    if (pp->off_data && ALIGNED(need * 4) > p->grad_stage_bytes)
+      p->grad_stage_bytes = ALIGNED(need * 4);
+  }
+  if (lay->zero == 1) { /* the block an all-gather sends */
     for (int i = 0; i < p->n_params; i++)
       if (ALIGNED(p->params[i].block * 4) > p->zero_tmp_bytes)
         p->zero_tmp_bytes = ALIGNED(p->params[i].block * 4);
@@ -1160,7 +1162,8 @@ int64_t mr_rank_program_peak_bytes(const struct mr_rank_program *p) {
   for (int c = 0; c < p->L->n_chunks; c++)
     stash += p->stash_bytes[c] * p->stash_slots[c];
   return p->param_bytes + p->acc_bytes + (p->L->lay.offload ? 0 : p->optim_bytes) + stash +
-         p->arena_bytes + p->send_bytes + p->zero_tmp_bytes + 3 * p->scratch_bytes;
+         p->arena_bytes + p->send_bytes + p->zero_tmp_bytes + 3 * p->scratch_bytes +
+         p->grad_stage_bytes;
 }
 
 struct mr_comm_trace mr_rank_program_trace(const struct mr_rank_program *p, int eval) {
@@ -1252,14 +1255,16 @@ void mr_rank_program_dump(const struct mr_rank_program *p, FILE *f) {
             (long long)p->stash_bytes[c]);
   fprintf(f, "\nmemory (bytes): parameters %lld, gradients %lld, optimizer %lld%s, "
           "activations kept %lld, arena %lld, send buffers %lld, reshard staging %lld, "
-          "ZeRO blocks %lld; peak %lld\n",
+          "ZeRO blocks %lld, gradient staging %lld; peak %lld\n",
           (long long)p->param_bytes, (long long)p->acc_bytes, (long long)p->optim_bytes,
           L->lay.offload ? " (offloaded)" : "",
           (long long)(mr_rank_program_peak_bytes(p) - p->param_bytes - p->acc_bytes -
                       (L->lay.offload ? 0 : p->optim_bytes) - p->arena_bytes -
-                      p->send_bytes - 3 * p->scratch_bytes - p->zero_tmp_bytes),
+                      p->send_bytes - 3 * p->scratch_bytes - p->zero_tmp_bytes -
+                      p->grad_stage_bytes),
           (long long)p->arena_bytes, (long long)p->send_bytes, (long long)(3 * p->scratch_bytes),
-          (long long)p->zero_tmp_bytes, (long long)mr_rank_program_peak_bytes(p));
+          (long long)p->zero_tmp_bytes, (long long)p->grad_stage_bytes,
+          (long long)mr_rank_program_peak_bytes(p));
   fprintf(f, "step: %d instructions, %d communication events\n", p->n_step, p->n_ev_step);
   for (int i = 0; i < p->n_step; i++) {
     char d[400];
