@@ -100,6 +100,56 @@ static int close_rel(double a, double b, double tol) {
   return fabs(a - b) <= tol * fmax(fabs(a), fabs(b)) + 1e-7;
 }
 
+/* Peak memory of the last step of a run (the largest rank's), from its
+ * metrics: what the runtime's allocator counted. */
+static double last_peak(const char *dir, const char *run_dir) {
+  char path[200];
+  snprintf(path, sizeof path, "%s/%s/metrics.jsonl", dir, run_dir);
+  char *s = mr_t_slurp(path);
+  char *last = NULL;
+  for (char *p = strstr(s, "\"peak_memory_bytes\": "); p != NULL;
+       p = strstr(p + 1, "\"peak_memory_bytes\": "))
+    last = p;
+  ck_assert_ptr_nonnull(last);
+  double v = atof(last + strlen("\"peak_memory_bytes\": "));
+  free(s);
+  return v;
+}
+
+/* The planner's memory per rank for job `name` on nproc ranks (`meshrun
+ * plan --json`): field of "memory_bytes" (total: less the workspace the
+ * cluster spec reserves, which the runtime does not allocate). */
+static double planned(const char *dir, const char *name, int nproc, const char *field) {
+  char cmd[600], out[200];
+  snprintf(out, sizeof out, "%s/%s.plan.json", dir, name);
+  snprintf(cmd, sizeof cmd, "cd %s && %s plan %s.json --nproc %d --json > %s", dir,
+           mr_t_meshrun(), name, nproc, out);
+  ck_assert_int_eq(system(cmd), 0);
+  char *s = mr_t_slurp(out);
+  char key[64];
+  snprintf(key, sizeof key, "\"%s\":", field);
+  char *mem = strstr(s, "\"memory_bytes\"");
+  ck_assert_ptr_nonnull(mem);
+  char *f = strstr(mem, key);
+  ck_assert_ptr_nonnull(f);
+  double v = atof(f + strlen(key));
+  if (strcmp(field, "total") == 0) {
+    char *w = strstr(mem, "\"workspace\":");
+    ck_assert_ptr_nonnull(w);
+    v -= atof(w + strlen("\"workspace\":"));
+  }
+  free(s);
+  return v;
+}
+
+/* The measured peak of RUN within 15% of the planner's prediction. */
+static void memory_as_planned(const char *dir, const char *name, int nproc) {
+  double got = last_peak(dir, name), want = planned(dir, name, nproc, "total");
+  ck_assert_msg(fabs(got - want) <= 0.15 * want,
+                "%s: measured peak %.0f bytes per rank, the planner predicted %.0f (%+.1f%%)",
+                name, got, want, 100 * (got - want) / want);
+}
+
 /* The losses of RUN against the reference's, step by step, and its
  * weights. */
 static void same_run(const char *dir, const double *ref, const char *run) {
@@ -141,6 +191,7 @@ static void check_strategies(const char *const *names, const char *const *strate
     write_job_named(f.dir, job, strategies[i], 16);
     ck_assert_int_eq(run_named(f.dir, job, names[i], nproc[i]), 0);
     same_run(f.dir, f.ref, names[i]);
+    memory_as_planned(f.dir, names[i], nproc[i]);
   }
 }
 
@@ -221,6 +272,39 @@ START_TEST(test_dist_train_recompute_and_accumulation) {
 }
 END_TEST
 
+/* ZeRO-3 on 8 ranks holds at most a quarter of data parallelism's
+ * parameter + optimizer memory per rank (the plans, which the runs above
+ * show the runtime allocates); recomputation keeps fewer activations, by
+ * what the planner predicts. */
+START_TEST(test_dist_train_memory_of_zero3_and_recompute) {
+  struct fixture f;
+  reference(&f);
+  write_job_named(f.dir, "dp8.json", "\"data_parallel\": {\"degree\": 8}", 16);
+  write_job_named(f.dir, "z3dp8.json",
+                  "\"data_parallel\": {\"degree\": 8}, \"sharding\": {\"stage\": 3}", 16);
+  double dp8 = planned(f.dir, "dp8", 8, "parameters") + planned(f.dir, "dp8", 8, "optimizer");
+  double z3 = planned(f.dir, "z3dp8", 8, "parameters") + planned(f.dir, "z3dp8", 8, "optimizer");
+  ck_assert_msg(4 * z3 <= dp8, "ZeRO-3: %.0f bytes of parameters + optimizer, dp8 %.0f", z3, dp8);
+  ck_assert_int_eq(run_named(f.dir, "dp8.json", "dp8", 8), 0);
+  ck_assert_int_eq(run_named(f.dir, "z3dp8.json", "z3dp8", 8), 0);
+  same_run(f.dir, f.ref, "z3dp8");
+  memory_as_planned(f.dir, "dp8", 8);
+  memory_as_planned(f.dir, "z3dp8", 8);
+  /* the whole peak falls by at least the state ZeRO-3 drops */
+  ck_assert_msg(last_peak(f.dir, "dp8") - last_peak(f.dir, "z3dp8") >= 0.9 * (dp8 - z3),
+                "peaks: dp8 %.0f, ZeRO-3 %.0f", last_peak(f.dir, "dp8"),
+                last_peak(f.dir, "z3dp8"));
+  /* recomputation: activations kept fall as predicted */
+  write_job_named(f.dir, "rc.json", "\"recompute\": {\"enable\": true}", 16);
+  ck_assert_int_eq(run_named(f.dir, "rc.json", "rc", 1), 0);
+  memory_as_planned(f.dir, "rc", 1);
+  double saved = last_peak(f.dir, "ref") - last_peak(f.dir, "rc");
+  double saved_plan = planned(f.dir, "ref", 1, "activations") - planned(f.dir, "rc", 1, "activations");
+  ck_assert_msg(saved > 0 && fabs(saved - saved_plan) <= 0.15 * saved_plan,
+                "recompute saved %.0f bytes, the planner predicted %.0f", saved, saved_plan);
+}
+END_TEST
+
 START_TEST(test_dist_train_batch_not_divisible_is_a_clear_error) {
   char dir[64];
   mr_t_tmpdir(dir, sizeof dir);
@@ -253,6 +337,7 @@ static Suite *dist_train_suite(void) {
   tcase_add_test(tc, test_dist_train_pipelines);
   tcase_add_test(tc, test_dist_train_zero_stages);
   tcase_add_test(tc, test_dist_train_recompute_and_accumulation);
+  tcase_add_test(tc, test_dist_train_memory_of_zero3_and_recompute);
   tcase_add_test(tc, test_dist_train_batch_not_divisible_is_a_clear_error);
   suite_add_tcase(s, tc);
   return s;

@@ -39,7 +39,8 @@ struct mr_runtime {
   char *param, *acc, *optim, *arena, *send, *zero_tmp, *gstage;
   char **stash;                 // [n_chunks]
   int64_t *zero_tmp_off;        // [n_params] ZeRO-2/3 landing block
-  int64_t allocated;
+  int64_t allocated;             // device memory held now, and at most
+  int64_t peak_allocated;
   int offload_host;             // optim is host memory (offload)
   int32_t *host_ids, *host_labels, *host_pos; // staging for loads
   struct mr_tokens train, val;
@@ -71,7 +72,9 @@ static int alloc_region(struct mr_runtime *rt, int64_t bytes, char **out) {
   void *p;
   MR_TRY(rt->be->ops->alloc(rt->be, (size_t)(bytes > 0 ? bytes : 64), &p));
   MR_TRY(rt->be->ops->memset(rt->be, NULL, p, 0, (size_t)(bytes > 0 ? bytes : 64)));
-  rt->allocated += bytes;
+  rt->allocated += bytes > 0 ? bytes : 64;
+  if (rt->allocated > rt->peak_allocated)
+    rt->peak_allocated = rt->allocated;
   *out = p;
   return 0;
 }
@@ -377,7 +380,7 @@ void mr_runtime_set_reporter(struct mr_runtime *rt, const struct mr_reporter *re
 
 const struct mr_rank_program *mr_runtime_program(const struct mr_runtime *rt) { return &rt->p; }
 
-int64_t mr_runtime_allocated_bytes(const struct mr_runtime *rt) { return rt->allocated; }
+int64_t mr_runtime_allocated_bytes(const struct mr_runtime *rt) { return rt->peak_allocated; }
 
 struct mr_loss_scaler *mr_runtime_scaler(struct mr_runtime *rt) { return &rt->scaler; }
 
@@ -604,7 +607,7 @@ static int gather_param(struct mr_runtime *rt, const struct mr_ins *in, const st
 static int allreduce_all(struct mr_runtime *rt, float *v, enum mr_red_op op) {
   struct mr_comm_group *gs[3] = {rt->model_g, rt->data_g, rt->pipe_g};
   float *dev;
-  MR_TRY(rt->be->ops->alloc(rt->be, 64, (void **)&dev));
+  MR_TRY(alloc_region(rt, 64, (char **)&dev));
   int rc = rt->be->ops->copy(rt->be, NULL, dev, v, sizeof *v, MR_COPY_HOST_TO_DEVICE);
   for (int i = 0; i < 3 && rc == 0; i++) {
     if (gs[i] == NULL)
@@ -617,6 +620,7 @@ static int allreduce_all(struct mr_runtime *rt, float *v, enum mr_red_op op) {
   if (rc == 0)
     rc = rt->be->ops->copy(rt->be, NULL, v, dev, sizeof *v, MR_COPY_DEVICE_TO_HOST);
   rt->be->ops->free(rt->be, dev);
+  rt->allocated -= 64;
   return rc;
 }
 
@@ -687,7 +691,7 @@ static int share_loss(struct mr_runtime *rt, float *loss) {
   if (rt->pipe_g == NULL)
     return 0;
   float *dev;
-  MR_TRY(rt->be->ops->alloc(rt->be, 64, (void **)&dev));
+  MR_TRY(alloc_region(rt, 64, (char **)&dev));
   int rc = rt->be->ops->copy(rt->be, NULL, dev, loss, sizeof *loss, MR_COPY_HOST_TO_DEVICE);
   struct mr_comm_req *req;
   if (rc == 0)
@@ -697,6 +701,7 @@ static int share_loss(struct mr_runtime *rt, float *loss) {
   if (rc == 0)
     rc = rt->be->ops->copy(rt->be, NULL, loss, dev, sizeof *loss, MR_COPY_DEVICE_TO_HOST);
   rt->be->ops->free(rt->be, dev);
+  rt->allocated -= 64;
   return rc;
 }
 
@@ -779,7 +784,7 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
   r->comm_wait_s = rt->comm_wait_s;
   r->tokens_per_s = (double)(rt->job->train.global_batch * rt->job->train.seq_len) /
                     r->step_time_s;
-  r->peak_memory_bytes = (uint64_t)mr_rank_program_peak_bytes(p);
+  r->peak_memory_bytes = (uint64_t)rt->peak_allocated; /* measured by the allocator */
   return 0;
 }
 

@@ -55,8 +55,10 @@ int mr_runtime_agree(struct mr_runtime *rt, int flag, int *any);
 /* The program (borrowed). */
 const struct mr_rank_program *mr_runtime_program(const struct mr_runtime *rt);
 
-/* Planned peak bytes of this rank (mr_rank_program_peak_bytes) and the
- * bytes actually allocated through the backend (offloaded state apart). */
+/* The most device memory this rank has held at once, as its allocations
+ * counted it (offloaded optimizer state, in host memory, apart): what step
+ * reports give as peak_memory_bytes.  The plan (mr_rank_program_peak_bytes)
+ * predicts it. */
 int64_t mr_runtime_allocated_bytes(const struct mr_runtime *rt);
 
 /* A parameter's state for checkpoints: the local tensor (under ZeRO-3 only

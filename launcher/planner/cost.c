@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "launcher/planner/partition.h"
+#include "launcher/planner/schedule.h"
 
 /* Bytes per element of weights, gradients and activations. */
 static double elem_bytes(enum mr_amp_dtype dt) { return dt == MR_AMP_FP32 ? 4.0 : 2.0; }
@@ -84,6 +85,25 @@ double mr_cost_layer_activation_bytes(double s, double b, double h, double a, in
   if (sp)
     return sbh / t * (34.0 + attn);
   return sbh * (10.0 + 24.0 / t + attn / t);
+}
+
+double mr_cost_engine_layer_elems(const struct mr_model_config *m, int t, int sp,
+                                  enum mr_recompute_mode rc) {
+  double C = m->hidden_size, F = m->intermediate_size, H = m->num_attention_heads;
+  double K = (double)m->num_key_value_heads * (double)mr_model_head_dim(m);
+  if (t < 2)
+    sp = 0;
+  if (rc == MR_RECOMPUTE_MODE_FULL) /* the layer group's input */
+    return sp ? C / t : C;
+  /* split by tensor parallelism: q and k after RoPE, v, the attention
+   * output and its log-sum-exp, gate, up and their SwiGLU */
+  double split = (2.0 * C + 2.0 * K + 3.0 * F + H) / t;
+  if (rc == MR_RECOMPUTE_MODE_SELECTIVE) /* the attention output and lse repeat */
+    split -= (C + H) / t;
+  /* the block input and the residual after attention with their norms'
+   * 1/rms (split by rows under sequence parallelism), and the two norm
+   * outputs the projections' weight gradients read (gathered whole) */
+  return split + (sp ? (2.0 * C + 2.0) / t : 2.0 * C + 2.0) + 2.0 * C;
 }
 
 void mr_cost_model_states(double psi, int n_d, int zero_stage, enum mr_amp_dtype dt,
@@ -263,12 +283,15 @@ static void stage_memory(const struct mr_workload *w, const struct mr_cluster *c
   double h = m->hidden_size, V = m->vocab_size, T = (double)s->micro_batch_size * w->seq_len;
   double psi = layers * per_layer / t;
   int first = stage == 0, last = stage == s->pp - 1;
+  /* meshrun's engine keeps a LLaMA embedding whole under sequence
+   * parallelism (launcher/spmd/lower.c) */
+  int engine_sp = m->family == MR_MODEL_LLAMA && s->sequence_parallel && s->tp > 1;
   if (first)
-    psi += ceil(V / t) * h + (emb - V * h);  // token shard + positions
+    psi += (engine_sp ? V : ceil(V / t)) * h + (emb - V * h); // token shard + positions
   if (last) {
     psi += norm;
-    if (!first)
-      psi += ceil(V / t) * h;                // the head's copy of the tied embedding
+    if (!first || !m->tie_word_embeddings)
+      psi += ceil(V / t) * h;                // the head (or the tied embedding's copy)
   }
   struct mr_memory *mm = &out->mem;
   memset(mm, 0, sizeof *mm);
@@ -291,6 +314,61 @@ static void stage_memory(const struct mr_workload *w, const struct mr_cluster *c
       inflight *= 1.0 + (p - 1) / (p * m_);
   }
   double act;
+  if (m->family == MR_MODEL_LLAMA) {
+    /* meshrun's engine (launcher/spmd/lower.h): what the forward keeps per
+     * micro-batch slot, the arena the passes share, and its buffers */
+    double ab = wb, rows = T; /* rows of a micro-batch on this rank */
+    double keep = mr_cost_engine_layer_elems(m, s->tp, s->sequence_parallel, s->recompute);
+    double none = mr_cost_engine_layer_elems(m, s->tp, s->sequence_parallel,
+                                             MR_RECOMPUTE_NONE);
+    double stored = s->recompute == MR_RECOMPUTE_MODE_FULL
+                        ? ceil((double)layers / s->recompute_every_n)
+                        : (double)layers;
+    /* micro-batches in flight under meshrun's own schedule (shared with
+     * the lowering), as chunk-micro-batches of layers / vp layers each */
+    int vp = s->virtual_stages > 1 ? s->virtual_stages : 1;
+    int fly[64];
+    double held = s->pp > 1 && vp <= 64
+                      ? (double)mr_pipeline_in_flight(vp > 1 ? MR_PP_INTERLEAVED : s->schedule,
+                                                      s->pp, stage, vp,
+                                                      m_ * (s->grad_accum_steps > 0
+                                                                ? s->grad_accum_steps
+                                                                : 1),
+                                                      fly) / vp
+                      : 1.0;
+    act = rows * keep * ab * stored * held;
+    if (last) /* final norm, the logits (the vocabulary shard), labels */
+      act += rows * (3.0 * h + 4.0 + ceil(V / t)) * ab * held;
+    if (first)
+      act += rows * 4.0 * held;
+    /* the arena: a backward's working set, about 0.6 of a layer's kept
+     * tensors; the group a full recomputation repeats; the head's logit
+     * gradient; under ZeRO-2/3 the pass's whole gradients until they are
+     * reduce-scattered */
+    double arena = 0.6 * rows * none * ab;
+    if (s->recompute == MR_RECOMPUTE_MODE_FULL)
+      arena += rows * none * ab * fmin(s->recompute_every_n, layers);
+    if (last && rows * ceil(V / t) * ab > arena)
+      arena = rows * ceil(V / t) * ab;
+    if (s->zero_stage >= 2)
+      arena += psi * 4.0;
+    act += arena;
+    mm->activations = act;
+    double buf = 0;
+    if (s->tp > 1) /* reshard staging: three activation-sized buffers (the whole
+                    * embedding gradient under sequence parallelism, summed
+                    * over the sequence shards, and its staging) */
+      buf += 3.0 * fmax(rows * h, first && engine_sp ? V * h : 0) * ab +
+             (first && engine_sp ? V * h * 4.0 : 0);
+    if (s->pp > 1) /* boundary sends in flight for a step, both directions, per chunk */
+      buf += 2.0 * vp * m_ * (double)(s->grad_accum_steps > 0 ? s->grad_accum_steps : 1) *
+             rows * h * ab / (s->sequence_parallel && s->tp > 1 ? t : 1);
+    mm->buffers = buf;
+    mm->workspace = c->reserved_bytes;
+    mm->total = mm->params + mm->grads + mm->optimizer + mm->activations + mm->buffers +
+                mm->workspace;
+    return;
+  }
   if (s->recompute == MR_RECOMPUTE_MODE_FULL) {
     int n = s->recompute_every_n;
     double stored = ceil((double)layers / n);

@@ -151,6 +151,14 @@ int mr_cost_check(const struct mr_workload *w, const struct mr_cluster *c,
 
 /* Times of one layer, one micro-batch, one rank, and of the embedding and
  * head on the first and last chunk. */
+/* Elements per token one LLaMA layer of meshrun's engine keeps from its
+ * forward pass for its backward (launcher/spmd/lower.h), on a rank of
+ * tensor-parallel degree t, with sequence parallelism sp, under recompute
+ * mode rc (full: the group input, per group).  docs/PLANNER.md derives it
+ * tensor by tensor. */
+double mr_cost_engine_layer_elems(const struct mr_model_config *m, int t, int sp,
+                                  enum mr_recompute_mode rc);
+
 struct mr_layer_times {
   double fwd, bwd, rc;      // s; bwd excludes recompute
   double tp_fwd;            // s of tensor-parallel collectives in fwd (bwd has as much)

@@ -262,6 +262,13 @@ static struct mr_shard_rule llama_rules[] = {
     {"q_proj|k_proj|v_proj|gate_proj|up_proj|embed_tokens|lm_head", &shard0, 1},
     {"o_proj|down_proj", &shard1, 1},
 };
+/* with sequence parallelism the embedding stays whole, so that its output
+ * is split by rows from the start (a vocabulary split would make it a
+ * partial sum every rank must reduce) */
+static struct mr_shard_rule llama_sp_rules[] = {
+    {"q_proj|k_proj|v_proj|gate_proj|up_proj|lm_head", &shard0, 1},
+    {"o_proj|down_proj", &shard1, 1},
+};
 static struct mr_shard_rule gpt2_rules[] = {
     {"mlp\\.c_fc\\.weight", &shard1, 1},
     {"mlp\\.c_fc\\.bias|mlp\\.c_proj\\.weight|wte", &shard0, 1},
@@ -362,7 +369,7 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
   o.n_rules = job->n_shard_rules;
   if (lay->tp > 1 && job->n_shard_rules == 0) {
     int llama = job->model.family == MR_MODEL_LLAMA;
-    o.rules = llama ? llama_rules : gpt2_rules;
+    o.rules = llama ? (lay->sp ? llama_sp_rules : llama_rules) : gpt2_rules;
     o.n_rules = 2;
   }
   o.data_dim = L->data_dim >= 0 ? L->data_dim : (lay->dp == 1 && lay->tp == 1 ? 0 : -1);

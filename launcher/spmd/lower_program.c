@@ -6,6 +6,7 @@
 #include "common/error.h"
 #include "common/ops.h"
 #include "launcher/spmd/lower.h"
+#include "launcher/planner/schedule.h"
 #include "launcher/spmd/rules.h"
 
 #define ALIGN 64
@@ -748,70 +749,20 @@ static int64_t step_count(const struct mr_lowered *L, const int *coord, int t,
 
 /* ---- schedule ---- */
 
-struct slot_sched {
-  int pass_f, pass_b;            // template ids of the chunk's F and B
-};
-
-/* Appends to out (pairs of pass, micro) this rank's training schedule;
+/* This rank's training schedule as (pass template, micro-batch) pairs;
  * returns the count. */
 static int schedule(const struct build *b, const int *fpass, const int *bpass, int *out_pass,
                     int *out_micro) {
   const struct mr_layout *lay = &b->L->lay;
-  int p = lay->pp, s = b->p->pipe, v = lay->vp, m = lay->n_micro, n = 0;
-  if (v == 1) {
-    if (lay->schedule == MR_PP_GPIPE) {
-      for (int i = 0; i < m; i++) {
-        out_pass[n] = fpass[0];
-        out_micro[n++] = i;
-      }
-      for (int i = 0; i < m; i++) {
-        out_pass[n] = bpass[0];
-        out_micro[n++] = i;
-      }
-      return n;
-    }
-    int warm = p - s - 1 < m ? p - s - 1 : m;
-    for (int i = 0; i < warm; i++) {
-      out_pass[n] = fpass[0];
-      out_micro[n++] = i;
-    }
-    for (int i = 0; i < m - warm; i++) {
-      out_pass[n] = fpass[0];
-      out_micro[n++] = warm + i;
-      out_pass[n] = bpass[0];
-      out_micro[n++] = i;
-    }
-    for (int i = m - warm; i < m; i++) {
-      out_pass[n] = bpass[0];
-      out_micro[n++] = i;
-    }
-    return n;
+  struct mr_sched_pass *sp = malloc((size_t)(2 * lay->n_micro * lay->vp + 1) * sizeof *sp);
+  if (sp == NULL)
+    return MR_ENOMEM;
+  int n = mr_pipeline_schedule(lay->schedule, lay->pp, b->p->pipe, lay->vp, lay->n_micro, sp);
+  for (int i = 0; i < n; i++) {
+    out_pass[i] = sp[i].backward ? bpass[sp[i].chunk] : fpass[sp[i].chunk];
+    out_micro[i] = sp[i].micro;
   }
-  /* interleaved 1F1B (Narayanan et al. 2021, Megatron-LM's schedule) */
-  int total = m * v;
-  int warm = (p - s - 1) * 2 + (v - 1) * p;
-  if (warm > total)
-    warm = total;
-#define FWD_CHUNK(k) (((k) / p) % v)
-#define BWD_CHUNK(k) (v - 1 - ((k) / p) % v)
-#define MICRO(k) (((k) / (p * v)) * p + (k) % p)
-  for (int k = 0; k < warm; k++) {
-    out_pass[n] = fpass[FWD_CHUNK(k)];
-    out_micro[n++] = MICRO(k);
-  }
-  for (int i = 0; i < total - warm; i++) {
-    out_pass[n] = fpass[FWD_CHUNK(warm + i)];
-    out_micro[n++] = MICRO(warm + i);
-    out_pass[n] = bpass[BWD_CHUNK(i)];
-    out_micro[n++] = MICRO(i);
-  }
-  for (int k = total - warm; k < total; k++) {
-    out_pass[n] = bpass[BWD_CHUNK(k)];
-    out_micro[n++] = MICRO(k);
-  }
-#undef FWD_CHUNK
-#undef BWD_CHUNK
-#undef MICRO
+  free(sp);
   return n;
 }
 
@@ -1049,6 +1000,13 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
     goto err;
   }
   int ns = schedule(&b, fpass, bpass, sp, sm);
+  if (ns < 0) {
+    free(sp);
+    free(sm);
+    free(fly);
+    rc = ns;
+    goto err;
+  }
   for (int i = 0; i < ns; i++) {
     int c = p->passes[sp[i]].chunk;
     fly[c] += p->passes[sp[i]].backward ? -1 : 1;
