@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "common/ckpt.h"
+#include "common/ckpt_read.h"
 #include "common/error.h"
 #include "common/jsonv.h"
 #include "common/model_config.h"
@@ -23,48 +24,32 @@ static void usage(FILE *f) {
              "  complete checkpoint).  Writes DIR/config.json and DIR/model.safetensors.\n");
 }
 
-/* Copies every parameter (the index's tensors that are not optimizer
- * state) from the checkpoint's files into one safetensors file. */
+/* Assembles every parameter of the index from the checkpoint's pieces
+ * (whatever sharding wrote them) into one safetensors file. */
 static int write_weights(const char *ckpt, const cJSON *tensors, const char *out_path) {
-  struct mr_st_writer *w;
-  MR_TRY(mr_st_writer_new(out_path, MR_ST_WRITE_FSYNC, &w));
-  int rc = mr_st_writer_add_metadata(w, "format", "pt");
-  int n_files = 0;
-  struct mr_st_file *files[16];
-  char names[16][64];
+  struct mr_ckpt_reader *rd;
+  MR_TRY(mr_ckpt_reader_open(ckpt, &rd));
+  struct mr_st_writer *w = NULL;
+  int rc = mr_st_writer_new(out_path, MR_ST_WRITE_FSYNC, &w);
+  if (rc == 0)
+    rc = mr_st_writer_add_metadata(w, "format", "pt");
   float **bufs = NULL;
   int n_bufs = 0;
   const cJSON *e;
   cJSON_ArrayForEach(e, tensors) {
     if (rc < 0)
       break;
-    if (strncmp(e->string, "optim.", 6) == 0)
-      continue;
-    const cJSON *file = cJSON_GetObjectItemCaseSensitive(e, "file");
-    if (!cJSON_IsString(file) || strchr(file->valuestring, '/') != NULL ||
-        strlen(file->valuestring) >= sizeof names[0]) {
-      rc = mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s.file: expected a plain file name",
-                        ckpt, e->string);
-      break;
+    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
+    int nd = cJSON_IsArray(sh) ? cJSON_GetArraySize(sh) : 0;
+    int64_t shape[2] = {0, 0}, off[2] = {0, 0}, numel = 1;
+    for (int d = 0; d < nd && d < 2; d++) {
+      const cJSON *v = cJSON_GetArrayItem(sh, d);
+      shape[d] = cJSON_IsNumber(v) && v->valuedouble >= 1 ? (int64_t)v->valuedouble : 0;
+      numel *= shape[d];
     }
-    int k;
-    for (k = 0; k < n_files && strcmp(names[k], file->valuestring) != 0; k++)
-      ;
-    if (k == n_files) {
-      if (n_files == 16) {
-        rc = mr_error_set(MR_ENOTSUP, "%s: more than 16 files hold parameters", ckpt);
-        break;
-      }
-      char path[4400];
-      snprintf(path, sizeof path, "%s/%s", ckpt, file->valuestring);
-      if ((rc = mr_st_open(path, &files[k])) < 0)
-        break;
-      snprintf(names[k], sizeof names[k], "%s", file->valuestring);
-      n_files++;
-    }
-    const struct mr_st_tensor *t = mr_st_find(files[k], e->string);
-    if (t == NULL) {
-      rc = mr_error_set(MR_EFORMAT, "%s/%s: no tensor %s", ckpt, names[k], e->string);
+    if (nd < 1 || nd > 2 || numel <= 0) {
+      rc = mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s.shape: expected 1 or 2 "
+                        "positive dims", ckpt, e->string);
       break;
     }
     float **nb = realloc(bufs, (size_t)(n_bufs + 1) * sizeof *bufs);
@@ -73,13 +58,13 @@ static int write_weights(const char *ckpt, const cJSON *tensors, const char *out
       break;
     }
     bufs = nb;
-    bufs[n_bufs] = malloc((size_t)(t->numel > 0 ? t->numel : 1) * sizeof(float));
-    if (bufs[n_bufs] == NULL) {
+    if ((bufs[n_bufs] = malloc((size_t)numel * sizeof(float))) == NULL) {
       rc = MR_ENOMEM;
       break;
     }
-    if ((rc = mr_st_read(files[k], t, MR_F32, bufs[n_bufs])) == 0)
-      rc = mr_st_writer_add(w, t->name, MR_F32, t->rank, t->shape, bufs[n_bufs]);
+    rc = mr_ckpt_reader_read(rd, e->string, nd, shape, off, shape, 0, numel, bufs[n_bufs]);
+    if (rc == 0)
+      rc = mr_st_writer_add(w, e->string, MR_F32, nd, shape, bufs[n_bufs]);
     n_bufs++;
   }
   if (rc == 0)
@@ -88,8 +73,7 @@ static int write_weights(const char *ckpt, const cJSON *tensors, const char *out
   for (int i = 0; i < n_bufs; i++)
     free(bufs[i]);
   free(bufs);
-  for (int i = 0; i < n_files; i++)
-    mr_st_free(files[i]);
+  mr_ckpt_reader_free(rd);
   return rc;
 }
 

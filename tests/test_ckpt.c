@@ -248,6 +248,15 @@ START_TEST(test_ckpt_resume_on_another_strategy_or_world_size) {
       {4, "\"sharding\": {\"stage\": 1}", 2, ""},                  /* ZeRO-1 dp4 -> dp2 */
       {2, "", 2, "\"sharding\": {\"stage\": 1}"},                  /* dp2 -> ZeRO-1 dp2 */
       {1, "", 4, "\"gradient_accumulation_steps\": 1, \"sharding\": {\"stage\": 1}"}, /* 1 -> 4 */
+      /* dp2 x tp2 x pp2 on 8 ranks -> tp2 on 2 */
+      {8,
+       "\"auto_mode\": \"manual\", \"data_parallel\": {\"degree\": 2}, "
+       "\"tensor_parallel\": {\"degree\": 2}, "
+       "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}",
+       2, "\"auto_mode\": \"manual\", \"tensor_parallel\": {\"degree\": 2}"},
+      /* ZeRO-3 dp4 -> a 2-stage pipeline */
+      {4, "\"auto_mode\": \"manual\", \"data_parallel\": {\"degree\": 4}, \"sharding\": {\"stage\": 3}",
+       2, "\"auto_mode\": \"manual\", \"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}"},
   };
   for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++) {
     char dir[64];
@@ -289,10 +298,11 @@ START_TEST(test_ckpt_hang_in_collective_diagnosed_then_restarted) {
   char *err = mr_t_slurp(p.err_path);
   ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
   ck_assert_msg(strstr(err, "rank 1 is stuck outside communication") != NULL, "%s", err);
-  /* the others wait in the gradient AllReduce on the data group, and say
-   * which rank has not arrived */
+  /* rank 0 waits in step 4's AllReduce on the data group (the loss), and
+   * says which rank has not arrived */
   ck_assert_msg(strstr(err, "AllReduce") != NULL && strstr(err, "data{0,1}") != NULL, "%s", err);
-  ck_assert_msg(strstr(err, "rank 0: step 3") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "rank 0: step 4") != NULL && strstr(err, "waiting for rank 1") != NULL,
+                "%s", err);
   free(err);
 }
 END_TEST

@@ -1,4 +1,4 @@
-/* checkpoint.c - saving and loading a rank's checkpoint shards. */
+/* checkpoint.c - saving and loading a rank's checkpoint pieces. */
 #include "worker/checkpoint.h"
 
 #include <cjson/cJSON.h>
@@ -11,49 +11,49 @@
 #include <unistd.h>
 
 #include "common/ckpt.h"
+#include "common/ckpt_read.h"
 #include "common/error.h"
 #include "common/jsonv.h"
 #include "common/log.h"
 #include "common/safetensors.h"
 #include "common/tunable.h"
+#include "launcher/spmd/lower.h"
 #include "worker/optim.h"
 
-#define MR_CKPT_FORMAT "meshrun-checkpoint-1"
+#define MR_CKPT_FORMAT "meshrun-checkpoint-2"
 
-struct snapshot_tensor {
-  char name[160];
+/* One stored piece of the snapshot. */
+struct snapshot_piece {
+  char name[200];
   int ndim;
-  int64_t shape[4];
-  int64_t numel;
-  int64_t shard_begin, shard_len;
-  float *param;            // into the snapshot block; NULL on ranks > 0
-  float *m, *v;            // this rank's shard of the moments
+  int64_t off[2], len[2];        // the box within the global tensor
+  int64_t begin, count;          // the range of the box stored
+  float *data;                   // into the snapshot block
 };
 
 struct mr_ckpt_saver {
   int rank, world_size;
-  int zero;                  // moments sharded over the ranks
-  const struct mr_job *job;  // borrowed
+  const struct mr_job *job;      // borrowed
   pthread_t thread;
   int in_flight;
-  int result;                // of the last save
+  int result;                    // of the last save
   char error[512];
   /* the snapshot being written */
   float *block;
   size_t block_floats;
-  struct snapshot_tensor *tensors;
-  int n;
+  struct snapshot_piece *pieces;
+  int n, cap;
   int64_t step;
   struct mr_loss_scaler scaler;
   struct mr_reporter reporter;
+  char *index;                   // rank 0: index.json text
 };
 
-int mr_ckpt_saver_new(int rank, int world_size, int zero, const struct mr_job *job,
+int mr_ckpt_saver_new(int rank, int world_size, const struct mr_job *job,
                       struct mr_ckpt_saver **out) {
   struct mr_ckpt_saver *s = calloc(1, sizeof *s);
   if (s == NULL)
     return MR_ENOMEM;
-  s->zero = zero && world_size > 1;
   s->rank = rank;
   s->world_size = world_size;
   s->job = job;
@@ -67,18 +67,25 @@ static int mkdir_one(const char *path) {
   return 0;
 }
 
-static int write_index(struct mr_ckpt_saver *s, const char *dir, const char *file) {
+/* index.json: what a reader needs besides the pieces. */
+static char *index_text(const struct mr_ckpt_saver *s, const struct mr_lowered *L) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddStringToObject(o, "format", MR_CKPT_FORMAT);
   cJSON_AddNumberToObject(o, "step", (double)s->step);
   cJSON_AddNumberToObject(o, "world_size", s->world_size);
-  cJSON *mesh = cJSON_AddObjectToObject(o, "mesh");
-  cJSON *shape = cJSON_AddArrayToObject(mesh, "shape");
-  cJSON_AddItemToArray(shape, cJSON_CreateNumber(s->world_size));
-  cJSON *dims = cJSON_AddArrayToObject(mesh, "dim_names");
-  cJSON_AddItemToArray(dims, cJSON_CreateString("data"));
-  cJSON *strat = cJSON_AddObjectToObject(o, "strategy");
-  cJSON_AddNumberToObject(strat, "data_parallel.degree", s->world_size);
+  char lay[256];
+  mr_layout_format(&L->lay, lay, sizeof lay);
+  cJSON_AddStringToObject(o, "layout", lay);
+  cJSON *st = cJSON_AddObjectToObject(o, "strategy");
+  cJSON_AddNumberToObject(st, "data_parallel.degree", L->lay.dp);
+  cJSON_AddNumberToObject(st, "tensor_parallel.degree", L->lay.tp);
+  cJSON_AddNumberToObject(st, "pipeline_parallel.degree", L->lay.pp);
+  cJSON_AddNumberToObject(st, "pipeline_parallel.virtual_stages", L->lay.vp);
+  cJSON_AddNumberToObject(st, "sharding.stage", L->lay.zero);
+  cJSON_AddBoolToObject(st, "sequence_parallel.enable", L->lay.sp);
+  char mesh[128];
+  mr_mesh_format(&L->mesh, mesh, sizeof mesh);
+  cJSON_AddStringToObject(o, "stage_mesh", mesh);
   cJSON_AddNumberToObject(o, "seed", (double)s->job->train.seed);
   char *model = mr_model_config_to_json(&s->job->model);
   cJSON_AddItemToObject(o, "model", model != NULL ? cJSON_Parse(model) : cJSON_CreateNull());
@@ -89,62 +96,35 @@ static int write_index(struct mr_ckpt_saver *s, const char *dir, const char *fil
   cJSON_AddNumberToObject(ls, "clean_steps", (double)s->scaler.clean_steps);
   cJSON_AddNumberToObject(ls, "skipped", (double)s->scaler.skipped);
   cJSON *ts = cJSON_AddObjectToObject(o, "tensors");
-  for (int i = 0; i < s->n; i++) {
-    const struct snapshot_tensor *t = &s->tensors[i];
-    cJSON *e = cJSON_AddObjectToObject(ts, t->name);
+  const struct mr_graph *g = &L->model.graph;
+  for (int t = 0; t < g->n_tensors; t++) {
+    if (g->tensors[t].role != MR_ROLE_PARAM || g->tensors[t].grad < 0)
+      continue;
+    cJSON *e = cJSON_AddObjectToObject(ts, g->tensors[t].name);
     cJSON *sh = cJSON_AddArrayToObject(e, "shape");
-    for (int d = 0; d < t->ndim; d++)
-      cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)t->shape[d]));
+    for (int d = 0; d < g->tensors[t].ndim; d++)
+      cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)g->tensors[t].shape[d]));
     cJSON_AddStringToObject(e, "dtype", "F32");
-    cJSON *pl = cJSON_AddArrayToObject(e, "placements");
-    cJSON_AddItemToArray(pl, cJSON_CreateString("Replicate()"));
-    cJSON_AddStringToObject(e, "file", file);
-    const char *kinds[2] = {"optim.exp_avg.", "optim.exp_avg_sq."};
-    for (int k = 0; k < 2; k++) {
-      char name[200];
-      snprintf(name, sizeof name, "%s%s", kinds[k], t->name);
-      cJSON *oe = cJSON_AddObjectToObject(ts, name);
-      cJSON *osh = cJSON_AddArrayToObject(oe, "shape");
-      for (int d = 0; d < t->ndim; d++)
-        cJSON_AddItemToArray(osh, cJSON_CreateNumber((double)t->shape[d]));
-      cJSON_AddStringToObject(oe, "dtype", "F32");
-      cJSON *opl = cJSON_AddArrayToObject(oe, "placements");
-      cJSON_AddItemToArray(opl, cJSON_CreateString(s->zero ? "Shard(0) of the flattened tensor"
-                                                            : "Replicate()"));
-      cJSON *pieces = cJSON_AddArrayToObject(oe, "pieces");
-      int ranks = s->zero ? s->world_size : 1;
-      int64_t block = (t->numel + ranks - 1) / ranks;
-      for (int r = 0; r < ranks; r++) {
-        int64_t b = block * r, len = t->numel - b < block ? t->numel - b : block;
-        if (len <= 0)
-          continue;
-        char rf[64];
-        snprintf(rf, sizeof rf, "rank-%d.safetensors", r);
-        cJSON *pc = cJSON_CreateObject();
-        cJSON_AddStringToObject(pc, "file", rf);
-        cJSON_AddNumberToObject(pc, "begin", (double)b);
-        cJSON_AddNumberToObject(pc, "len", (double)len);
-        cJSON_AddItemToArray(pieces, pc);
-      }
-    }
+    char pl[128];
+    mr_dist_format(&L->dg.tensor[t], pl, sizeof pl);
+    cJSON_AddStringToObject(e, "placements", pl);
   }
   char *text = cJSON_Print(o);
   cJSON_Delete(o);
-  if (text == NULL)
-    return MR_ENOMEM;
-  char path[4200];
-  snprintf(path, sizeof path, "%s/%s", dir, MR_CKPT_INDEX);
+  return text;
+}
+
+static int write_text(const char *path, const char *text) {
   FILE *f = fopen(path, "w");
   int rc = 0;
   if (f == NULL || fputs(text, f) < 0 || fflush(f) != 0 || fsync(fileno(f)) != 0)
     rc = mr_error_set(MR_EIO, "%s: %s", path, strerror(errno));
   if (f != NULL)
     fclose(f);
-  free(text);
   return rc;
 }
 
-/* The writer thread: files, fsync, checksums, then the report. */
+/* The writer thread: the rank's file, fsync, checksums, then the report. */
 static void *write_main(void *arg) {
   struct mr_ckpt_saver *s = arg;
   char dir[4096];
@@ -158,31 +138,34 @@ static void *write_main(void *arg) {
   int nfiles = 0;
   char file[64];
   snprintf(file, sizeof file, "rank-%d.safetensors", s->rank);
-  int has_data = s->rank == 0;
-  for (int i = 0; i < s->n && !has_data; i++)
-    has_data = s->tensors[i].shard_len > 0;
-  if (rc == 0 && has_data) {
+  if (rc == 0 && s->n > 0) {
     char path[4200];
     snprintf(path, sizeof path, "%s/%s", dir, file);
     struct mr_st_writer *w = NULL;
-    rc = mr_st_writer_new(path, MR_ST_WRITE_FSYNC, &w);
+    cJSON *pieces = cJSON_CreateObject();
+    rc = pieces ? mr_st_writer_new(path, MR_ST_WRITE_FSYNC, &w) : MR_ENOMEM;
     for (int i = 0; rc == 0 && i < s->n; i++) {
-      const struct snapshot_tensor *t = &s->tensors[i];
-      char mname[200], vname[200];
-      snprintf(mname, sizeof mname, "optim.exp_avg.%s", t->name);
-      snprintf(vname, sizeof vname, "optim.exp_avg_sq.%s", t->name);
-      if (t->param != NULL)
-        rc = mr_st_writer_add(w, t->name, MR_F32, t->ndim, t->shape, t->param);
-      if (rc == 0 && t->shard_len > 0) {
-        rc = mr_st_writer_add(w, mname, MR_F32, 1, &t->shard_len, t->m);
-        if (rc == 0)
-          rc = mr_st_writer_add(w, vname, MR_F32, 1, &t->shard_len, t->v);
-      }
+      const struct snapshot_piece *p = &s->pieces[i];
+      rc = mr_st_writer_add(w, p->name, MR_F32, 1, &p->count, p->data);
+      char *pj = rc == 0 ? mr_ckpt_piece_json(p->ndim, p->off, p->len, p->begin, p->count)
+                         : NULL;
+      if (rc == 0 && pj == NULL)
+        rc = MR_ENOMEM;
+      if (rc == 0)
+        cJSON_AddItemToObject(pieces, p->name, cJSON_Parse(pj));
+      free(pj);
     }
+    char *ptext = rc == 0 ? cJSON_PrintUnformatted(pieces) : NULL;
+    if (rc == 0 && ptext == NULL)
+      rc = MR_ENOMEM;
     if (rc == 0)
       rc = mr_st_writer_add_metadata(w, "format", MR_CKPT_FORMAT);
     if (rc == 0)
+      rc = mr_st_writer_add_metadata(w, "pieces", ptext);
+    if (rc == 0)
       rc = mr_st_writer_finish(w);
+    free(ptext);
+    cJSON_Delete(pieces);
     mr_st_writer_free(w);
     if (rc == 0)
       rc = mr_sha256_file(path, shas[nfiles]);
@@ -192,15 +175,14 @@ static void *write_main(void *arg) {
     if (delay > 0) /* test hook: widen the window in which a save is half done */
       usleep((useconds_t)delay * 1000u);
   }
-  if (rc == 0 && s->rank == 0) {
-    rc = write_index(s, dir, file);
-    if (rc == 0) {
-      char ip[4200];
-      snprintf(ip, sizeof ip, "%s/%s", dir, MR_CKPT_INDEX);
+  if (rc == 0 && s->index != NULL) {
+    char ip[4200];
+    snprintf(ip, sizeof ip, "%s/%s", dir, MR_CKPT_INDEX);
+    rc = write_text(ip, s->index);
+    if (rc == 0)
       rc = mr_sha256_file(ip, shas[nfiles]);
-      if (rc == 0)
-        names[nfiles++] = MR_CKPT_INDEX;
-    }
+    if (rc == 0)
+      names[nfiles++] = MR_CKPT_INDEX;
   }
   if (rc < 0) {
     snprintf(s->error, sizeof s->error, "%s", mr_error_message());
@@ -221,17 +203,40 @@ int mr_ckpt_saver_wait(struct mr_ckpt_saver *s) {
   return 0;
 }
 
-int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_trainer *t, int64_t step,
+static int add_piece(struct mr_ckpt_saver *s, const char *prefix, const struct mr_rt_param *p,
+                     int64_t begin, int64_t count, float **at) {
+  if (s->n == s->cap) {
+    int cap = s->cap ? 2 * s->cap : 64;
+    struct snapshot_piece *np = realloc(s->pieces, (size_t)cap * sizeof *np);
+    if (np == NULL)
+      return MR_ENOMEM;
+    s->pieces = np;
+    s->cap = cap;
+  }
+  struct snapshot_piece *d = &s->pieces[s->n++];
+  snprintf(d->name, sizeof d->name, "%s%s", prefix, p->name);
+  d->ndim = p->ndim;
+  for (int k = 0; k < p->ndim && k < 2; k++) {
+    d->off[k] = p->goff[k];
+    d->len[k] = p->glen[k];
+  }
+  d->begin = begin;
+  d->count = count;
+  d->data = *at;
+  *at += count;
+  return 0;
+}
+
+int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_runtime *rt, int64_t step,
                  const struct mr_reporter *reporter) {
   MR_TRY(mr_ckpt_saver_wait(s));
-  const struct mr_train_slot *slots;
-  int n = mr_trainer_slots(t, &slots);
+  const struct mr_rt_param *ps;
+  int n = mr_runtime_params(rt, &ps);
   MR_TRY(n);
-  if (!s->zero && s->rank != 0)
-    n = 0; /* replicated state: rank 0 writes it all */
   size_t total = 0;
   for (int i = 0; i < n; i++)
-    total += (s->rank == 0 ? (size_t)slots[i].numel : 0) + 2 * (size_t)slots[i].shard_len;
+    total += (ps[i].keeps_param ? (size_t)ps[i].plen : 0) +
+             (ps[i].keeps_state ? 2 * (size_t)ps[i].len : 0);
   if (total > s->block_floats) {
     float *nb = realloc(s->block, total * sizeof(float));
     if (nb == NULL)
@@ -240,38 +245,32 @@ int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_trainer *t, int64_t step,
     s->block = nb;
     s->block_floats = total;
   }
-  struct snapshot_tensor *ts = realloc(s->tensors, (size_t)(n > 0 ? n : 1) * sizeof *ts);
-  if (ts == NULL)
-    return MR_ENOMEM;
-  s->tensors = ts;
-  s->n = n;
-  float *p = s->block;
+  s->n = 0;
+  float *at = s->block;
   for (int i = 0; i < n; i++) {
-    struct snapshot_tensor *d = &ts[i];
-    snprintf(d->name, sizeof d->name, "%s", slots[i].name);
-    d->ndim = slots[i].ndim;
-    memcpy(d->shape, slots[i].shape, (size_t)slots[i].ndim * sizeof(int64_t));
-    d->numel = slots[i].numel;
-    d->shard_begin = slots[i].shard_begin;
-    d->shard_len = slots[i].shard_len;
-    d->param = NULL;
-    if (s->rank == 0) {
-      d->param = p;
-      memcpy(p, slots[i].param, (size_t)d->numel * sizeof(float));
-      p += d->numel;
+    const struct mr_rt_param *p = &ps[i];
+    if (p->keeps_param && p->plen > 0) {
+      float *dst = at;
+      MR_TRY(add_piece(s, "", p, p->pbegin, p->plen, &at));
+      MR_TRY(mr_runtime_to_host(rt, dst, p->param, (size_t)p->plen * 4));
     }
-    size_t shard = (size_t)d->shard_len * sizeof(float);
-    d->m = p;
-    memcpy(p, slots[i].m, shard);
-    p += d->shard_len;
-    d->v = p;
-    memcpy(p, slots[i].v, shard);
-    p += d->shard_len;
+    if (p->keeps_state && p->len > 0) {
+      float *dst = at;
+      MR_TRY(add_piece(s, "optim.exp_avg.", p, p->begin, p->len, &at));
+      MR_TRY(mr_runtime_to_host(rt, dst, p->m, (size_t)p->len * 4));
+      dst = at;
+      MR_TRY(add_piece(s, "optim.exp_avg_sq.", p, p->begin, p->len, &at));
+      MR_TRY(mr_runtime_to_host(rt, dst, p->v, (size_t)p->len * 4));
+    }
   }
   s->step = step;
-  s->scaler = *mr_trainer_scaler(t);
+  s->scaler = *mr_runtime_scaler(rt);
   s->reporter = *reporter;
   s->error[0] = '\0';
+  free(s->index);
+  s->index = NULL;
+  if (s->rank == 0 && (s->index = index_text(s, mr_runtime_lowered(rt))) == NULL)
+    return MR_ENOMEM;
   if (pthread_create(&s->thread, NULL, write_main, s) != 0)
     return mr_error_set(MR_ESYS, "cannot start the checkpoint writer");
   s->in_flight = 1;
@@ -283,114 +282,32 @@ void mr_ckpt_saver_free(struct mr_ckpt_saver *s) {
     return;
   mr_ckpt_saver_wait(s);
   free(s->block);
-  free(s->tensors);
+  free(s->pieces);
+  free(s->index);
   free(s);
 }
 
-/* An open file of the checkpoint, by name (a few at most per load). */
-struct open_files {
-  char names[8][64];
-  struct mr_st_file *f[8];
-  int n;
-};
-
-static int file_get(struct open_files *of, const char *dir, const char *name,
-                    struct mr_st_file **out) {
-  for (int i = 0; i < of->n; i++)
-    if (strcmp(of->names[i], name) == 0) {
-      *out = of->f[i];
-      return 0;
-    }
-  if (strchr(name, '/') != NULL || strlen(name) >= sizeof of->names[0])
-    return mr_error_set(MR_EFORMAT, "%s: file name \"%s\" is not a plain name", dir, name);
-  if (of->n == 8) { /* keep the set small: drop the oldest */
-    mr_st_free(of->f[0]);
-    memmove(of->names[0], of->names[1], 7 * sizeof of->names[0]);
-    memmove(of->f, of->f + 1, 7 * sizeof of->f[0]);
-    of->n--;
+/* Checks index tensor `name` has the model's shape. */
+static int check_shape(const char *path, const cJSON *tensors, const struct mr_rt_param *p) {
+  const cJSON *e = cJSON_GetObjectItemCaseSensitive(tensors, p->name);
+  const cJSON *sh = e ? cJSON_GetObjectItemCaseSensitive(e, "shape") : NULL;
+  int same = cJSON_IsArray(sh) && cJSON_GetArraySize(sh) == p->ndim;
+  for (int d = 0; same && d < p->ndim; d++) {
+    const cJSON *v = cJSON_GetArrayItem(sh, d);
+    same = cJSON_IsNumber(v) && (int64_t)v->valuedouble == p->shape[d];
   }
-  char path[4400];
-  snprintf(path, sizeof path, "%s/%s", dir, name);
-  MR_TRY(mr_st_open(path, &of->f[of->n]));
-  snprintf(of->names[of->n], sizeof of->names[0], "%s", name);
-  *out = of->f[of->n++];
-  return 0;
-}
-
-static void files_close(struct open_files *of) {
-  for (int i = 0; i < of->n; i++)
-    mr_st_free(of->f[i]);
-  of->n = 0;
-}
-
-/* The parameter itself: whole, checked against the model's shape. */
-static int load_param(struct open_files *of, const char *dir, const cJSON *e,
-                      const struct mr_train_slot *slot) {
-  const cJSON *file = cJSON_GetObjectItemCaseSensitive(e, "file");
-  if (!cJSON_IsString(file))
-    return mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s.file: expected a file name", dir,
-                        slot->name);
-  struct mr_st_file *f;
-  MR_TRY(file_get(of, dir, file->valuestring, &f));
-  const struct mr_st_tensor *t = mr_st_find(f, slot->name);
-  if (t == NULL)
-    return mr_error_set(MR_EFORMAT, "%s: no tensor %s", mr_st_path(f), slot->name);
-  int same = t->rank == slot->ndim;
-  for (int d = 0; same && d < t->rank; d++)
-    same = t->shape[d] == slot->shape[d];
+  if (e == NULL)
+    return mr_error_set(MR_EFORMAT, "%s: no tensor %s", path, p->name);
   if (!same)
-    return mr_error_set(MR_EFORMAT, "%s: %s has another shape than this model's", mr_st_path(f),
-                        slot->name);
-  return mr_st_read(f, t, MR_F32, slot->param);
-}
-
-/* Elements [begin, begin + len) of a flattened moment, gathered from the
- * pieces that overlap them: the reshard of a 1-D shard on load. */
-static int load_range(struct open_files *of, const char *dir, const char *name, const cJSON *e,
-                      int64_t numel, int64_t begin, int64_t len, float *dst) {
-  const cJSON *pieces = cJSON_GetObjectItemCaseSensitive(e, "pieces");
-  if (!cJSON_IsArray(pieces))
-    return mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s.pieces: expected an array", dir,
-                        name);
-  int64_t covered = 0;
-  const cJSON *pc;
-  cJSON_ArrayForEach(pc, pieces) {
-    const cJSON *file = cJSON_GetObjectItemCaseSensitive(pc, "file");
-    const cJSON *pb = cJSON_GetObjectItemCaseSensitive(pc, "begin");
-    const cJSON *pl = cJSON_GetObjectItemCaseSensitive(pc, "len");
-    if (!cJSON_IsString(file) || !cJSON_IsNumber(pb) || !cJSON_IsNumber(pl))
-      return mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s.pieces: expected {file, begin, len}",
-                          dir, name);
-    int64_t b = (int64_t)pb->valuedouble, l = (int64_t)pl->valuedouble;
-    if (b < 0 || l < 0 || b + l > numel)
-      return mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s: a piece lies outside the tensor",
-                          dir, name);
-    int64_t lo = b > begin ? b : begin;
-    int64_t hi = b + l < begin + len ? b + l : begin + len;
-    if (lo >= hi)
-      continue;
-    struct mr_st_file *f;
-    MR_TRY(file_get(of, dir, file->valuestring, &f));
-    const struct mr_st_tensor *t = mr_st_find(f, name);
-    if (t == NULL || t->rank != 1 || t->shape[0] != l)
-      return mr_error_set(MR_EFORMAT, "%s: %s: expected a 1-D piece of %lld elements",
-                          mr_st_path(f), name, (long long)l);
-    int64_t start = lo - b, count = hi - lo;
-    MR_TRY(mr_st_read_slice(f, t, &start, &count, MR_F32, dst + (lo - begin)));
-    covered += count;
-  }
-  if (covered != len)
-    return mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s: the pieces cover %lld of the %lld "
-                        "elements needed", dir, name, (long long)covered, (long long)len);
+    return mr_error_set(MR_EFORMAT, "%s: %s has another shape than this model's", path, p->name);
   return 0;
 }
 
-int mr_ckpt_load(struct mr_trainer *t, const char *dir, int64_t *step) {
+int mr_ckpt_load(struct mr_runtime *rt, const char *dir, int64_t *step) {
   char path[4200];
   snprintf(path, sizeof path, "%s/%s", dir, MR_CKPT_INDEX);
   cJSON *ix;
   MR_TRY(mr_json_load(path, &ix));
-  int rc = 0;
   const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(ix, "format");
   const cJSON *st = cJSON_GetObjectItemCaseSensitive(ix, "step");
   const cJSON *tensors = cJSON_GetObjectItemCaseSensitive(ix, "tensors");
@@ -401,34 +318,37 @@ int mr_ckpt_load(struct mr_trainer *t, const char *dir, int64_t *step) {
     return mr_error_set(MR_EFORMAT, "%s: expected a %s index with step, tensors and loss_scaler",
                         path, MR_CKPT_FORMAT);
   }
-  const struct mr_train_slot *slots;
-  int n = mr_trainer_slots(t, &slots);
-  struct open_files of = {.n = 0};
+  struct mr_ckpt_reader *rd = NULL;
+  const struct mr_rt_param *ps;
+  float *host = NULL;
+  int n = mr_runtime_params(rt, &ps), rc = n < 0 ? n : 0;
+  int64_t most = 1;
+  for (int i = 0; i < n; i++)
+    most = ps[i].numel > most ? ps[i].numel : most;
+  if (rc == 0 && (host = malloc((size_t)most * sizeof *host)) == NULL)
+    rc = MR_ENOMEM;
+  if (rc == 0)
+    rc = mr_ckpt_reader_open(dir, &rd);
   for (int i = 0; rc == 0 && i < n; i++) {
-    const cJSON *e = cJSON_GetObjectItemCaseSensitive(tensors, slots[i].name);
-    if (e == NULL) {
-      rc = mr_error_set(MR_EFORMAT, "%s: no tensor %s", path, slots[i].name);
-      break;
+    const struct mr_rt_param *p = &ps[i];
+    MR_TRY_GOTO(rc, check_shape(path, tensors, p), out);
+    char name[200];
+    if (p->plen > 0) {
+      MR_TRY_GOTO(rc, mr_ckpt_reader_read(rd, p->name, p->ndim, p->shape, p->goff, p->glen,
+                                          p->pbegin, p->plen, host), out);
+      MR_TRY_GOTO(rc, mr_runtime_to_device(rt, p->param, host, (size_t)p->plen * 4), out);
     }
-    rc = load_param(&of, dir, e, &slots[i]);
     const char *prefixes[2] = {"optim.exp_avg.", "optim.exp_avg_sq."};
-    float *dst[2] = {slots[i].m, slots[i].v};
-    for (int k = 0; rc == 0 && k < 2; k++) {
-      char name[200];
-      snprintf(name, sizeof name, "%s%s", prefixes[k], slots[i].name);
-      const cJSON *oe = cJSON_GetObjectItemCaseSensitive(tensors, name);
-      if (oe == NULL) {
-        rc = mr_error_set(MR_EFORMAT, "%s: no tensor %s", path, name);
-        break;
-      }
-      if (slots[i].shard_len > 0)
-        rc = load_range(&of, dir, name, oe, slots[i].numel, slots[i].shard_begin,
-                        slots[i].shard_len, dst[k]);
+    float *dst[2] = {p->m, p->v};
+    for (int k = 0; k < 2 && p->len > 0; k++) {
+      snprintf(name, sizeof name, "%s%s", prefixes[k], p->name);
+      MR_TRY_GOTO(rc, mr_ckpt_reader_read(rd, name, p->ndim, p->shape, p->goff, p->glen,
+                                          p->begin, p->len, host), out);
+      MR_TRY_GOTO(rc, mr_runtime_to_device(rt, dst[k], host, (size_t)p->len * 4), out);
     }
   }
-  files_close(&of);
   if (rc == 0) {
-    struct mr_loss_scaler *sc = mr_trainer_scaler(t);
+    struct mr_loss_scaler *sc = mr_runtime_scaler(rt);
     const cJSON *v;
     if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(ls, "scale")))
       sc->scale = v->valuedouble;
@@ -438,6 +358,9 @@ int mr_ckpt_load(struct mr_trainer *t, const char *dir, int64_t *step) {
       sc->skipped = (int64_t)v->valuedouble;
     *step = (int64_t)st->valuedouble;
   }
+out:
+  mr_ckpt_reader_free(rd);
+  free(host);
   cJSON_Delete(ix);
   return rc;
 }

@@ -1,22 +1,25 @@
 /* checkpoint.h - a rank's part of a distributed checkpoint: saving its
- * shards asynchronously and loading what its plan needs.
+ * shards asynchronously and loading whatever slices its plan needs.
  *
  * Files of step S in folder D (common/ckpt.h names it):
- *   D/rank-R.safetensors   what rank R owns: the parameters under their
- *                          Hugging Face names (rank 0: they are replicated)
- *                          and its shard of each parameter's AdamW moments,
- *                          flattened, as "optim.exp_avg.NAME" and
- *                          "optim.exp_avg_sq.NAME" (1-D)
+ *   D/rank-R.safetensors   one copy of each distinct shard in the job:
+ *                          parameters under their Hugging Face names and
+ *                          AdamW moments as "optim.exp_avg.NAME" and
+ *                          "optim.exp_avg_sq.NAME", each stored 1-D, with
+ *                          the pieces they are (common/ckpt_read.h) in the
+ *                          file's __metadata__ — a rank of data coordinate 0
+ *                          writes its tensor-parallel shards; under ZeRO
+ *                          every data rank writes its block of the moments
+ *                          (ZeRO-3: and of the parameters)
  *   D/index.json           written by rank 0: format, step, world size,
- *                          mesh, strategy, seed (the data position is the
- *                          step: rows are a formula of (seed, step, row)),
- *                          loss-scaler state, and per tensor its global
- *                          shape, dtype, placements and its pieces: which
- *                          file holds which range of the flattened tensor
- * Without ZeRO rank 0 holds every moment whole (one piece); under ZeRO-1
- * rank R holds the block [R * ceil(n / dp), ...).  A rank loading reads
- * only the pieces overlapping the range its own plan needs, so a job can
- * resume on another world size or another sharding.
+ *                          the layout (strategy), mesh, seed (the data
+ *                          position is the step: rows are a formula of
+ *                          (seed, step, row)), the loss-scaler state, and
+ *                          every parameter's global shape, dtype and
+ *                          placements
+ * Loading reads, for every parameter this rank holds under its own plan,
+ * the box and range it needs from whichever pieces overlap it, so a job
+ * resumes on another strategy or world size.
  *
  * Saving takes a snapshot of the state into host memory (a copy), then a
  * thread writes and checksums the files while training goes on; the rank
@@ -28,20 +31,19 @@
 
 #include "common/job.h"
 #include "worker/reporter.h"
-#include "worker/train.h"
+#include "worker/runtime.h"
 
 struct mr_ckpt_saver;
 
-/* A saver for this rank; zero: the moments are sharded (ZeRO-1) over the
- * world_size ranks.  Returns 0 or MR_ENOMEM. */
-int mr_ckpt_saver_new(int rank, int world_size, int zero, const struct mr_job *job,
+/* A saver for rank `rank` of world_size.  Returns 0 or MR_ENOMEM. */
+int mr_ckpt_saver_new(int rank, int world_size, const struct mr_job *job,
                       struct mr_ckpt_saver **out);
 
-/* Snapshots t's state after step `step` and starts writing it under
+/* Snapshots rt's state after step `step` and starts writing it under
  * job->checkpoint.dir; waits first for a save still in flight.  When the
  * files are durable, reporter->checkpoint_written is called (from the
  * writer thread).  Returns 0 or an error. */
-int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_trainer *t, int64_t step,
+int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_runtime *rt, int64_t step,
                  const struct mr_reporter *reporter);
 
 /* Waits for the save in flight, if any; returns its result. */
@@ -50,9 +52,9 @@ int mr_ckpt_saver_wait(struct mr_ckpt_saver *s);
 /* Waits, then frees.  NULL is a no-op. */
 void mr_ckpt_saver_free(struct mr_ckpt_saver *s);
 
-/* Loads the checkpoint in folder dir into t; *step gets its step.  Every
- * tensor's shape and name is checked against the trainer's.  Returns 0 or
+/* Loads the checkpoint in folder dir into rt; *step gets its step.  Every
+ * tensor's shape and name is checked against the model's.  Returns 0 or
  * MR_EFORMAT with a message naming the file and tensor. */
-int mr_ckpt_load(struct mr_trainer *t, const char *dir, int64_t *step);
+int mr_ckpt_load(struct mr_runtime *rt, const char *dir, int64_t *step);
 
 #endif

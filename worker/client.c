@@ -145,8 +145,19 @@ static void send_heartbeat(struct mr_client *c) {
   const char *(*probe)(void *, char *, size_t) = c->blocked_probe;
   void *probe_ctx = c->blocked_ctx;
   pthread_mutex_unlock(&c->pos_lock);
-  if (hb.waiting_on < 0 && probe != NULL && probe(probe_ctx, detail, sizeof detail)[0] != '\0')
-    hb.waiting_on = hb.last_done + 1;
+  char comm[160];
+  if (probe != NULL && probe(probe_ctx, comm, sizeof comm)[0] != '\0') {
+    /* what the comm backend is blocked on (the operation, and who has not
+     * arrived) first, then the instruction waiting for it */
+    char instr[160];
+    memcpy(instr, detail, sizeof instr);
+    if (hb.waiting_on < 0) {
+      hb.waiting_on = hb.last_done + 1;
+      memcpy(detail, comm, sizeof detail);
+    } else {
+      snprintf(detail, sizeof detail, "%.99s; in %.55s", comm, instr);
+    }
+  }
   hb.waiting_detail = detail;
   hb.memory_bytes = rss_bytes();
   hb.time_us = now_us();

@@ -13,6 +13,7 @@
 #include "common/tunable.h"
 #include "launcher/spmd/lower.h"
 #include "worker/backend/cpu/cpu_backend.h"
+#include "worker/checkpoint.h"
 #include "worker/exec_extra.h"
 #include "worker/runtime.h"
 
@@ -44,6 +45,7 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
   struct mr_cpu_ctx cpu;
   struct mr_backend *be = NULL;
   struct mr_runtime *rt = NULL;
+  struct mr_ckpt_saver *saver = NULL;
   FILE *mf = NULL;
   int rc = mr_cpu_ctx_init(&cpu, threads, amp);
   if (rc < 0) {
@@ -59,7 +61,17 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
                       env->metrics_path, strerror(errno));
     goto out;
   }
+  if (job->checkpoint.dir != NULL)
+    MR_TRY_GOTO(rc, mr_ckpt_saver_new(env->rank, env->world_size, job, &saver), out);
   int64_t first = 1;
+  if (env->resume_dir != NULL) {
+    int64_t done_step;
+    MR_TRY_GOTO(rc, mr_ckpt_load(rt, env->resume_dir, &done_step), out);
+    first = done_step + 1;
+    if (env->rank == 0)
+      MR_INFO("ckpt", "resumed from %s: continuing at step %lld", env->resume_dir,
+              (long long)first);
+  }
   if (env->rank == 0) {
     char lay[256];
     mr_layout_format(&L.lay, lay, sizeof lay);
@@ -91,10 +103,23 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
     if (s % li == 0 && env->world_size <= 1 && getenv("MESHRUN_LAUNCHER_PID") == NULL)
       MR_INFO("train", "step %lld loss %.4f lr %.3g norm %.3g %.0f tok/s%s", (long long)s,
               r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.skipped ? " (skipped)" : "");
+    /* every rank saves the same step: a request (preemption) is agreed on */
+    int asked = env->reporter->checkpoint_requested != NULL &&
+                env->reporter->checkpoint_requested(env->reporter->ctx);
+    int64_t every = job->checkpoint.save_interval_steps;
+    if (job->checkpoint.dir != NULL)
+      MR_TRY_GOTO(rc, mr_runtime_agree(rt, asked, &asked), out);
+    if (saver != NULL && ((every > 0 && s % every == 0) || asked))
+      MR_TRY_GOTO(rc, mr_ckpt_save(saver, rt, s, env->reporter), out);
   }
-  if (env->weights_out)
+  if (saver != NULL)
+    MR_TRY_GOTO(rc, mr_ckpt_saver_wait(saver), out);
+  int stopped = env->reporter->stop_requested != NULL &&
+                env->reporter->stop_requested(env->reporter->ctx);
+  if (env->weights_out && !stopped) /* collective: a stopped group has left */
     MR_TRY_GOTO(rc, mr_runtime_save_weights(rt, env->weights_out), out);
 out:
+  mr_ckpt_saver_free(saver);
   if (mf)
     fclose(mf);
   mr_runtime_free(rt);

@@ -21,7 +21,6 @@
 #include "worker/comm/comm.h"
 #include "worker/dist_train.h"
 #include "worker/selfcheck.h"
-#include "worker/train.h"
 
 static struct mr_client client;
 
@@ -88,29 +87,11 @@ static int run_training(struct mr_client *c) {
     log_dir = ".";
   char weights[4096];
   snprintf(weights, sizeof weights, "%s/model.safetensors", log_dir);
-  /* checkpointing jobs still run on the data-parallel trainer */
-  int legacy = job.checkpoint.dir != NULL;
-  const struct mr_strategy_hint *h = &job.strategy;
-  if (legacy && ((h->tp > 1) || (h->pp > 1) || (h->dp > 0 && h->dp != c->world_size) ||
-                 h->zero_stage > 1 || h->sequence_parallel == 1 || h->recompute == 1)) {
-    mr_job_close(&job);
-    return mr_error_set(MR_ENOTSUP,
-                        "checkpoints are written for data parallelism over all %d ranks "
-                        "with ZeRO stage 0 or 1 only", c->world_size);
-  }
   struct mr_comm *comm = NULL;
-  struct mr_comm_group *world = NULL;
   if (c->world_size > 1) {
     struct mr_bootstrap_rpc boot;
     mr_bootstrap_rpc_init(&boot, c);
     rc = mr_comm_cpu_ops()->open(&boot.bs, &comm);
-    int *ranks = calloc((size_t)c->world_size, sizeof *ranks);
-    for (int i = 0; rc == 0 && ranks != NULL && i < c->world_size; i++)
-      ranks[i] = i;
-    if (rc == 0 && legacy)
-      rc = ranks != NULL ? comm->ops->group_new(comm, "data", ranks, c->world_size, &world)
-                         : MR_ENOMEM;
-    free(ranks);
     if (rc < 0) {
       if (comm != NULL)
         comm->ops->close(comm);
@@ -129,13 +110,13 @@ static int run_training(struct mr_client *c) {
       .threads = (int)mr_tunable_int(MR_TUNABLE_THREADS),
       .log_dir = log_dir,
       .metrics_path = NULL, /* the coordinator writes the job's metrics file */
-      .weights_out = c->rank == 0 || !legacy ? weights : NULL,
+      .weights_out = weights, /* every rank writes its part; rank 0 merges */
       .reporter = &rep,
-      .dp_group = world,
+      .dp_group = NULL,
       .resume_dir = plan->resume_dir != NULL && plan->resume_dir[0] != '\0' ? plan->resume_dir
                                                                              : NULL,
   };
-  rc = legacy ? mr_train_run(&job, &env) : mr_dist_train_run(&job, &env, comm);
+  rc = mr_dist_train_run(&job, &env, comm);
   mr_client_set_blocked_probe(c, NULL, NULL);
   if (comm != NULL)
     comm->ops->close(comm);

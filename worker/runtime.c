@@ -824,6 +824,24 @@ int mr_runtime_agree(struct mr_runtime *rt, int flag, int *any) {
   return 0;
 }
 
+/* One copy of each shard along the model dim: model coordinate 0 unless
+ * the parameter is split over model. */
+static int writes_model(const struct mr_runtime *rt, const struct mr_param_plan *pp) {
+  const struct mr_lowered *L = rt->L;
+  return L->model_dim < 0 || L->dg.tensor[pp->tensor].p[L->model_dim].kind == MR_SHARD ||
+         rt->p.model == 0;
+}
+
+int mr_runtime_to_host(struct mr_runtime *rt, void *host, const void *dev, size_t bytes) {
+  return rt->be->ops->copy(rt->be, NULL, host, dev, bytes, MR_COPY_DEVICE_TO_HOST);
+}
+
+int mr_runtime_to_device(struct mr_runtime *rt, void *dev, const void *host, size_t bytes) {
+  return rt->be->ops->copy(rt->be, NULL, dev, host, bytes, MR_COPY_HOST_TO_DEVICE);
+}
+
+const struct mr_lowered *mr_runtime_lowered(const struct mr_runtime *rt) { return rt->L; }
+
 int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out) {
   const struct mr_rank_program *p = &rt->p;
   if (rt->views == NULL) {
@@ -835,11 +853,14 @@ int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out) {
       const struct mr_param_plan *pp = &p->params[i];
       const struct mr_tensor *t = &g->tensors[pp->tensor];
       float *m = (float *)(rt->optim + pp->state_offset);
+      int z3 = rt->L->lay.zero >= 3, model_ok = writes_model(rt, pp);
       rt->views[i] = (struct mr_rt_param){
           .name = t->name, .ndim = t->ndim, .shape = t->shape, .goff = pp->goff,
           .glen = pp->glen, .numel = pp->numel, .param = (float *)(rt->param + pp->store_offset),
-          .param_block = rt->L->lay.zero >= 3, .m = m,
-          .v = m + ((pp->len * 4 + 63) / 64 * 64) / 4, .begin = pp->begin, .len = pp->len};
+          .pbegin = z3 ? pp->begin : 0, .plen = z3 ? pp->len : pp->numel, .m = m,
+          .v = m + ((pp->len * 4 + 63) / 64 * 64) / 4, .begin = pp->begin, .len = pp->len,
+          .keeps_param = model_ok && (z3 || rt->p.data == 0),
+          .keeps_state = model_ok && (rt->L->lay.zero >= 1 || rt->p.data == 0)};
     }
   }
   *out = rt->views;
@@ -852,11 +873,7 @@ int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out) {
  * distinct shard (data coordinate 0, and model coordinate 0 unless the
  * parameter is split over model). */
 static int writes_param(const struct mr_runtime *rt, const struct mr_param_plan *pp) {
-  const struct mr_lowered *L = rt->L;
-  if (rt->p.data != 0)
-    return 0;
-  return L->model_dim < 0 || L->dg.tensor[pp->tensor].p[L->model_dim].kind == MR_SHARD ||
-         rt->p.model == 0;
+  return rt->p.data == 0 && writes_model(rt, pp);
 }
 
 static int write_part(struct mr_runtime *rt, const char *path) {

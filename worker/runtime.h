@@ -71,14 +71,23 @@ struct mr_rt_param {
   const int64_t *shape;          // global
   const int64_t *goff, *glen;    // the local tensor within it
   int64_t numel;                 // local
-  float *param;                  // host-visible when the backend is the CPU
-  int param_block;
-  float *m, *v;
-  int64_t begin, len;
+  float *param;                  // device memory: the values this rank keeps,
+  int64_t pbegin, plen;          //   elements [pbegin, +plen) of the local tensor
+  float *m, *v;                  // device memory: moments of elements
+  int64_t begin, len;            //   [begin, +len) of the local tensor
+  int keeps_param, keeps_state;  // this rank writes them to checkpoints (one
+                                 // copy of each distinct shard in the job)
 };
 
 /* Fills *out (owned by the runtime) and returns the count. */
 int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out);
+
+/* Copies bytes between device and host memory of the runtime's backend. */
+int mr_runtime_to_host(struct mr_runtime *rt, void *host, const void *dev, size_t bytes);
+int mr_runtime_to_device(struct mr_runtime *rt, void *dev, const void *host, size_t bytes);
+
+/* The lowered graph the runtime runs (borrowed). */
+const struct mr_lowered *mr_runtime_lowered(const struct mr_runtime *rt);
 
 /* The loss scaler (fp16), for checkpoints.  Borrowed. */
 struct mr_loss_scaler *mr_runtime_scaler(struct mr_runtime *rt);

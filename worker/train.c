@@ -17,7 +17,6 @@
 #include "common/tokens.h"
 #include "common/tunable.h"
 #include "worker/backend/cpu/kernels.h"
-#include "worker/checkpoint.h"
 #include "worker/exec.h"
 #include "worker/grad_sync.h"
 #include "worker/optim.h"
@@ -397,11 +396,15 @@ struct mr_loss_scaler *mr_trainer_scaler(struct mr_trainer *t) { return &t->scal
 double mr_trainer_step_flops(const struct mr_trainer *t) { return t->step_flops; }
 
 static void write_metrics(FILE *f, const struct mr_step_report *r) {
-  fprintf(f, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,"
-          "\"tokens_per_s\":%.1f,\"loss_scale\":%g,\"step_time_s\":%.4f,"
+  /* JSON has no infinity: a norm that overflowed is written as null */
+  fprintf(f, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,", (long long)r->step, r->loss, r->lr);
+  if (isfinite(r->grad_norm))
+    fprintf(f, "\"grad_norm\":%.6g,", r->grad_norm);
+  else
+    fprintf(f, "\"grad_norm\":null,");
+  fprintf(f, "\"tokens_per_s\":%.1f,\"loss_scale\":%g,\"step_time_s\":%.4f,"
           "\"peak_memory_bytes\":%llu,\"skipped\":%d",
-          (long long)r->step, r->loss, r->lr, r->grad_norm, r->tokens_per_s,
-          r->loss_scale, r->step_time_s,
+          r->tokens_per_s, r->loss_scale, r->step_time_s,
           (unsigned long long)r->peak_memory_bytes, r->skipped);
   if (!isnan(r->val_loss))
     fprintf(f, ",\"val_loss\":%.6f", r->val_loss);
@@ -409,52 +412,18 @@ static void write_metrics(FILE *f, const struct mr_step_report *r) {
   fflush(f);
 }
 
-/* Whether any rank asked for a checkpoint now: every rank of a group must
- * save the same step, so the request is agreed on collectively. */
-static int checkpoint_now(struct mr_trainer *t, const struct mr_run_env *env) {
-  float want = env->reporter->checkpoint_requested != NULL &&
-                       env->reporter->checkpoint_requested(env->reporter->ctx)
-                   ? 1.0f
-                   : 0.0f;
-  if (t->sync != NULL && mr_grad_sync_average(t->sync, &want, 1) < 0)
-    return 0;
-  return want > 0.0f;
-}
-
 int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
   struct mr_trainer *t;
   int threads = env->threads > 0 ? env->threads : 1;
   MR_TRY(mr_trainer_new_dp(job, threads, env->dp_group, &t));
   FILE *mf = NULL;
-  struct mr_ckpt_saver *saver = NULL;
   int rc = 0;
   if (env->metrics_path && !(mf = fopen(env->metrics_path, "a"))) {
     rc = mr_error_set(mr_from_errno(errno), "%s: cannot open for metrics: %s",
                       env->metrics_path, strerror(errno));
     goto out;
   }
-  if (job->checkpoint.dir != NULL)
-    MR_TRY_GOTO(rc, mr_ckpt_saver_new(env->rank, env->world_size, t->zero, job, &saver), out);
-  int64_t first = 1;
-  if (env->resume_dir != NULL) {
-    int64_t done;
-    MR_TRY_GOTO(rc, mr_ckpt_load(t, env->resume_dir, &done), out);
-    first = done + 1;
-    MR_INFO("ckpt", "resumed from %s: continuing at step %lld", env->resume_dir,
-            (long long)first);
-  }
-  if (env->rank == 0)
-    MR_INFO("train", "%lld parameters, %.3g GFLOP per step per rank, planned peak %.1f MiB",
-            (long long)mr_model_param_count(&job->model), t->step_flops / 1e9,
-            (double)peak_bytes(t) / 1048576.0);
-  int stall_rank = -1;
-  long long stall_step = -1;
-  if (sscanf(mr_tunable_str(MR_TUNABLE_TEST_STALL), "%d:%lld", &stall_rank, &stall_step) != 2)
-    stall_rank = -1;
-  for (int64_t s = first; s <= job->train.steps; s++) {
-    /* test hook: this rank stops working (its heartbeats go on): a hang */
-    while (stall_rank == env->rank && stall_step == s && !env->reporter->stop_requested(env->reporter->ctx))
-      usleep(10000);
+  for (int64_t s = 1; s <= job->train.steps; s++) {
     if (env->reporter->stop_requested &&
         env->reporter->stop_requested(env->reporter->ctx))
       break;
@@ -465,26 +434,17 @@ int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
       MR_TRY_GOTO(rc, mr_trainer_eval(t, &r.val_loss), out);
     if (mf)
       write_metrics(mf, &r);
-    if (env->reporter->progress)
-      env->reporter->progress(env->reporter->ctx, s, s, -1, "");
     if (env->reporter->step)
       env->reporter->step(env->reporter->ctx, &r);
     int64_t li = job->train.log_interval_steps > 0 ? job->train.log_interval_steps : 1;
-    if (s % li == 0 && env->world_size <= 1 && getenv("MESHRUN_LAUNCHER_PID") == NULL)
+    if (s % li == 0 && getenv("MESHRUN_LAUNCHER_PID") == NULL)
       MR_INFO("train", "step %lld loss %.4f lr %.3g norm %.3g %.0f tok/s%s",
               (long long)s, r.loss, r.lr, r.grad_norm, r.tokens_per_s,
               r.skipped ? " (skipped)" : "");
-    int64_t every = job->checkpoint.save_interval_steps;
-    int asked = checkpoint_now(t, env);
-    if (saver != NULL && ((every > 0 && s % every == 0) || asked))
-      MR_TRY_GOTO(rc, mr_ckpt_save(saver, t, s, env->reporter), out);
   }
-  if (saver != NULL)
-    MR_TRY_GOTO(rc, mr_ckpt_saver_wait(saver), out);
   if (env->weights_out)
     MR_TRY_GOTO(rc, mr_trainer_save(t, env->weights_out), out);
 out:
-  mr_ckpt_saver_free(saver);
   if (mf)
     fclose(mf);
   mr_trainer_free(t);

@@ -2,8 +2,9 @@
  * by the executor, AdamW, the job's schedule, mixed precision, evaluation,
  * metrics and the final weights.
  *
- * mr_train_run is the entry point the worker runtime calls.  The trainer
- * below it is exposed for tests and benchmarks that drive steps one by one.
+ * The executor-based trainer of one process: the reference the distributed
+ * runtime (worker/runtime.h) is tested against, and what the benchmarks and
+ * single-process tools drive step by step.
  *
  * Mixed precision on the CPU: parameters, gradients and optimizer state
  * stay float32 (the master weights); the operands of every matmul and of
@@ -77,11 +78,12 @@ int mr_trainer_slots(struct mr_trainer *t, const struct mr_train_slot **slots);
 /* The loss scaler (fp16), for checkpoints.  Borrowed. */
 struct mr_loss_scaler *mr_trainer_scaler(struct mr_trainer *t);
 
-/* Trains job on this rank for train.steps steps: reports each step to
+/* Trains job in this process for train.steps steps: reports each step to
  * env->reporter (stopping early when it asks), evaluates every
  * eval_interval_steps, appends one JSON object per step to
  * env->metrics_path and writes env->weights_out at the end.  Returns 0 or
- * a negative code with a message. */
+ * a negative code with a message.  (`meshrun launch` workers run
+ * worker/dist_train.h instead.) */
 int mr_train_run(const struct mr_job *job, const struct mr_run_env *env);
 
 #endif

@@ -1,0 +1,227 @@
+/* ckpt_read.c - gathering slices of checkpoint tensors from their pieces. */
+#include "common/ckpt_read.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/error.h"
+#include "common/safetensors.h"
+
+#define MAX_RANKS 65536
+
+struct piece {
+  char *name;
+  int file;
+  const struct mr_st_tensor *t;
+  int ndim;
+  int64_t off[2], len[2];
+  int64_t begin, count;
+};
+
+struct mr_ckpt_reader {
+  struct mr_st_file **files;
+  int n_files;
+  struct piece *pieces;
+  int n_pieces, cap_pieces;
+};
+
+void mr_ckpt_reader_free(struct mr_ckpt_reader *r) {
+  if (r == NULL)
+    return;
+  for (int i = 0; i < r->n_files; i++)
+    mr_st_free(r->files[i]);
+  for (int i = 0; i < r->n_pieces; i++)
+    free(r->pieces[i].name);
+  free(r->files);
+  free(r->pieces);
+  free(r);
+}
+
+static int add_pieces(struct mr_ckpt_reader *r, int fi) {
+  struct mr_st_file *f = r->files[fi];
+  const char *meta = mr_st_metadata(f, "pieces");
+  if (meta == NULL)
+    return mr_error_set(MR_EFORMAT, "%s: __metadata__: no \"pieces\" entry", mr_st_path(f));
+  cJSON *o = cJSON_Parse(meta);
+  if (!cJSON_IsObject(o)) {
+    cJSON_Delete(o);
+    return mr_error_set(MR_EFORMAT, "%s: __metadata__.pieces: expected a JSON object",
+                        mr_st_path(f));
+  }
+  int rc = 0;
+  const cJSON *e;
+  cJSON_ArrayForEach(e, o) {
+    int n = cJSON_GetArraySize(e), nd = (n - 2) / 2;
+    const struct mr_st_tensor *t = mr_st_find(f, e->string);
+    if (!cJSON_IsArray(e) || n < 4 || (n - 2) % 2 != 0 || nd > 2 || t == NULL || t->rank != 1) {
+      rc = mr_error_set(MR_EFORMAT, "%s: pieces.%s: expected [offsets, lengths, begin, count] "
+                        "of a 1- or 2-D tensor stored 1-D in the file", mr_st_path(f), e->string);
+      break;
+    }
+    if (r->n_pieces == r->cap_pieces) {
+      int cap = r->cap_pieces ? 2 * r->cap_pieces : 64;
+      struct piece *p = realloc(r->pieces, (size_t)cap * sizeof *p);
+      if (p == NULL) {
+        rc = MR_ENOMEM;
+        break;
+      }
+      r->pieces = p;
+      r->cap_pieces = cap;
+    }
+    struct piece *p = &r->pieces[r->n_pieces];
+    memset(p, 0, sizeof *p);
+    p->ndim = nd;
+    for (int d = 0; d < nd; d++) {
+      const cJSON *a = cJSON_GetArrayItem(e, d), *b = cJSON_GetArrayItem(e, nd + d);
+      if (!cJSON_IsNumber(a) || !cJSON_IsNumber(b) || a->valuedouble < 0 || b->valuedouble < 0) {
+        rc = mr_error_set(MR_EFORMAT, "%s: pieces.%s: offsets and lengths must be "
+                          "non-negative numbers", mr_st_path(f), e->string);
+        break;
+      }
+      p->off[d] = (int64_t)a->valuedouble;
+      p->len[d] = (int64_t)b->valuedouble;
+    }
+    if (rc < 0)
+      break;
+    const cJSON *b = cJSON_GetArrayItem(e, 2 * nd), *c = cJSON_GetArrayItem(e, 2 * nd + 1);
+    int64_t box = nd == 2 ? p->len[0] * p->len[1] : p->len[0];
+    if (!cJSON_IsNumber(b) || !cJSON_IsNumber(c) || b->valuedouble < 0 || c->valuedouble < 0 ||
+        (int64_t)b->valuedouble + (int64_t)c->valuedouble > box ||
+        (int64_t)c->valuedouble != t->shape[0]) {
+      rc = mr_error_set(MR_EFORMAT, "%s: pieces.%s: the range [begin, begin + count) must lie "
+                        "in the box and count must be the stored length", mr_st_path(f),
+                        e->string);
+      break;
+    }
+    p->begin = (int64_t)b->valuedouble;
+    p->count = (int64_t)c->valuedouble;
+    p->file = fi;
+    p->t = t;
+    if ((p->name = strdup(e->string)) == NULL) {
+      rc = MR_ENOMEM;
+      break;
+    }
+    r->n_pieces++;
+  }
+  cJSON_Delete(o);
+  return rc;
+}
+
+int mr_ckpt_reader_open(const char *dir, struct mr_ckpt_reader **out) {
+  *out = NULL;
+  struct mr_ckpt_reader *r = calloc(1, sizeof *r);
+  if (r == NULL)
+    return MR_ENOMEM;
+  int rc = 0, misses = 0;
+  /* rank files are numbered densely, but a rank with nothing to keep
+   * writes none: scan until a long run of missing numbers */
+  for (int rank = 0; rank < MAX_RANKS && misses < 4096 && rc == 0; rank++) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/rank-%d.safetensors", dir, rank);
+    if (access(path, F_OK) != 0) {
+      misses++;
+      continue;
+    }
+    misses = 0;
+    struct mr_st_file **f = realloc(r->files, (size_t)(r->n_files + 1) * sizeof *f);
+    if (f == NULL) {
+      rc = MR_ENOMEM;
+      break;
+    }
+    r->files = f;
+    if ((rc = mr_st_open(path, &r->files[r->n_files])) < 0)
+      break;
+    r->n_files++;
+    rc = add_pieces(r, r->n_files - 1);
+  }
+  if (rc == 0 && r->n_files == 0)
+    rc = mr_error_set(MR_ENOENT, "%s: no rank-N.safetensors files", dir);
+  if (rc < 0) {
+    mr_ckpt_reader_free(r);
+    return rc;
+  }
+  *out = r;
+  return 0;
+}
+
+/* Copies the part of piece p overlapping global row gr, columns [c0, c1),
+ * that also lies in its stored range, to dst (column c0 at dst[0]);
+ * returns the elements copied or an error. */
+static int64_t from_piece(struct mr_ckpt_reader *r, const struct piece *p, int64_t gr,
+                          int64_t c0, int64_t c1, float *dst) {
+  int64_t prow = 0, coff = p->off[0], clen = p->len[0];
+  if (p->ndim == 2) {
+    if (gr < p->off[0] || gr >= p->off[0] + p->len[0])
+      return 0;
+    prow = gr - p->off[0];
+    coff = p->off[1];
+    clen = p->len[1];
+  }
+  int64_t x0 = c0 > coff ? c0 : coff, x1 = c1 < coff + clen ? c1 : coff + clen;
+  if (x0 >= x1)
+    return 0;
+  int64_t f0 = prow * clen + (x0 - coff), f1 = prow * clen + (x1 - coff);
+  if (f0 < p->begin)
+    f0 = p->begin;
+  if (f1 > p->begin + p->count)
+    f1 = p->begin + p->count;
+  if (f0 >= f1)
+    return 0;
+  int64_t start = f0 - p->begin, n = f1 - f0;
+  int64_t col = f0 - prow * clen + coff; /* the first column copied */
+  MR_TRY(mr_st_read_slice(r->files[p->file], p->t, &start, &n, MR_F32, dst + (col - c0)));
+  return n;
+}
+
+int mr_ckpt_reader_read(struct mr_ckpt_reader *r, const char *name, int ndim,
+                        const int64_t *shape, const int64_t *off, const int64_t *len,
+                        int64_t begin, int64_t count, float *dst) {
+  if (ndim < 1 || ndim > 2)
+    return mr_error_set(MR_EFORMAT, "checkpoint: %s: only 1- and 2-D tensors are stored", name);
+  for (int i = 0; i < r->n_pieces; i++) {
+    const struct piece *p = &r->pieces[i];
+    if (strcmp(p->name, name) != 0)
+      continue;
+    int ok = p->ndim == ndim;
+    for (int d = 0; ok && d < ndim; d++)
+      ok = p->off[d] + p->len[d] <= shape[d];
+    if (!ok)
+      return mr_error_set(MR_EFORMAT, "%s: pieces.%s: a piece of another rank or outside the "
+                          "tensor's shape", mr_st_path(r->files[p->file]), name);
+  }
+  int64_t cols = len[ndim - 1], covered = 0;
+  for (int64_t i = begin; i < begin + count;) {
+    int64_t row = i / cols, c = i % cols;
+    int64_t n = cols - c < begin + count - i ? cols - c : begin + count - i;
+    int64_t gr = ndim == 2 ? off[0] + row : 0, gc = off[ndim - 1] + c;
+    for (int k = 0; k < r->n_pieces; k++) {
+      if (strcmp(r->pieces[k].name, name) != 0)
+        continue;
+      int64_t got = from_piece(r, &r->pieces[k], gr, gc, gc + n, dst + (i - begin));
+      if (got < 0)
+        return (int)got;
+      covered += got;
+    }
+    i += n;
+  }
+  if (covered != count)
+    return mr_error_set(MR_EFORMAT, "checkpoint: %s: the pieces cover %lld of the %lld elements "
+                        "needed (missing or overlapping rank files)", name, (long long)covered,
+                        (long long)count);
+  return 0;
+}
+
+char *mr_ckpt_piece_json(int ndim, const int64_t *off, const int64_t *len, int64_t begin,
+                         int64_t count) {
+  char buf[256];
+  int k = snprintf(buf, sizeof buf, "[");
+  for (int d = 0; d < ndim; d++)
+    k += snprintf(buf + k, sizeof buf - (size_t)k, "%lld,", (long long)off[d]);
+  for (int d = 0; d < ndim; d++)
+    k += snprintf(buf + k, sizeof buf - (size_t)k, "%lld,", (long long)len[d]);
+  snprintf(buf + k, sizeof buf - (size_t)k, "%lld,%lld]", (long long)begin, (long long)count);
+  return strdup(buf);
+}
