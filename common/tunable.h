@@ -36,6 +36,8 @@
      "steps of the self-check job")                                          \
   XX(PREEMPT_GRACE_MS, "MESHRUN_PREEMPT_GRACE_MS", "4000",                   \
      "after SIGTERM, time to write a checkpoint before stopping anyway, ms") \
+  XX(GRAD_SYNC_OVERLAP, "MESHRUN_GRAD_SYNC_OVERLAP", "1",                   \
+     "1: gradient all-reduces run behind the backward; 0: each waited at once") \
   XX(TEST_CKPT_DELAY_MS, "MESHRUN_TEST_CKPT_DELAY_MS", "0",                  \
      "test hook: pause a checkpoint write half way, ms")                     \
   XX(TEST_STALL, "MESHRUN_TEST_STALL", "",                                  \

@@ -54,6 +54,7 @@ struct mr_runtime {
   struct mr_loss_scaler scaler;
   struct mr_adamw adamw;
   int64_t inject_step;
+  int overlap;                  // MESHRUN_GRAD_SYNC_OVERLAP
   double comm_wait_s;           // this step
   const struct mr_reporter *rep;
   int64_t cur_step;
@@ -362,6 +363,7 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
   mr_loss_scaler_init(&rt->scaler, L->lay.amp == MR_AMP_FP16, init_scale,
                       mr_tunable_int(MR_TUNABLE_LOSS_SCALE_GROWTH));
   rt->inject_step = mr_tunable_int(MR_TUNABLE_INJECT_OVERFLOW_STEP);
+  rt->overlap = mr_tunable_int(MR_TUNABLE_GRAD_SYNC_OVERLAP) != 0;
   MR_TRY_GOTO(rc, mr_tokens_open(&rt->train, job->data_train, job->model.vocab_size), fail);
   if (job->data_val) {
     MR_TRY_GOTO(rc, mr_tokens_open(&rt->val, job->data_val, job->model.vocab_size), fail);
@@ -523,12 +525,15 @@ static int grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
   MR_TRY(be->ops->axpby(be, acc, gr, in->micro == 0 ? 0.0f : scale, scale, (size_t)pp->numel));
   if (!last || plan == NULL || rt->data_g == NULL)
     return 0;
-  /* the data-parallel sum, left in flight */
+  /* the data-parallel sum, left in flight (or waited at once, to measure
+   * what the overlap hides) */
   for (int s = 0; s < plan->n_steps; s++) {
     const struct mr_reshard_step *st = &plan->steps[s];
     if (st->mesh_dim != L->data_dim || st->group_size <= 1)
       continue;
     MR_TRY(mr_comm_all_reduce(rt->data_g, acc, acc, (size_t)pp->numel, MR_F32, MR_RED_SUM, &req));
+    if (!rt->overlap)
+      return wait_req(rt, req);
     return push_req(rt, rt->step_req, &rt->n_step_req, req, pi);
   }
   return 0;
