@@ -21,6 +21,7 @@
 #include "common/error.h"
 #include "common/job.h"
 #include "common/safetensors.h"
+#include "launcher/spmd/lower.h"
 #include "testutil.h"
 #include "worker/train.h"
 
@@ -305,6 +306,78 @@ START_TEST(test_dist_train_memory_of_zero3_and_recompute) {
 }
 END_TEST
 
+/* The runtime issues exactly the communication its program lists, in
+ * order, on every rank: the comm backend's trace of a step of dp2 x tp2 x
+ * pp2 with sequence parallelism against the lowered programs' events. */
+START_TEST(test_dist_train_runtime_issues_the_programs_communication) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  char data[160], job_path[200], trace[200];
+  snprintf(data, sizeof data, "%s/train.bin", dir);
+  mr_t_write_tokens(data, 30000);
+  const char *st = "\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
+                   "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}, "
+                   "\"sequence_parallel\": {\"enable\": true}";
+  char path[160];
+  snprintf(path, sizeof path, "%s/one.json", dir);
+  FILE *f = fopen(path, "w");
+  fprintf(f,
+          "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"
+          " \"intermediate_size\": 96, \"num_hidden_layers\": 4, \"num_attention_heads\": 8,"
+          " \"num_key_value_heads\": 4, \"max_position_embeddings\": 64},"
+          " \"data\": {\"train\": \"train.bin\"},"
+          " \"train\": {\"steps\": 1, \"global_batch\": 16, \"seq_len\": 16, \"eval_interval_steps\": 0},"
+          " \"strategy\": {\"auto_mode\": \"manual\", %s}}\n", st);
+  fclose(f);
+  snprintf(trace, sizeof trace, "MESHRUN_TEST_COMM_TRACE=%s/trace", dir);
+  char logdir[160];
+  snprintf(logdir, sizeof logdir, "%s/run", dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "8", "--log-dir", logdir, path,
+                  NULL};
+  char *env[] = {trace, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, env);
+  ck_assert_int_eq(mr_t_wait(&p, 120), 0);
+  snprintf(job_path, sizeof job_path, "%s/one.json", dir);
+  struct mr_job job;
+  ck_assert_int_eq(mr_job_load(job_path, &job), 0);
+  struct mr_lowered L;
+  ck_assert_msg(mr_lower_graph(&job, 8, &L) == 0, "%s", mr_error_message());
+  for (int r = 0; r < 8; r++) {
+    struct mr_rank_program prog;
+    ck_assert_int_eq(mr_rank_program_build(&L, r, &prog), 0);
+    char tp[200];
+    snprintf(tp, sizeof tp, "%s/trace.%d", dir, r);
+    char *text = mr_t_slurp(tp);
+    char *line = text, *next;
+    int e = 0;
+    for (; e < prog.n_ev_step && line != NULL && *line; e++, line = next) {
+      next = strchr(line, '\n');
+      if (next)
+        *next++ = '\0';
+      char kind[32], dt[32], group[128];
+      long long count;
+      int peer;
+      ck_assert_int_eq(sscanf(line, "%31s %lld %31s %127s %d", kind, &count, dt, group, &peer), 5);
+      const struct mr_comm_event *ev = &prog.ev[e];
+      ck_assert_msg(strcmp(kind, mr_comm_event_kind_name(ev->kind)) == 0 &&
+                        strcmp(group, ev->group) == 0 &&
+                        (ev->kind == MR_CEV_ALL_GATHER || count == ev->count) &&
+                        (ev->peer < 0 || peer == ev->peer),
+                    "rank %d, operation %d: issued %s, the program says %s %lld on %s (%s)", r, e,
+                    line, mr_comm_event_kind_name(ev->kind), (long long)ev->count, ev->group,
+                    ev->what);
+    }
+    ck_assert_msg(e == prog.n_ev_step, "rank %d issued %d of its program's %d operations", r, e,
+                  prog.n_ev_step);
+    free(text);
+    mr_rank_program_close(&prog);
+  }
+  mr_lowered_close(&L);
+  mr_job_close(&job);
+}
+END_TEST
+
 START_TEST(test_dist_train_batch_not_divisible_is_a_clear_error) {
   char dir[64];
   mr_t_tmpdir(dir, sizeof dir);
@@ -338,6 +411,7 @@ static Suite *dist_train_suite(void) {
   tcase_add_test(tc, test_dist_train_zero_stages);
   tcase_add_test(tc, test_dist_train_recompute_and_accumulation);
   tcase_add_test(tc, test_dist_train_memory_of_zero3_and_recompute);
+  tcase_add_test(tc, test_dist_train_runtime_issues_the_programs_communication);
   tcase_add_test(tc, test_dist_train_batch_not_divisible_is_a_clear_error);
   suite_add_tcase(s, tc);
   return s;
