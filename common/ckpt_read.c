@@ -110,6 +110,22 @@ static int add_pieces(struct mr_ckpt_reader *r, int fi) {
   return rc;
 }
 
+int mr_ckpt_reader_new(struct mr_ckpt_reader **out) {
+  *out = calloc(1, sizeof **out);
+  return *out != NULL ? 0 : MR_ENOMEM;
+}
+
+int mr_ckpt_reader_add_memory(struct mr_ckpt_reader *r, const void *data, size_t size,
+                              const char *name) {
+  struct mr_st_file **f = realloc(r->files, (size_t)(r->n_files + 1) * sizeof *f);
+  if (f == NULL)
+    return MR_ENOMEM;
+  r->files = f;
+  MR_TRY(mr_st_open_memory(data, size, name, &r->files[r->n_files]));
+  r->n_files++;
+  return add_pieces(r, r->n_files - 1);
+}
+
 int mr_ckpt_reader_open(const char *dir, struct mr_ckpt_reader **out) {
   *out = NULL;
   struct mr_ckpt_reader *r = calloc(1, sizeof *r);

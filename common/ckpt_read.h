@@ -13,6 +13,7 @@
 #ifndef MR_CKPT_READ_H
 #define MR_CKPT_READ_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 struct mr_ckpt_reader;
@@ -23,6 +24,14 @@ struct mr_ckpt_reader;
 int mr_ckpt_reader_open(const char *dir, struct mr_ckpt_reader **out);
 
 void mr_ckpt_reader_free(struct mr_ckpt_reader *r);
+
+/* An empty reader, and one rank file given as bytes (borrowed until the
+ * reader is freed; name stands in for its path in messages): the way the
+ * fuzz target feeds it.  Return 0, MR_ENOMEM or mr_ckpt_reader_open's
+ * errors for that file. */
+int mr_ckpt_reader_new(struct mr_ckpt_reader **out);
+int mr_ckpt_reader_add_memory(struct mr_ckpt_reader *r, const void *data, size_t size,
+                              const char *name);
 
 /* Fills dst[0 .. count) with elements [begin, begin + count) of the box
  * (off[ndim], len[ndim]) of tensor name, global shape shape[ndim].  Returns
