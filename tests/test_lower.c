@@ -159,6 +159,59 @@ START_TEST(test_lower_tied_embeddings_across_stages_refused) {
 }
 END_TEST
 
+/* The check on real programs: dp2 x tp2 x pp2 fits together; the same
+ * programs with one rank's collective dropped, or a count changed, fail
+ * naming the rank and the operation. */
+START_TEST(test_lower_check_names_the_first_mismatch) {
+  struct mr_job job;
+  job_for(&job, "\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
+                "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}", 4, 0);
+  struct mr_lowered L;
+  ck_assert_int_eq(mr_lower_graph(&job, 8, &L), 0);
+  struct mr_rank_program p[8];
+  struct mr_comm_trace tr[8];
+  for (int r = 0; r < 8; r++) {
+    ck_assert_int_eq(mr_rank_program_build(&L, r, &p[r]), 0);
+    tr[r] = mr_rank_program_trace(&p[r], 0);
+  }
+  ck_assert_int_eq(mr_comm_check(tr, 8), 0);
+  /* rank 5 skips its first collective on the model group */
+  int e = 0;
+  while (e < tr[5].n && (tr[5].ev[e].kind != MR_CEV_ALL_REDUCE ||
+                         strncmp(tr[5].ev[e].group, "model", 5) != 0))
+    e++;
+  ck_assert_int_lt(e, tr[5].n);
+  struct mr_comm_event *copy = malloc((size_t)tr[5].n * sizeof *copy);
+  memcpy(copy, tr[5].ev, (size_t)e * sizeof *copy);
+  memcpy(copy + e, tr[5].ev + e + 1, (size_t)(tr[5].n - e - 1) * sizeof *copy);
+  struct mr_comm_trace saved = tr[5];
+  tr[5].ev = copy;
+  tr[5].n--;
+  ck_assert_int_eq(mr_comm_check(tr, 8), MR_EPLAN);
+  ck_assert_msg(strstr(mr_error_message(), "rank 5") != NULL ||
+                    strstr(mr_error_message(), "rank 4") != NULL,
+                "%s", mr_error_message());
+  /* a send whose count differs from its receive */
+  tr[5] = saved;
+  memcpy(copy, tr[5].ev, (size_t)tr[5].n * sizeof *copy);
+  for (e = 0; e < tr[5].n && copy[e].kind != MR_CEV_SEND; e++)
+    ;
+  if (e == tr[5].n) /* rank 5 is on the last stage: it receives */
+    for (e = 0; e < tr[5].n && copy[e].kind != MR_CEV_RECV; e++)
+      ;
+  ck_assert_int_lt(e, tr[5].n);
+  copy[e].count++;
+  tr[5].ev = copy;
+  ck_assert_int_eq(mr_comm_check(tr, 8), MR_EPLAN);
+  ck_assert_msg(strstr(mr_error_message(), "different counts") != NULL, "%s", mr_error_message());
+  free(copy);
+  for (int r = 0; r < 8; r++)
+    mr_rank_program_close(&p[r]);
+  mr_lowered_close(&L);
+  mr_job_close(&job);
+}
+END_TEST
+
 static Suite *lower_suite(void) {
   Suite *s = suite_create("lower");
   TCase *tc = tcase_create("lower");
@@ -168,6 +221,7 @@ static Suite *lower_suite(void) {
   tcase_add_test(tc, test_lower_recompute_keeps_fewer_activations);
   tcase_add_test(tc, test_lower_1f1b_in_flight);
   tcase_add_test(tc, test_lower_tied_embeddings_across_stages_refused);
+  tcase_add_test(tc, test_lower_check_names_the_first_mismatch);
   suite_add_tcase(s, tc);
   return s;
 }
