@@ -307,6 +307,34 @@ START_TEST(test_ckpt_hang_in_collective_diagnosed_then_restarted) {
 }
 END_TEST
 
+/* A stalled first pipeline stage: the second names the receive it waits in
+ * (the boundary tensor, the micro-batch, the peer). */
+START_TEST(test_ckpt_hang_in_pipeline_receive_diagnosed) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job_s(dir, "hp.json", 6, 2, "ck",
+              "\"auto_mode\": \"manual\", \"pipeline_parallel\": {\"degree\": 2, "
+              "\"micro_batches\": 2}");
+  static char stall[] = "MESHRUN_TEST_STALL=0:4";
+  char *env[] = {stall, NULL};
+  static char jobp[200], logdir[200];
+  snprintf(jobp, sizeof jobp, "%s/hp.json", dir);
+  snprintf(logdir, sizeof logdir, "%s/hp", dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--hang-timeout", "1",
+                  "--log-dir", logdir, jobp, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, env);
+  int code = mr_t_wait(&p, 60);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
+  ck_assert_msg(strstr(err, "rank 0 is stuck outside communication") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "rank 1: step 4") != NULL && strstr(err, "Recv") != NULL &&
+                    strstr(err, "pipe{0,1}") != NULL && strstr(err, "m0 recv") != NULL,
+                "%s", err);
+  free(err);
+}
+END_TEST
+
 static Suite *ckpt_suite(void) {
   Suite *s = suite_create("ckpt");
   TCase *tc = tcase_create("recovery");
@@ -316,6 +344,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
   tcase_add_test(tc, test_ckpt_resume_on_another_strategy_or_world_size);
   tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed_then_restarted);
+  tcase_add_test(tc, test_ckpt_hang_in_pipeline_receive_diagnosed);
   suite_add_tcase(s, tc);
   return s;
 }
