@@ -27,19 +27,31 @@
 
 #define STEPS 20
 
+#define TINY_LLAMA                                                                   \
+  "{\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"                 \
+  " \"intermediate_size\": 96, \"num_hidden_layers\": 4, \"num_attention_heads\": 8,"       \
+  " \"num_key_value_heads\": 4, \"max_position_embeddings\": 64}"
+#define TINY_LLAMA_TIED                                                              \
+  "{\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"                 \
+  " \"intermediate_size\": 96, \"num_hidden_layers\": 4, \"num_attention_heads\": 8,"       \
+  " \"num_key_value_heads\": 4, \"max_position_embeddings\": 64, \"tie_word_embeddings\": true}"
+#define TINY_GPT2                                                                    \
+  "{\"model_type\": \"gpt2\", \"vocab_size\": 128, \"n_embd\": 64, \"n_layer\": 4,"        \
+  " \"n_head\": 8, \"n_positions\": 64}"
+
+static const char *model_json = TINY_LLAMA;
+
 static void write_job_named(const char *dir, const char *name, const char *strategy, int batch) {
   char path[160];
   snprintf(path, sizeof path, "%s/%s", dir, name);
   FILE *f = fopen(path, "w");
   fprintf(f,
-          "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"
-          " \"intermediate_size\": 96, \"num_hidden_layers\": 4, \"num_attention_heads\": 8,"
-          " \"num_key_value_heads\": 4, \"max_position_embeddings\": 64},"
+          "{\"model\": %s,"
           " \"data\": {\"train\": \"train.bin\", \"val\": \"train.bin\"},"
           " \"train\": {\"steps\": %d, \"global_batch\": %d, \"seq_len\": 16, \"lr\": 0.002,"
           " \"seed\": 3, \"eval_interval_steps\": 10, \"eval_batches\": 1},"
           " \"strategy\": {\"auto_mode\": \"manual\"%s%s}}\n",
-          STEPS, batch, strategy[0] ? ", " : "", strategy);
+          model_json, STEPS, batch, strategy[0] ? ", " : "", strategy);
   fclose(f);
 }
 
@@ -93,6 +105,40 @@ static void same_weights(const char *dir, const char *run_a, const char *run_b, 
     free(x);
     free(y);
   }
+  mr_st_free(got);
+  mr_st_free(ref);
+}
+
+/* The whole model's weights (every tensor together) of RUN_B within tol of
+ * RUN_A's in relative L2 norm.  For models with parameters whose exact
+ * gradient is zero (GPT-2's key bias: softmax ignores a constant added to
+ * every key), AdamW turns rounding noise into lr-sized steps of those few
+ * elements, so a per-tensor comparison measures only the noise. */
+static void same_model_weights(const char *dir, const char *run_a, const char *run_b,
+                               double tol) {
+  struct mr_st_file *ref, *got;
+  char path[200];
+  snprintf(path, sizeof path, "%s/%s/model.safetensors", dir, run_a);
+  ck_assert_int_eq(mr_st_open(path, &ref), 0);
+  snprintf(path, sizeof path, "%s/%s/model.safetensors", dir, run_b);
+  ck_assert_msg(mr_st_open(path, &got) == 0, "%s", mr_error_message());
+  double diff = 0, norm = 0;
+  for (int i = 0; i < mr_st_count(ref); i++) {
+    const struct mr_st_tensor *a = mr_st_tensor_at(ref, i);
+    const struct mr_st_tensor *b = mr_st_find(got, a->name);
+    ck_assert_ptr_nonnull(b);
+    float *x = malloc((size_t)a->numel * 4), *y = malloc((size_t)a->numel * 4);
+    ck_assert_int_eq(mr_st_read(ref, a, MR_F32, x), 0);
+    ck_assert_int_eq(mr_st_read(got, b, MR_F32, y), 0);
+    for (int64_t e = 0; e < a->numel; e++) {
+      diff += ((double)x[e] - y[e]) * ((double)x[e] - y[e]);
+      norm += (double)x[e] * x[e];
+    }
+    free(x);
+    free(y);
+  }
+  ck_assert_msg(sqrt(diff) <= tol * sqrt(norm), "%s vs %s: relative difference %.3g", run_b,
+                run_a, sqrt(diff / norm));
   mr_st_free(got);
   mr_st_free(ref);
 }
@@ -378,6 +424,42 @@ START_TEST(test_dist_train_runtime_issues_the_programs_communication) {
 }
 END_TEST
 
+/* Tied embeddings across pipeline stages (the first stage owns the table,
+ * the last holds a copy it refreshes each step) and GPT-2 (tied, LayerNorm,
+ * biases, learned positions) under pipelines, tensor parallelism and all
+ * three with sequence parallelism. */
+START_TEST(test_dist_train_tied_embeddings_and_gpt2) {
+  static const char *const models[2] = {TINY_LLAMA_TIED, TINY_GPT2};
+  const char *names[] = {"pp2", "tp2", "dp2tp2pp2"};
+  const char *st[] = {
+      "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}",
+      "\"tensor_parallel\": {\"degree\": 2}",
+      "\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
+      "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}, "
+      "\"sequence_parallel\": {\"enable\": true}"};
+  const int np[] = {2, 2, 8};
+  for (int k = 0; k < 2; k++) {
+    model_json = models[k];
+    struct fixture f;
+    reference(&f);
+    for (int i = 0; i < 3; i++) {
+      char job[80], m[200];
+      snprintf(job, sizeof job, "%s.json", names[i]);
+      write_job_named(f.dir, job, st[i], 16);
+      ck_assert_int_eq(run_named(f.dir, job, names[i], np[i]), 0);
+      double got[STEPS];
+      snprintf(m, sizeof m, "%s/%s/metrics.jsonl", f.dir, names[i]);
+      ck_assert_int_eq(mr_t_read_losses(m, got, STEPS), STEPS);
+      for (int s2 = 0; s2 < STEPS; s2++)
+        ck_assert_msg(close_rel(got[s2], f.ref[s2], 1e-4), "%s %s step %d: %.7f vs %.7f",
+                      k ? "gpt2" : "tied llama", names[i], s2 + 1, got[s2], f.ref[s2]);
+      same_model_weights(f.dir, "ref", names[i], 1e-4);
+    }
+  }
+  model_json = TINY_LLAMA;
+}
+END_TEST
+
 START_TEST(test_dist_train_batch_not_divisible_is_a_clear_error) {
   char dir[64];
   mr_t_tmpdir(dir, sizeof dir);
@@ -412,6 +494,7 @@ static Suite *dist_train_suite(void) {
   tcase_add_test(tc, test_dist_train_recompute_and_accumulation);
   tcase_add_test(tc, test_dist_train_memory_of_zero3_and_recompute);
   tcase_add_test(tc, test_dist_train_runtime_issues_the_programs_communication);
+  tcase_add_test(tc, test_dist_train_tied_embeddings_and_gpt2);
   tcase_add_test(tc, test_dist_train_batch_not_divisible_is_a_clear_error);
   suite_add_tcase(s, tc);
   return s;

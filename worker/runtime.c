@@ -680,6 +680,8 @@ static int optimizer(struct mr_runtime *rt, int64_t step, struct mr_step_report 
   if (lay->zero == 1 || lay->zero == 2) /* every rank updated its block: gather */
     for (int i = 0; i < rt->p.n_params; i++) {
       const struct mr_param_plan *pp = &rt->p.params[i];
+      if (pp->replica_of >= 0)
+        continue;
       char *full = rt->param + pp->store_offset;
       char *mine = lay->zero == 2 ? rt->zero_tmp + rt->zero_tmp_off[i] : rt->zero_tmp;
       MR_TRY(be->ops->memset(be, NULL, mine, 0, (size_t)pp->block * 4));
@@ -689,6 +691,32 @@ static int optimizer(struct mr_runtime *rt, int64_t step, struct mr_step_report 
       MR_TRY(wait_req(rt, req));
     }
   return 0;
+}
+
+/* Tied parameters: each owner sends its updated values to the stages
+ * holding copies, which receive them. */
+static int param_sync(struct mr_runtime *rt) {
+  int rc = 0;
+  for (int i = 0; i < rt->p.n_params && rc == 0; i++) {
+    const struct mr_param_plan *pp = &rt->p.params[i];
+    void *buf = rt->param + pp->store_offset;
+    struct mr_comm_req *req;
+    int peer, d, t;
+    if (pp->replica_of >= 0) {
+      mr_lower_coords(&rt->L->lay, pp->replica_of, &peer, &d, &t);
+      rc = mr_comm_recv(rt->pipe_g, buf, (size_t)pp->numel, MR_F32, peer, &req);
+      if (rc == 0)
+        rc = wait_req(rt, req);
+    }
+    for (int k = 0; k < pp->n_replicas && rc == 0; k++) {
+      mr_lower_coords(&rt->L->lay, pp->replicas[k], &peer, &d, &t);
+      rc = mr_comm_send(rt->pipe_g, buf, (size_t)pp->numel, MR_F32, peer, &req);
+      if (rc == 0)
+        rc = push_req(rt, rt->step_req, &rt->n_step_req, req, i);
+    }
+  }
+  int r2 = wait_all(rt, rt->step_req, &rt->n_step_req);
+  return rc < 0 ? rc : r2;
 }
 
 /* The loss of the last stage to every stage. */
@@ -770,6 +798,9 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
     if (in->kind == MR_INS_OPTIMIZER) {
       waiting(rt, i, in, "optimizer");
       rc = optimizer(rt, step, r);
+    } else if (in->kind == MR_INS_PARAM_SYNC) {
+      waiting(rt, i, in, "tied parameters");
+      rc = param_sync(rt);
     } else if (in->kind == MR_INS_STEP_END) {
       float loss = rt->loss_n > 0 ? (float)(rt->loss_sum / rt->loss_n) : 0.0f;
       rc = share_loss(rt, &loss);
@@ -864,7 +895,7 @@ int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out) {
           .glen = pp->glen, .numel = pp->numel, .param = (float *)(rt->param + pp->store_offset),
           .pbegin = z3 ? pp->begin : 0, .plen = z3 ? pp->len : pp->numel, .m = m,
           .v = m + ((pp->len * 4 + 63) / 64 * 64) / 4, .begin = pp->begin, .len = pp->len,
-          .keeps_param = model_ok && (z3 || rt->p.data == 0),
+          .keeps_param = model_ok && (z3 || rt->p.data == 0) && pp->replica_of < 0,
           .keeps_state = model_ok && (rt->L->lay.zero >= 1 || rt->p.data == 0)};
     }
   }
@@ -878,7 +909,7 @@ int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out) {
  * distinct shard (data coordinate 0, and model coordinate 0 unless the
  * parameter is split over model). */
 static int writes_param(const struct mr_runtime *rt, const struct mr_param_plan *pp) {
-  return rt->p.data == 0 && writes_model(rt, pp);
+  return rt->p.data == 0 && pp->replica_of < 0 && writes_model(rt, pp);
 }
 
 static int write_part(struct mr_runtime *rt, const char *path) {

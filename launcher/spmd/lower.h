@@ -126,6 +126,7 @@ enum mr_ins_kind {
   MR_INS_SEND,       // starts sending `tensor` to rank `peer` (detached)
   MR_INS_SYNC_WAIT,  // every gradient synchronisation and send is done
   MR_INS_OPTIMIZER,  // global norm, clipping, AdamW, ZeRO all-gathers
+  MR_INS_PARAM_SYNC, // tied parameters: the owner's update to the other stages
   MR_INS_STEP_END,   // the loss to every stage; checkpoint agreement
   MR_INS_KIND_COUNT
 };
@@ -186,6 +187,11 @@ struct mr_param_plan {
   int64_t state_offset;           // bytes into the optimizer region (m; v
                                   // follows at + len floats)
   int sync_ev;                    // first event of its synchronisation
+  int replica_of;                 // a copy of a parameter another stage owns
+                                  // (tied embeddings): the owner's rank, whose
+                                  // update arrives after each step; -1: owned
+  int *replicas;                  // owned: ranks holding copies (n_replicas)
+  int n_replicas;
   int off_data;                   // its synchronisation has steps off the data
                                   // dim (run per micro-batch into the
                                   // gradient staging buffer)

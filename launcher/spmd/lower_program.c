@@ -158,20 +158,52 @@ static int plan_params(struct build *b) {
     p->param_of[t] = -1;
     chunk[t] = -1;
   }
+  /* a parameter lives on the chunks that read it; the one its gradient is
+   * produced on owns it */
+  int *mine = calloc((size_t)g->n_tensors, sizeof *mine);
+  if (!mine) {
+    free(chunk);
+    return MR_ENOMEM;
+  }
   for (int k = 0; k < g->n_ops; k++)
     for (int i = 0; i < g->ops[k].n_in; i++) {
       int t = g->ops[k].in[i];
-      if (t >= 0 && g->tensors[t].role == MR_ROLE_PARAM)
+      if (t >= 0 && g->tensors[t].role == MR_ROLE_PARAM && b->my_chunk[L->op_chunk[k]]) {
+        mine[t] = 1;
         chunk[t] = L->op_chunk[k];
+      }
     }
   int64_t acc = 0, opt = 0;
   for (int t = 0; t < g->n_tensors; t++) {
-    if (chunk[t] < 0 || !b->my_chunk[chunk[t]] || g->tensors[t].grad < 0)
+    if (!mine[t] || g->tensors[t].grad < 0)
       continue;
     struct mr_param_plan *pp = &p->params[p->n_params];
     p->param_of[t] = p->n_params++;
     pp->tensor = t;
     pp->chunk = chunk[t];
+    pp->replica_of = -1;
+    int owner = L->op_chunk[g->tensors[g->tensors[t].grad].producer];
+    if (!b->my_chunk[owner])
+      pp->replica_of = mr_lower_rank(lay, owner % lay->pp, p->data, p->model);
+    else { /* the other stages reading it hold copies */
+      char held[64] = {0};
+      for (int k = 0; k < g->n_ops; k++)
+        for (int i = 0; i < g->ops[k].n_in; i++)
+          if (g->ops[k].in[i] == t && L->op_chunk[k] % lay->pp != p->pipe &&
+              L->op_chunk[k] % lay->pp < 64)
+            held[L->op_chunk[k] % lay->pp] = 1;
+      for (int q = 0; q < lay->pp && q < 64; q++)
+        if (held[q]) {
+          int *r = realloc(pp->replicas, (size_t)(pp->n_replicas + 1) * sizeof *r);
+          if (!r) {
+            free(chunk);
+            free(mine);
+            return MR_ENOMEM;
+          }
+          pp->replicas = r;
+          pp->replicas[pp->n_replicas++] = mr_lower_rank(lay, q, p->data, p->model);
+        }
+    }
     pp->numel = p->buf[t].numel;
     pp->block = lay->zero > 0 ? (pp->numel + lay->dp - 1) / lay->dp : pp->numel;
     if (lay->zero > 0) {
@@ -191,6 +223,15 @@ static int plan_params(struct build *b) {
     if (L->model_dim >= 0 && L->dg.tensor[t].p[L->model_dim].kind != MR_SHARD && p->model != 0)
       norm = 0;
     pp->norm = norm;
+    if (pp->replica_of >= 0) { /* a copy: no gradient, no state, not counted */
+      pp->norm = 0;
+      pp->len = 0;
+      pp->acc_floats = 0;
+      pp->acc_offset = acc;
+      pp->state_offset = opt;
+      pp->sync_ev = -1;
+      continue;
+    }
     pp->acc_floats = lay->zero >= 2 ? pp->block : pp->numel;
     pp->acc_offset = acc;
     acc += ALIGNED(pp->acc_floats * 4);
@@ -199,6 +240,7 @@ static int plan_params(struct build *b) {
     pp->sync_ev = -1;
   }
   free(chunk);
+  free(mine);
   p->acc_bytes = acc;
   p->optim_bytes = opt;
   return 0;
@@ -917,10 +959,24 @@ static void events_of(struct build *b, struct mr_ins *in, int64_t *staging) {
     small_allreduces(b, in, "gradient norm", 0);
     if (lay->zero == 1 || lay->zero == 2)
       for (int i = 0; i < p->n_params; i++) {
+        if (p->params[i].replica_of >= 0)
+          continue;
         snprintf(what, sizeof what, "updated %.80s", g->tensors[p->params[i].tensor].name);
         add_event(b, in, MR_CEV_ALL_GATHER, &p->data_group, -1, p->params[i].block * lay->dp,
                   MR_F32, 0, -1, what);
       }
+    break;
+  case MR_INS_PARAM_SYNC:
+    for (int i = 0; i < p->n_params; i++) {
+      const struct mr_param_plan *pp = &p->params[i];
+      snprintf(what, sizeof what, "updated %.80s", g->tensors[pp->tensor].name);
+      if (pp->replica_of >= 0)
+        add_event(b, in, MR_CEV_RECV, &p->pipe_group, pp->replica_of, pp->numel, MR_F32, 0, -1,
+                  what);
+      for (int k = 0; k < pp->n_replicas; k++)
+        add_event(b, in, MR_CEV_SEND, &p->pipe_group, pp->replicas[k], pp->numel, MR_F32, 0,
+                  MR_CEV_DETACHED, what);
+    }
     break;
   case MR_INS_STEP_END:
     if (lay->pp > 1)
@@ -1026,6 +1082,11 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
   free(sm);
   emit_step(&b, MR_INS_SYNC_WAIT);
   emit_step(&b, MR_INS_OPTIMIZER);
+  int tied = 0;
+  for (int i = 0; i < p->n_params; i++)
+    tied |= p->params[i].replica_of >= 0 || p->params[i].n_replicas > 0;
+  if (tied)
+    emit_step(&b, MR_INS_PARAM_SYNC);
   emit_step(&b, MR_INS_STEP_END);
   p->n_ev_step = p->n_ev;
   /* an evaluation batch: forward passes, micro-batch outer, chunks inner */
@@ -1093,6 +1154,8 @@ err:
 void mr_rank_program_close(struct mr_rank_program *p) {
   if (p == NULL)
     return;
+  for (int i = 0; p->params && i < p->n_params; i++)
+    free(p->params[i].replicas);
   free(p->buf);
   free(p->params);
   free(p->param_of);
@@ -1157,8 +1220,8 @@ out:
 }
 
 static const char *const kind_names[MR_INS_KIND_COUNT] = {
-    "recv", "load", "seed", "gather", "reshard", "kernel", "loss",
-    "grad", "grad_wait", "send", "sync_wait", "optimizer", "step_end"};
+    "recv", "load", "seed", "gather", "reshard", "kernel", "loss", "grad",
+    "grad_wait", "send", "sync_wait", "optimizer", "param_sync", "step_end"};
 
 void mr_ins_describe(const struct mr_rank_program *p, const struct mr_ins *in, char *buf,
                      size_t n) {
