@@ -387,6 +387,16 @@ static void on_report(struct coordinator *co, struct mr_conn *c,
   }
 }
 
+/* ", \"key\": value" with JSON's null for what JSON cannot hold (an
+ * overflowed gradient norm, a diverged loss). */
+static void json_field(FILE *f, const char *key, double v, const char *fmt) {
+  fprintf(f, ", \"%s\": ", key);
+  if (isfinite(v))
+    fprintf(f, fmt, v);
+  else
+    fputs("null", f);
+}
+
 static void on_metrics(struct coordinator *co, struct mr_conn *c,
                        const Meshrun__Metrics *m) {
   struct mr_rank *r = &co->ranks.r[c->rank];
@@ -403,16 +413,19 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
       rss = co->ranks.r[i].rss_peak;
   }
   if (co->metrics != NULL) {
-    fprintf(co->metrics,
-            "{\"step\": %lld, \"loss\": %.9g, \"lr\": %.9g, \"grad_norm\": %.9g, "
-            "\"tokens_per_s\": %.6g, \"loss_scale\": %.9g, \"step_time_s\": %.6g, "
-            "\"comm_wait_s\": %.6g, \"peak_memory_bytes\": %llu, \"skipped\": %s",
-            (long long)m->step, m->loss, m->lr, m->grad_norm, m->tokens_per_s,
-            m->loss_scale, m->step_time_s, m->comm_wait_s, (unsigned long long)peak,
-            m->skipped ? "true" : "false");
+    fprintf(co->metrics, "{\"step\": %lld", (long long)m->step);
+    json_field(co->metrics, "loss", m->loss, "%.9g");
+    json_field(co->metrics, "lr", m->lr, "%.9g");
+    json_field(co->metrics, "grad_norm", m->grad_norm, "%.9g");
+    json_field(co->metrics, "tokens_per_s", m->tokens_per_s, "%.6g");
+    json_field(co->metrics, "loss_scale", m->loss_scale, "%.9g");
+    json_field(co->metrics, "step_time_s", m->step_time_s, "%.6g");
+    json_field(co->metrics, "comm_wait_s", m->comm_wait_s, "%.6g");
+    fprintf(co->metrics, ", \"peak_memory_bytes\": %llu, \"skipped\": %s",
+            (unsigned long long)peak, m->skipped ? "true" : "false");
     fprintf(co->metrics, ", \"rss_peak_bytes\": %llu", (unsigned long long)rss);
     if (!isnan(m->val_loss))
-      fprintf(co->metrics, ", \"val_loss\": %.9g", m->val_loss);
+      json_field(co->metrics, "val_loss", m->val_loss, "%.9g");
     fprintf(co->metrics, ", \"restart\": %d}\n", co->restart);
     fflush(co->metrics);
   }

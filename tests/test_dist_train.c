@@ -460,6 +460,45 @@ START_TEST(test_dist_train_tied_embeddings_and_gpt2) {
 }
 END_TEST
 
+/* Mixed precision across ranks: bf16 under tensor parallelism stays within
+ * 2% of the fp32 losses; fp16 on a pipeline survives an injected overflow:
+ * that step is skipped on every rank (its norm written as null) and the
+ * loss scale halves. */
+START_TEST(test_dist_train_mixed_precision) {
+  struct fixture f;
+  reference(&f);
+  write_job_named(f.dir, "bf16.json",
+                  "\"tensor_parallel\": {\"degree\": 2}, \"amp\": {\"dtype\": \"bf16\"}", 16);
+  ck_assert_int_eq(run_named(f.dir, "bf16.json", "bf16", 2), 0);
+  char m[200];
+  double got[STEPS];
+  snprintf(m, sizeof m, "%s/bf16/metrics.jsonl", f.dir);
+  ck_assert_int_eq(mr_t_read_losses(m, got, STEPS), STEPS);
+  for (int s2 = 0; s2 < STEPS; s2++)
+    ck_assert_msg(close_rel(got[s2], f.ref[s2], 0.02), "bf16 step %d: %.5f vs fp32 %.5f", s2 + 1,
+                  got[s2], f.ref[s2]);
+  write_job_named(f.dir, "fp16.json",
+                  "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}, "
+                  "\"amp\": {\"dtype\": \"fp16\"}", 16);
+  setenv("MESHRUN_INJECT_OVERFLOW_STEP", "3", 1);
+  int rc = run_named(f.dir, "fp16.json", "fp16", 2);
+  unsetenv("MESHRUN_INJECT_OVERFLOW_STEP");
+  ck_assert_int_eq(rc, 0);
+  snprintf(m, sizeof m, "%s/fp16/metrics.jsonl", f.dir);
+  char *text = mr_t_slurp(m);
+  char *l3 = strstr(text, "{\"step\": 3,"), *l4 = strstr(text, "{\"step\": 4,");
+  ck_assert_ptr_nonnull(l3);
+  ck_assert_ptr_nonnull(l4);
+  l4[-1] = '\0';
+  ck_assert_msg(strstr(l3, "\"grad_norm\": null") != NULL && strstr(l3, "\"skipped\": true") &&
+                    strstr(l3, "\"loss_scale\": 1024") != NULL,
+                "%s", l3);
+  ck_assert_msg(strstr(l4, "\"loss_scale\": 512") != NULL && strstr(l4, "\"skipped\": false"),
+                "%s", l4);
+  free(text);
+}
+END_TEST
+
 START_TEST(test_dist_train_batch_not_divisible_is_a_clear_error) {
   char dir[64];
   mr_t_tmpdir(dir, sizeof dir);
@@ -495,6 +534,7 @@ static Suite *dist_train_suite(void) {
   tcase_add_test(tc, test_dist_train_memory_of_zero3_and_recompute);
   tcase_add_test(tc, test_dist_train_runtime_issues_the_programs_communication);
   tcase_add_test(tc, test_dist_train_tied_embeddings_and_gpt2);
+  tcase_add_test(tc, test_dist_train_mixed_precision);
   tcase_add_test(tc, test_dist_train_batch_not_divisible_is_a_clear_error);
   suite_add_tcase(s, tc);
   return s;
