@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "common/error.h"
+#include "common/fit.h"
 #include "common/log.h"
 #include "common/ops.h"
 
@@ -17,38 +18,6 @@ static int persistent(const struct mr_graph *g, int id) {
   enum mr_tensor_role r = g->tensors[id].role;
   return r == MR_ROLE_PARAM || r == MR_ROLE_GRAD || r == MR_ROLE_OPT_STATE ||
          r == MR_ROLE_INPUT || id == g->loss;
-}
-
-struct live {
-  int64_t off, end;
-  int id;
-};
-
-/* First fit among the live intervals (kept sorted by offset). */
-static int64_t place(struct live *lv, int *n, int64_t size, int id) {
-  int64_t off = 0;
-  int i = 0;
-  for (; i < *n; i++) {
-    if (lv[i].off - off >= size)
-      break;
-    if (lv[i].end > off)
-      off = lv[i].end;
-  }
-  memmove(&lv[i + 1], &lv[i], (size_t)(*n - i) * sizeof *lv);
-  lv[i].off = off;
-  lv[i].end = off + size;
-  lv[i].id = id;
-  (*n)++;
-  return off;
-}
-
-static void release(struct live *lv, int *n, int id) {
-  for (int i = 0; i < *n; i++)
-    if (lv[i].id == id) {
-      memmove(&lv[i], &lv[i + 1], (size_t)(*n - i - 1) * sizeof *lv);
-      (*n)--;
-      return;
-    }
 }
 
 int mr_exec_init(struct mr_exec *x, const struct mr_graph *g, int threads,
@@ -65,10 +34,10 @@ int mr_exec_init(struct mr_exec *x, const struct mr_graph *g, int threads,
     return rc;
   rc = MR_ENOMEM;
   int *last = malloc((size_t)nt * sizeof *last);
-  struct live *lv = malloc((size_t)(nt + 1) * sizeof *lv);
+  struct mr_fit fit = {malloc((size_t)(nt + 1) * sizeof(struct mr_fit_live)), 0};
   x->buf = calloc((size_t)nt, sizeof *x->buf);
   x->offset = malloc((size_t)nt * sizeof *x->offset);
-  if (!last || !lv || !x->buf || !x->offset)
+  if (!last || !fit.lv || !x->buf || !x->offset)
     goto out;
   for (int i = 0; i < nt; i++) {
     last[i] = -1;
@@ -78,7 +47,6 @@ int mr_exec_init(struct mr_exec *x, const struct mr_graph *g, int threads,
     for (int j = 0; j < g->ops[i].n_in; j++)
       if (g->ops[i].in[j] >= 0)
         last[g->ops[i].in[j]] = i;
-  int n_live = 0;
   int64_t high = 0;
   for (int i = 0; i < g->n_ops; i++) {
     const struct mr_op *op = &g->ops[i];
@@ -87,7 +55,7 @@ int mr_exec_init(struct mr_exec *x, const struct mr_graph *g, int threads,
       if (persistent(g, t) || x->offset[t] >= 0)
         continue;
       int64_t size = (mr_tensor_bytes(&g->tensors[t]) + ALIGN - 1) / ALIGN * ALIGN;
-      x->offset[t] = place(lv, &n_live, size, t);
+      x->offset[t] = mr_fit_place(&fit, size, t);
       if (x->offset[t] + size > high)
         high = x->offset[t] + size;
       if (last[t] < 0)
@@ -96,7 +64,7 @@ int mr_exec_init(struct mr_exec *x, const struct mr_graph *g, int threads,
     for (int j = 0; j < op->n_in; j++) {
       int t = op->in[j];
       if (t >= 0 && last[t] == i && x->offset[t] >= 0)
-        release(lv, &n_live, t);
+        mr_fit_release(&fit, t);
     }
   }
   x->arena_bytes = (uint64_t)high;
@@ -119,7 +87,7 @@ int mr_exec_init(struct mr_exec *x, const struct mr_graph *g, int threads,
   rc = 0;
 out:
   free(last);
-  free(lv);
+  free(fit.lv);
   if (rc < 0)
     mr_exec_close(x);
   return rc;

@@ -20,6 +20,7 @@
 #include "worker/backend/cpu/kernels.h"
 #include "worker/optim.h"
 #include "worker/reshard_run.h"
+#include "worker/weights.h"
 
 #define MAX_PENDING 4096
 
@@ -978,7 +979,6 @@ static int merge_parts(struct mr_runtime *rt, const char *path) {
   int world = rt->L->lay.world, rc = 0;
   struct mr_st_file **parts = calloc((size_t)world, sizeof *parts);
   float **full = calloc((size_t)g->n_tensors, sizeof *full);
-  struct mr_st_writer *w = NULL;
   if (!parts || !full) {
     rc = MR_ENOMEM;
     goto out;
@@ -1037,23 +1037,8 @@ static int merge_parts(struct mr_runtime *rt, const char *path) {
     }
   }
   if (rc == 0)
-    rc = mr_st_writer_new(path, 0, &w);
-  for (int t = 0; t < g->n_tensors && rc == 0; t++)
-    if (g->tensors[t].role == MR_ROLE_PARAM)
-      rc = mr_st_writer_add(w, g->tensors[t].name, MR_F32, g->tensors[t].ndim,
-                            g->tensors[t].shape, full[t]);
-  char *cfg = rc == 0 ? mr_model_config_to_json(&rt->job->model) : NULL;
-  if (rc == 0 && cfg == NULL)
-    rc = MR_ENOMEM;
-  if (rc == 0)
-    rc = mr_st_writer_add_metadata(w, "format", "pt");
-  if (rc == 0)
-    rc = mr_st_writer_add_metadata(w, "config", cfg);
-  if (rc == 0)
-    rc = mr_st_writer_finish(w);
-  cJSON_free(cfg);
+    rc = mr_weights_write(g, &rt->job->model, full, path);
 out:
-  mr_st_writer_free(w);
   for (int r = 0; parts && r < world; r++) {
     mr_st_free(parts[r]);
     char pp[4200];

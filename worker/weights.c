@@ -71,30 +71,33 @@ int mr_weights_load(const struct mr_model *m, struct mr_exec *x,
   return rc;
 }
 
-int mr_weights_save(const struct mr_model *m, const struct mr_exec *x,
-                    const char *path) {
+int mr_weights_write(const struct mr_graph *g, const struct mr_model_config *cfg,
+                     float *const *data, const char *path) {
   struct mr_st_writer *w;
   MR_TRY(mr_st_writer_new(path, 0, &w));
-  const struct mr_graph *g = &m->graph;
   int rc = 0;
   for (int i = 0; i < g->n_tensors && rc == 0; i++) {
     const struct mr_tensor *t = &g->tensors[i];
     if (t->role == MR_ROLE_PARAM)
-      rc = mr_st_writer_add(w, t->name, MR_F32, t->ndim, t->shape,
-                            mr_exec_buf(x, i));
+      rc = mr_st_writer_add(w, t->name, MR_F32, t->ndim, t->shape, data[i]);
   }
-  char *cfg = mr_model_config_to_json(&m->cfg);
-  if (rc == 0 && !cfg)
+  char *text = mr_model_config_to_json(cfg);
+  if (rc == 0 && !text)
     rc = MR_ENOMEM;
   if (rc == 0)
     rc = mr_st_writer_add_metadata(w, "format", "pt");
   if (rc == 0)
-    rc = mr_st_writer_add_metadata(w, "config", cfg);
+    rc = mr_st_writer_add_metadata(w, "config", text);
   if (rc == 0)
     rc = mr_st_writer_finish(w);
-  cJSON_free(cfg);
+  cJSON_free(text);
   mr_st_writer_free(w);
   return rc;
+}
+
+int mr_weights_save(const struct mr_model *m, const struct mr_exec *x,
+                    const char *path) {
+  return mr_weights_write(&m->graph, &m->cfg, (float *const *)x->buf, path);
 }
 
 int mr_weights_read_config(const char *path, struct mr_model_config *cfg) {

@@ -28,6 +28,11 @@ int mr_weights_load(const struct mr_model *m, struct mr_exec *x,
 int mr_weights_save(const struct mr_model *m, const struct mr_exec *x,
                     const char *path);
 
+/* The same from data[t], the values of every parameter t of graph g (the
+ * rest of data unread), with cfg as the config. */
+int mr_weights_write(const struct mr_graph *g, const struct mr_model_config *cfg,
+                     float *const *data, const char *path);
+
 /* Reads the model config stored by mr_weights_save from path's metadata. */
 int mr_weights_read_config(const char *path, struct mr_model_config *cfg);
 

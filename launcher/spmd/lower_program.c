@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/fit.h"
 #include "common/ops.h"
 #include "launcher/spmd/lower.h"
 #include "launcher/planner/schedule.h"
@@ -535,35 +536,6 @@ static void ins_access(const struct build *b, const struct mr_ins *in, int *rd, 
   }
 }
 
-struct live {
-  int64_t off, end;
-  int id;
-};
-
-static int64_t place(struct live *lv, int *n, int64_t size, int id) {
-  int64_t off = 0;
-  int i = 0;
-  for (; i < *n; i++) {
-    if (lv[i].off - off >= size)
-      break;
-    if (lv[i].end > off)
-      off = lv[i].end;
-  }
-  memmove(&lv[i + 1], &lv[i], (size_t)(*n - i) * sizeof *lv);
-  lv[i] = (struct live){off, off + size, id};
-  (*n)++;
-  return off;
-}
-
-static void release(struct live *lv, int *n, int id) {
-  for (int i = 0; i < *n; i++)
-    if (lv[i].id == id) {
-      memmove(&lv[i], &lv[i + 1], (size_t)(*n - i - 1) * sizeof *lv);
-      (*n)--;
-      return;
-    }
-}
-
 static int plan_buffers(struct build *b) {
   struct mr_rank_program *p = b->p;
   const struct mr_lowered *L = b->L;
@@ -573,15 +545,15 @@ static int plan_buffers(struct build *b) {
   /* which chunk's forward writes a tensor and whose backward reads it */
   int *fw = malloc((size_t)nl * sizeof *fw);
   int *first = malloc((size_t)nl * sizeof *first), *last = malloc((size_t)nl * sizeof *last);
-  struct live *lv = malloc((size_t)(nl + 1) * sizeof *lv);
+  struct mr_fit fit = {malloc((size_t)(nl + 1) * sizeof(struct mr_fit_live)), 0};
   p->stash_bytes = calloc((size_t)L->n_chunks, sizeof *p->stash_bytes);
   p->send_off = malloc((size_t)nl * sizeof *p->send_off);
   int rd[MR_OP_MAX_IN + 2], wr[MR_OP_MAX_OUT + 3], nr, nw;
-  if (!fw || !first || !last || !lv || !p->stash_slots || !p->stash_bytes || !p->send_off) {
+  if (!fw || !first || !last || !fit.lv || !p->stash_slots || !p->stash_bytes || !p->send_off) {
     free(fw);
     free(first);
     free(last);
-    free(lv);
+    free(fit.lv);
     return MR_ENOMEM;
   }
   for (int t = 0; t < nl; t++) {
@@ -691,7 +663,7 @@ static int plan_buffers(struct build *b) {
     }
     ps->send_base = send;
     send += ps->send_bytes * lay->n_micro;
-    int n_live = 0;
+    fit.n = 0;
     int64_t high = 0;
     for (int i = 0; i < ps->n; i++) {
       const struct mr_ins *in = &p->tmpl[ps->first + i];
@@ -700,13 +672,13 @@ static int plan_buffers(struct build *b) {
         int t = wr[j];
         if (first[t] != i || ps->arena_off[t] >= 0)
           continue;
-        ps->arena_off[t] = place(lv, &n_live, p->buf[t].bytes, t);
+        ps->arena_off[t] = mr_fit_place(&fit, p->buf[t].bytes, t);
         if (ps->arena_off[t] + p->buf[t].bytes > high)
           high = ps->arena_off[t] + p->buf[t].bytes;
       }
       for (int t = 0; t < nl; t++) /* small graphs: a scan is fine */
         if (last[t] == i && ps->arena_off[t] >= 0)
-          release(lv, &n_live, t);
+          mr_fit_release(&fit, t);
     }
     if (high > arena)
       arena = high;
@@ -716,7 +688,7 @@ static int plan_buffers(struct build *b) {
   free(fw);
   free(first);
   free(last);
-  free(lv);
+  free(fit.lv);
   return b->rc;
 }
 
