@@ -89,9 +89,12 @@ static void nap(void) {
   nanosleep(&ts, NULL);
 }
 
-/* "ranks 1, 2, 3": the group's other members (or "rank P", the peer) */
+/* "rank 2" or "ranks 1, 2, 3": the group's other members (or the peer) */
 static void peers_text(const struct nccl_group *g, int peer, char *buf, size_t len) {
-  size_t off = (size_t)snprintf(buf, len, peer >= 0 ? "rank" : "ranks");
+  int count = 0;
+  for (int i = 0; i < g->n; i++)
+    count += i != g->me && (peer < 0 || i == peer);
+  size_t off = (size_t)snprintf(buf, len, count == 1 ? "rank" : "ranks");
   int first = 1;
   for (int i = 0; i < g->n && off < len; i++) {
     if (i == g->me || (peer >= 0 && i != peer))
