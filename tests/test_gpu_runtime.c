@@ -100,7 +100,7 @@ START_TEST(test_gpu_sumsq_fixed_chunks_and_overflow) {
     double g = -1, c = -1;
     ck_assert_int_eq(p.gpu->ops->sumsq(p.gpu, dx, n, &g), 0);
     ck_assert_int_eq(p.cpu->ops->sumsq(p.cpu, x, n, &c), 0);
-    ck_assert_msg(fabs(g - c) <= 1e-12 * (c + 1), "sumsq n=%zu: cuda %.17g cpu %.17g", n,
+    ck_assert_msg(fabs(g - c) <= 1e-7 * (c + 1), "sumsq n=%zu: cuda %.17g cpu %.17g", n,
                   g, c);
     if (n > 10) { /* the fp16 loss-scale check: inf or NaN shows */
       float bad[2] = {INFINITY, NAN};
