@@ -17,6 +17,12 @@
  * polls it with the timeout, so when wait returns the host and every later
  * kernel see the result.  Buffers are device memory.
  *
+ * Sends and receives are batched: each is held until the next operation
+ * on its group, or a test or wait on one of them, and then all held ones go
+ * to NCCL in one ncclGroupStart/End (as torch's batch_isend_irecv), so a
+ * pipeline stage that posts its send and its receive before waiting cannot
+ * deadlock against its peer doing the same.
+ *
  * Differences from the CPU backend, which NCCL does not offer: reductions
  * follow NCCL's ring or tree, deterministic for a fixed topology and size
  * but not in rank order, and bf16 / fp16 sums round at each step rather
@@ -49,6 +55,8 @@ struct nccl_group {
   int n, me;
   int *ranks;
   uint64_t seq;              // operations issued
+  struct nccl_req *p2p;      // sends and receives waiting for flush_p2p
+  int p2p_n;
   int broken;
   char broken_msg[512];
   char desc[256];            // name{r0,r1,...}
@@ -75,7 +83,13 @@ struct nccl_req {
   int64_t start_ns;
   int finished;              // observed complete (or failed)
   int rc;
-  struct nccl_req *next;
+  struct nccl_req *next;     // in the in-flight list
+  /* a send or receive not yet given to NCCL (see flush_p2p) */
+  int pending, is_send;
+  void *buf;
+  size_t count;
+  ncclDataType_t type;
+  struct nccl_req *pnext;
 };
 
 static int64_t now_ns(void) {
@@ -198,9 +212,19 @@ static int nccl_red(enum mr_red_op op, enum mr_dtype dt, ncclRedOp_t *out, int *
 
 /* ---- requests ---- */
 
+static int flush_p2p(struct nccl_group *g);
+static void queue_req(struct nccl_comm *c, struct nccl_req *r);
+
 static int op_begin(struct nccl_group *g, const char *op, int peer,
                     struct nccl_req **out) {
   *out = NULL;
+  int is_p2p = strcmp(op, "Send") == 0 || strcmp(op, "Recv") == 0;
+  if (!is_p2p || g->p2p_n >= 256) {
+    /* operations on a group run in issue order: held sends go first */
+    int rc = flush_p2p(g);
+    if (rc < 0)
+      return rc;
+  }
   if (g->broken)
     return mr_error_set(MR_EPEER, "%s on group %s: the group failed earlier: %s", op,
                         g->desc, g->broken_msg);
@@ -236,6 +260,53 @@ static void req_free(struct nccl_req *r) {
   free(r);
 }
 
+static void queue_req(struct nccl_comm *c, struct nccl_req *r) {
+  pthread_mutex_lock(&c->lock);
+  struct nccl_req **p = &c->inflight;
+  while (*p != NULL)
+    p = &(*p)->next;
+  *p = r;
+  r->next = NULL;
+  pthread_mutex_unlock(&c->lock);
+}
+
+/* Gives the held sends and receives to NCCL as one group.  On failure
+ * each of them finishes with the error. */
+static int flush_p2p(struct nccl_group *g) {
+  if (g->p2p == NULL)
+    return 0;
+  struct nccl_req *list = g->p2p;
+  g->p2p = NULL;
+  g->p2p_n = 0;
+  int rc = 0;
+  if (g->broken) {
+    rc = mr_error_set(MR_EPEER, "Send/Recv on group %s: the group failed earlier: %s",
+                      g->desc, g->broken_msg);
+  } else {
+    ncclResult_t res = ncclGroupStart();
+    for (struct nccl_req *r = list; r != NULL && res == ncclSuccess; r = r->pnext)
+      res = r->is_send ? ncclSend(r->buf, r->count, r->type, r->peer, g->nc, g->stream)
+                       : ncclRecv(r->buf, r->count, r->type, r->peer, g->nc, g->stream);
+    ncclResult_t end = ncclGroupEnd();
+    if (res == ncclSuccess || res == ncclInProgress)
+      res = end;
+    if (res != ncclSuccess && res != ncclInProgress)
+      rc = nccl_failed(g, res, "ncclSend/ncclRecv");
+    if (rc == 0)
+      rc = settle(g, list->op, list->seq, list->peer);
+  }
+  for (struct nccl_req *r = list; r != NULL; r = r->pnext) {
+    r->pending = 0;
+    if (rc == 0)
+      rc = mr__cuda_check(cudaEventRecord(r->done, g->stream), "cudaEventRecord");
+    if (rc < 0) {
+      r->finished = 1;
+      r->rc = rc;
+    }
+  }
+  return rc;
+}
+
 /* After the NCCL call(s) of r returned res: settle, mark the end, queue. */
 static int op_end(struct nccl_group *g, struct nccl_req *r, ncclResult_t res,
                   const char *call, struct mr_comm_req **out) {
@@ -250,13 +321,7 @@ static int op_end(struct nccl_group *g, struct nccl_req *r, ncclResult_t res,
     req_free(r);
     return rc;
   }
-  struct nccl_comm *c = g->c;
-  pthread_mutex_lock(&c->lock);
-  struct nccl_req **p = &c->inflight;
-  while (*p != NULL)
-    p = &(*p)->next;
-  *p = r;
-  pthread_mutex_unlock(&c->lock);
+  queue_req(g->c, r);
   *out = &r->base;
   return 0;
 }
@@ -277,6 +342,10 @@ static void req_poll(struct nccl_req *r) {
   if (r->finished)
     return;
   struct nccl_group *g = r->g;
+  if (r->pending)
+    flush_p2p(g); /* a failure finishes r with its error */
+  if (r->finished)
+    return;
   if (g->broken) {
     r->finished = 1;
     r->rc = mr_error_set(MR_EPEER, "%s #%llu on group %s: %s", r->op,
@@ -360,7 +429,8 @@ static const char *nc_blocked(struct mr_comm *cc, char *buf, size_t len) {
   for (struct nccl_req *r = c->inflight; r != NULL; r = r->next) {
     if (r->finished || r->g->broken)
       continue;
-    if (mr__cuda_set_device(c->device) == 0 && cudaEventQuery(r->done) == cudaSuccess)
+    if (!r->pending && mr__cuda_set_device(c->device) == 0 &&
+        cudaEventQuery(r->done) == cudaSuccess)
       continue;
     cudaGetLastError();
     char peers[256];
@@ -541,14 +611,20 @@ static int nc_p2p(struct mr_comm_group *gg, void *buf, size_t count, enum mr_dty
                         op, g->desc, peer, g->me, g->n);
   struct nccl_req *r;
   MR_TRY(op_begin(g, op, peer, &r));
-  ncclResult_t res = ncclGroupStart();
-  if (res == ncclSuccess)
-    res = is_send ? ncclSend(buf, count, t, peer, g->nc, g->stream)
-                  : ncclRecv(buf, count, t, peer, g->nc, g->stream);
-  ncclResult_t end = ncclGroupEnd();
-  if (res == ncclSuccess || res == ncclInProgress)
-    res = end;
-  return op_end(g, r, res, is_send ? "ncclSend" : "ncclRecv", out);
+  /* held until flush_p2p, which batches it with its neighbours */
+  r->pending = 1;
+  r->is_send = is_send;
+  r->buf = buf;
+  r->count = count;
+  r->type = t;
+  struct nccl_req **p = &g->p2p;
+  while (*p != NULL)
+    p = &(*p)->pnext;
+  *p = r;
+  g->p2p_n++;
+  queue_req(g->c, r);
+  *out = &r->base;
+  return 0;
 }
 
 static int nc_send(struct mr_comm_group *g, const void *buf, size_t count,
@@ -593,6 +669,8 @@ static void group_release(struct nccl_group *g) {
   if (g == NULL)
     return;
   mr__cuda_set_device(g->c->device);
+  if (g->nc != NULL)
+    flush_p2p(g);
   if (g->nc != NULL) {
     /* finalize flushes what was issued; a hang there aborts instead */
     ncclResult_t r = ncclCommFinalize(g->nc);
