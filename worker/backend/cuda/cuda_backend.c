@@ -9,6 +9,7 @@
  * backend stays correct.  Kernel errors found on the device (an id out of
  * range) surface at the next synchronize, event_synchronize, sumsq or
  * device-to-host copy of pageable memory. */
+#include <dlfcn.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -406,14 +407,29 @@ static const struct mr_backend_ops cuda_ops = {
     .host_free = cu_host_free,
 };
 
+/* why the last count found no device ("" when it found some) */
+static char count_reason[160];
+
 static int device_count(int *n) {
   *n = 0;
   int k = 0;
   cudaError_t e = cudaGetDeviceCount(&k);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return 0; /* no driver, no device: a CPU machine */
+    void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (driver != NULL)
+      dlclose(driver);
+    snprintf(count_reason, sizeof count_reason, "cudaGetDeviceCount: %s (%s)",
+             cudaGetErrorName(e), cudaGetErrorString(e));
+    if (driver == NULL)
+      snprintf(count_reason, sizeof count_reason, "no CUDA driver (libcuda.so.1)");
+    /* no driver or no device is a CPU machine; anything else (a driver
+     * too old for this CUDA, a broken install) deserves a word */
+    else if (e != cudaErrorNoDevice)
+      MR_WARN("cuda", "%s", count_reason);
+    return 0;
   }
+  count_reason[0] = '\0';
   *n = k;
   return 0;
 }
@@ -428,8 +444,10 @@ int mr__cuda_backend_make(int device, int amp, struct mr__cuda **out) {
   int n = 0;
   device_count(&n);
   if (device < 0 || device >= n)
-    return mr_error_set(MR_ENOENT, "cuda backend: no device %d (%d visible%s)",
-                        device, n, n == 0 ? ": no CUDA device or driver" : "");
+    return mr_error_set(MR_ENOENT, "cuda backend: no device %d (%d visible%s%s)",
+                        device, n, n == 0 ? "; " : "",
+                        n == 0 ? (count_reason[0] ? count_reason : "no CUDA device")
+                               : "");
   pthread_once(&register_once, mr__cuda_kernels_register);
   struct mr__cuda *c = calloc(1, sizeof *c);
   if (c == NULL)
