@@ -163,6 +163,21 @@ int mr_cmd_launch(int argc, char **argv) {
   }
   if (nproc == 0)
     nproc = mr_devices_default_nproc(&devices, (int)threads);
+  if (devices.gpus > 0) {
+    /* the weakest link between two of the GPUs the ranks will use */
+    enum mr_gpu_link worst = MR_GPU_LINK_SELF;
+    for (int i = 0; i < devices.gpus; i++)
+      for (int j = 0; j < devices.gpus; j++) {
+        enum mr_gpu_link l = mr_devices_link(&devices, i, j);
+        if (l == MR_GPU_LINK_UNKNOWN || (worst != MR_GPU_LINK_UNKNOWN && l > worst))
+          worst = l;
+      }
+    printf("meshrun: %d GPU%s: %s, %.0f GiB%s; links %s\n", devices.gpus,
+           devices.gpus > 1 ? "s" : "", devices.dev[0].name,
+           (double)devices.dev[0].memory_bytes / (1 << 30), devices.gpus > 1 ? " each" : "",
+           devices.gpus > 1 ? mr_gpu_link_name(worst) : "(one GPU)");
+    fflush(stdout);
+  }
   const char *dev_kind = getenv("MESHRUN_DEVICE");
   int gpu_ranks = (devices_spec != NULL || (dev_kind != NULL && strcmp(dev_kind, "cuda") == 0)) &&
                   nproc <= devices.gpus;
