@@ -6,7 +6,7 @@
  * and TCP comm backend.  "cuda": the CUDA module (libmeshrun-cuda.so,
  * loaded on first use) on one GPU, with the NCCL comm backend.  Open the
  * device before the communicator: the NCCL communicator uses the device
- * that mr_device_open made current on the calling thread. */
+ * of the CUDA backend opened before it. */
 #ifndef MR_DEVICE_H
 #define MR_DEVICE_H
 

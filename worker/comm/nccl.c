@@ -10,6 +10,9 @@
  * its communicator (ncclCommAbort) and fail, naming the operation and the
  * group's peers, instead of hanging the job.
  *
+ * The communicator drives the GPU of the process's CUDA backend (open the
+ * backend first), else the opening thread's current device.
+ *
  * Each group has its own stream.  An operation first makes that stream wait
  * for the work queued so far on the CUDA backend's compute stream (so it
  * sees the kernels that produced its input), then runs there; its request
@@ -838,10 +841,14 @@ static int nc_open(const struct mr_bootstrap *bs, struct mr_comm **out) {
     return mr_error_set(MR_EINVAL, "nccl comm open: expected a bootstrap with a rank "
                         "in 0..world_size-1 and an allgather");
   *out = NULL;
-  int dev = -1;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess)
-    return mr__cuda_check(e, "cudaGetDevice");
+  /* the rank's GPU: that of its CUDA backend, else the thread's device */
+  int dev = mr__cuda_backend_device();
+  if (dev < 0) {
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess)
+      return mr__cuda_check(e, "cudaGetDevice");
+  }
+  MR_TRY(mr__cuda_set_device(dev));
   struct nccl_comm *c = calloc(1, sizeof *c);
   if (c == NULL)
     return mr_error_set(MR_ENOMEM, "nccl comm open: out of memory");

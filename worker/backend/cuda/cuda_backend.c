@@ -63,12 +63,23 @@ cudaStream_t mr__cuda_compute_stream(int device) {
   return s;
 }
 
+static int last_device = -1;
+
+int mr__cuda_backend_device(void) {
+  pthread_mutex_lock(&streams_lock);
+  int d = last_device;
+  pthread_mutex_unlock(&streams_lock);
+  return d;
+}
+
 static void set_compute_stream(int device, cudaStream_t s, cudaStream_t expect) {
   if (device < 0 || device >= MAX_DEVICES)
     return;
   pthread_mutex_lock(&streams_lock);
   if (expect == NULL || compute_streams[device] == expect)
     compute_streams[device] = s;
+  if (s != NULL)
+    last_device = device;
   pthread_mutex_unlock(&streams_lock);
 }
 

@@ -102,6 +102,10 @@ int mr__cuda_set_device(int device);
  * the NCCL backend orders its collectives after it. */
 cudaStream_t mr__cuda_compute_stream(int device);
 
+/* The device of the last backend made in this process, or -1: the NCCL
+ * communicator's device, whichever thread opens it. */
+int mr__cuda_backend_device(void);
+
 /* Reads and clears the device status word; a kernel's recorded error
  * becomes MR_ERANGE / MR_EINVAL with its message.  Synchronous. */
 int mr__cuda_status_check(struct mr__cuda_ctx *c);
