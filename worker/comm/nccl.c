@@ -95,6 +95,9 @@ struct nccl_req {
   struct nccl_req *pnext;
 };
 
+/* a call that succeeded, or was accepted by a non-blocking communicator */
+#define NCCL_OK(r) ((r) == ncclSuccess || (r) == ncclInProgress)
+
 static int64_t now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -287,7 +290,7 @@ static int flush_p2p(struct nccl_group *g) {
                       g->desc, g->broken_msg);
   } else {
     ncclResult_t res = ncclGroupStart();
-    for (struct nccl_req *r = list; r != NULL && res == ncclSuccess; r = r->pnext)
+    for (struct nccl_req *r = list; r != NULL && NCCL_OK(res); r = r->pnext)
       res = r->is_send ? ncclSend(r->buf, r->count, r->type, r->peer, g->nc, g->stream)
                        : ncclRecv(r->buf, r->count, r->type, r->peer, g->nc, g->stream);
     ncclResult_t end = ncclGroupEnd();
@@ -540,7 +543,7 @@ static int nc_all_gather(struct mr_comm_group *gg, const void *send, void *recv,
       }
     }
     res = ncclGroupStart();
-    for (int i = 0; i < g->n && res == ncclSuccess; i++) {
+    for (int i = 0; i < g->n && NCCL_OK(res); i++) {
       size_t here = displ;
       displ += counts[i];
       if (i == g->me)
@@ -590,7 +593,7 @@ static int nc_all_to_all(struct mr_comm_group *gg, const void *send, void *recv,
     }
   }
   ncclResult_t res = ncclGroupStart();
-  for (int i = 0; i < g->n && count > 0 && res == ncclSuccess; i++) {
+  for (int i = 0; i < g->n && count > 0 && NCCL_OK(res); i++) {
     if (i == g->me)
       continue;
     res = ncclSend((const char *)send + (size_t)i * block, count, t, i, g->nc, g->stream);
