@@ -1,6 +1,7 @@
 /* discovery.c - devices: CUDA through a dlopen'ed driver, else CPU cores. */
 #include "common/discovery.h"
 
+#include <ctype.h>
 #include <dlfcn.h>
 #include <sched.h>
 #include <stdio.h>
@@ -18,6 +19,103 @@ typedef int (*cu_count_fn)(int *);
 typedef int (*cu_get_fn)(int *, int);
 typedef int (*cu_name_fn)(char *, int, int);
 typedef int (*cu_mem_fn)(size_t *, int);
+typedef int (*cu_bus_fn)(char *, int, int);
+typedef int (*cu_attr_fn)(int *, int, int);
+
+#define CU_ATTR_SM_COUNT 16
+#define CU_ATTR_CC_MAJOR 75
+#define CU_ATTR_CC_MINOR 76
+
+/* NVML, equally by its documented signatures: nvmlReturn_t is an int enum
+ * (0 success), nvmlDevice_t an opaque pointer. */
+typedef int (*nvml_init_fn)(void);
+typedef int (*nvml_by_bus_fn)(const char *, void **);
+typedef int (*nvml_link_state_fn)(void *, unsigned, int *);
+typedef int (*nvml_p2p_fn)(void *, void *, int, int *);
+typedef int (*nvml_ancestor_fn)(void *, void *, int *);
+
+#define NVML_NVLINK_MAX_LINKS 18
+#define NVML_P2P_CAPS_INDEX_NVLINK 2
+#define NVML_P2P_STATUS_OK 0
+#define NVML_TOPOLOGY_HOSTBRIDGE 30 /* and below: one PCIe tree */
+
+static void *sym(void *lib, const char *name) { return dlsym(lib, name); }
+
+static int numa_of(const char *bus_id) {
+  char path[128], lower[32];
+  size_t i = 0;
+  for (; bus_id[i] && i < sizeof lower - 1; i++)
+    lower[i] = (char)tolower((unsigned char)bus_id[i]);
+  lower[i] = '\0';
+  snprintf(path, sizeof path, "/sys/bus/pci/devices/%s/numa_node", lower);
+  FILE *f = fopen(path, "r");
+  int node = -1;
+  if (f != NULL) {
+    if (fscanf(f, "%d", &node) != 1)
+      node = -1;
+    fclose(f);
+  }
+  return node;
+}
+
+/* Links between the GPUs, where NVML is present. */
+static void discover_links(struct mr_devices *out) {
+  int n = out->gpus;
+  out->links = calloc((size_t)n * (size_t)n, 1);
+  if (out->links == NULL)
+    return;
+  for (int i = 0; i < n; i++)
+    out->links[i * n + i] = MR_GPU_LINK_SELF;
+  void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL)
+    return;
+  nvml_init_fn init;
+  nvml_init_fn shutdown;
+  nvml_by_bus_fn by_bus;
+  nvml_link_state_fn link_state;
+  nvml_p2p_fn p2p;
+  nvml_ancestor_fn ancestor;
+  *(void **)&init = sym(lib, "nvmlInit_v2");
+  *(void **)&shutdown = sym(lib, "nvmlShutdown");
+  *(void **)&by_bus = sym(lib, "nvmlDeviceGetHandleByPciBusId_v2");
+  *(void **)&link_state = sym(lib, "nvmlDeviceGetNvLinkState");
+  *(void **)&p2p = sym(lib, "nvmlDeviceGetP2PStatus");
+  *(void **)&ancestor = sym(lib, "nvmlDeviceGetTopologyCommonAncestor");
+  if (init == NULL || by_bus == NULL || init() != 0) {
+    dlclose(lib);
+    return;
+  }
+  void **h = calloc((size_t)n, sizeof *h);
+  for (int i = 0; h != NULL && i < n; i++) {
+    struct mr_device *d = &out->dev[i];
+    if (d->pci_bus_id[0] == '\0' || by_bus(d->pci_bus_id, &h[i]) != 0) {
+      h[i] = NULL;
+      continue;
+    }
+    for (unsigned l = 0; link_state != NULL && l < NVML_NVLINK_MAX_LINKS; l++) {
+      int active = 0;
+      if (link_state(h[i], l, &active) == 0 && active)
+        d->nvlinks++;
+    }
+  }
+  for (int i = 0; h != NULL && i < n; i++)
+    for (int j = 0; j < n; j++) {
+      if (i == j || h[i] == NULL || h[j] == NULL)
+        continue;
+      int st = -1, level = -1;
+      enum mr_gpu_link l = MR_GPU_LINK_UNKNOWN;
+      if (p2p != NULL && p2p(h[i], h[j], NVML_P2P_CAPS_INDEX_NVLINK, &st) == 0 &&
+          st == NVML_P2P_STATUS_OK)
+        l = MR_GPU_LINK_NVLINK;
+      else if (ancestor != NULL && ancestor(h[i], h[j], &level) == 0)
+        l = level <= NVML_TOPOLOGY_HOSTBRIDGE ? MR_GPU_LINK_PCIE : MR_GPU_LINK_SYSTEM;
+      out->links[i * n + j] = (unsigned char)l;
+    }
+  free(h);
+  if (shutdown != NULL)
+    shutdown();
+  dlclose(lib);
+}
 
 static int discover_cuda(struct mr_devices *out) {
   void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -29,11 +127,15 @@ static int discover_cuda(struct mr_devices *out) {
   cu_get_fn cu_get;
   cu_name_fn cu_name;
   cu_mem_fn cu_mem;
-  *(void **)&cu_init = dlsym(lib, "cuInit");
-  *(void **)&cu_count = dlsym(lib, "cuDeviceGetCount");
-  *(void **)&cu_get = dlsym(lib, "cuDeviceGet");
-  *(void **)&cu_name = dlsym(lib, "cuDeviceGetName");
-  *(void **)&cu_mem = dlsym(lib, "cuDeviceTotalMem_v2");
+  cu_bus_fn cu_bus;
+  cu_attr_fn cu_attr;
+  *(void **)&cu_init = sym(lib, "cuInit");
+  *(void **)&cu_count = sym(lib, "cuDeviceGetCount");
+  *(void **)&cu_get = sym(lib, "cuDeviceGet");
+  *(void **)&cu_name = sym(lib, "cuDeviceGetName");
+  *(void **)&cu_mem = sym(lib, "cuDeviceTotalMem_v2");
+  *(void **)&cu_bus = sym(lib, "cuDeviceGetPCIBusId");
+  *(void **)&cu_attr = sym(lib, "cuDeviceGetAttribute");
   int n = 0;
   if (cu_init == NULL || cu_count == NULL || cu_get == NULL || cu_init(0) != 0 ||
       cu_count(&n) != 0 || n <= 0) {
@@ -50,6 +152,7 @@ static int discover_cuda(struct mr_devices *out) {
     int handle = 0;
     snprintf(d->kind, sizeof d->kind, "cuda");
     d->index = i;
+    d->numa_node = -1;
     snprintf(d->name, sizeof d->name, "cuda:%d", i);
     if (cu_get(&handle, i) == 0) {
       if (cu_name != NULL)
@@ -57,10 +160,20 @@ static int discover_cuda(struct mr_devices *out) {
       size_t mem = 0;
       if (cu_mem != NULL && cu_mem(&mem, handle) == 0)
         d->memory_bytes = mem;
+      if (cu_bus != NULL && cu_bus(d->pci_bus_id, (int)sizeof d->pci_bus_id, handle) == 0)
+        d->numa_node = numa_of(d->pci_bus_id);
+      else
+        d->pci_bus_id[0] = '\0';
+      if (cu_attr != NULL) {
+        cu_attr(&d->sm_count, CU_ATTR_SM_COUNT, handle);
+        cu_attr(&d->cc_major, CU_ATTR_CC_MAJOR, handle);
+        cu_attr(&d->cc_minor, CU_ATTR_CC_MINOR, handle);
+      }
     }
   }
   out->n = out->gpus = n;
   dlclose(lib);
+  discover_links(out);
   return 0;
 }
 
@@ -88,6 +201,7 @@ int mr_discover_devices(struct mr_devices *out) {
     d->index = cpu;
     snprintf(d->name, sizeof d->name, "cpu core %d", cpu);
     d->memory_bytes = ram;
+    d->numa_node = -1;
   }
   out->n = k;
   return 0;
@@ -95,6 +209,7 @@ int mr_discover_devices(struct mr_devices *out) {
 
 void mr_devices_close(struct mr_devices *out) {
   free(out->dev);
+  free(out->links);
   memset(out, 0, sizeof *out);
 }
 
@@ -104,4 +219,101 @@ int mr_devices_default_nproc(const struct mr_devices *d, int threads_per_rank) {
   int t = threads_per_rank > 0 ? threads_per_rank : 1;
   int n = d->cpu_cores / t;
   return n > 0 ? n : 1;
+}
+
+enum mr_gpu_link mr_devices_link(const struct mr_devices *d, int i, int j) {
+  if (d->links == NULL || i < 0 || j < 0 || i >= d->gpus || j >= d->gpus)
+    return MR_GPU_LINK_UNKNOWN;
+  return (enum mr_gpu_link)d->links[i * d->gpus + j];
+}
+
+const char *mr_gpu_link_name(enum mr_gpu_link l) {
+  switch (l) {
+  case MR_GPU_LINK_SELF: return "self";
+  case MR_GPU_LINK_NVLINK: return "nvlink";
+  case MR_GPU_LINK_PCIE: return "pcie";
+  case MR_GPU_LINK_SYSTEM: return "system";
+  default: return "unknown";
+  }
+}
+
+int mr_devices_parse_list(const char *flag, const char *spec, int gpus, int *idx,
+                          int max, int *n) {
+  *n = 0;
+  const char *p = spec != NULL ? spec : "";
+  /* the syntax first, so a typo is named as such on any machine */
+  int count = 0;
+  do {
+    char *end = NULL;
+    if (!isdigit((unsigned char)*p) || strtol(p, &end, 10) > 1000000 ||
+        (*end != ',' && *end != '\0') || (*end == ',' && end[1] == '\0'))
+      return mr_error_set(MR_EINVAL, "%s \"%s\": expected GPU indices separated by "
+                          "commas, such as 0,1,3", flag, spec != NULL ? spec : "");
+    count++;
+    p = *end == ',' ? end + 1 : end;
+  } while (*p != '\0');
+  if (gpus <= 0)
+    return mr_error_set(MR_EINVAL, "%s %s: this machine has no CUDA device "
+                        "(CUDA_VISIBLE_DEVICES applies)", flag, spec);
+  if (count > max)
+    return mr_error_set(MR_EINVAL, "%s %s: more than %d GPUs", flag, spec, max);
+  for (p = spec; *p != '\0';) {
+    char *end = NULL;
+    long v = strtol(p, &end, 10);
+    if (v >= gpus)
+      return mr_error_set(MR_EINVAL, "%s %s: GPU %ld does not exist; %d visible "
+                          "(0..%d)", flag, spec, v, gpus, gpus - 1);
+    for (int i = 0; i < *n; i++)
+      if (idx[i] == (int)v)
+        return mr_error_set(MR_EINVAL, "%s %s: GPU %ld listed twice", flag, spec, v);
+    idx[(*n)++] = (int)v;
+    p = *end == ',' ? end + 1 : end;
+  }
+  return 0;
+}
+
+int mr_devices_select(struct mr_devices *d, const int *idx, int n, char *env,
+                      size_t len) {
+  for (int i = 0; i < n; i++)
+    if (idx[i] < 0 || idx[i] >= d->gpus)
+      return mr_error_set(MR_EINVAL, "device %d: %d GPUs", idx[i], d->gpus);
+  /* entries of the current CUDA_VISIBLE_DEVICES, if any, by position */
+  const char *cur = getenv("CUDA_VISIBLE_DEVICES");
+  char *copy = cur != NULL && cur[0] ? strdup(cur) : NULL;
+  char *entries[1024];
+  int ne = 0;
+  if (copy != NULL) {
+    char *save = NULL;
+    for (char *t = strtok_r(copy, ",", &save); t != NULL && ne < 1024;
+         t = strtok_r(NULL, ",", &save))
+      entries[ne++] = t;
+  }
+  size_t off = 0;
+  env[0] = '\0';
+  for (int i = 0; i < n && off < len; i++) {
+    if (idx[i] < ne)
+      off += (size_t)snprintf(env + off, len - off, "%s%s", i ? "," : "", entries[idx[i]]);
+    else
+      off += (size_t)snprintf(env + off, len - off, "%s%d", i ? "," : "", idx[i]);
+  }
+  free(copy);
+  struct mr_device *dev = calloc((size_t)(n > 0 ? n : 1), sizeof *dev);
+  unsigned char *links = d->links != NULL ? calloc((size_t)n * (size_t)n + 1, 1) : NULL;
+  if (dev == NULL || (d->links != NULL && links == NULL)) {
+    free(dev);
+    free(links);
+    return mr_error_set(MR_ENOMEM, "devices: out of memory");
+  }
+  for (int i = 0; i < n; i++) {
+    dev[i] = d->dev[idx[i]];
+    dev[i].index = i;
+    for (int j = 0; links != NULL && j < n; j++)
+      links[i * n + j] = d->links[idx[i] * d->gpus + idx[j]];
+  }
+  free(d->dev);
+  free(d->links);
+  d->dev = dev;
+  d->links = links;
+  d->n = d->gpus = n;
+  return 0;
 }

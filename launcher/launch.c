@@ -12,6 +12,7 @@
 #include "launcher/coordinator.h"
 #include "launcher/strategy_choice.h"
 #include "common/discovery.h"
+#include "launcher/gpu_probe.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -21,6 +22,8 @@ static void usage(FILE *f) {
           "Starts one worker per rank, sends each the plan and supervises them.\n"
           "\n"
           "  --nproc N              ranks (default: one per GPU, else cores / threads)\n"
+          "  --devices 0,1,3        GPUs to use, among the visible ones (CUDA_VISIBLE_DEVICES\n"
+          "                         applies); one rank each (default: all)\n"
           "  --threads T            compute threads per CPU rank (default MESHRUN_THREADS or 1)\n"
           "  --max-restarts K       group restarts after a failure (default 0)\n"
           "  --log-dir DIR          per-rank logs and metrics (default runs/JOBNAME)\n"
@@ -45,6 +48,7 @@ static char *job_stem(const char *path) {
 int mr_cmd_launch(int argc, char **argv) {
   static const struct option longopts[] = {
       {"nproc", required_argument, NULL, 'n'},
+      {"devices", required_argument, NULL, 'D'},
       {"threads", required_argument, NULL, 't'},
       {"max-restarts", required_argument, NULL, 'r'},
       {"log-dir", required_argument, NULL, 'l'},
@@ -58,6 +62,7 @@ int mr_cmd_launch(int argc, char **argv) {
   long nproc = 0, threads = 0, restarts = 0;
   double hb = 30.0, hang = 300.0;
   const char *log_dir = NULL, *metrics = NULL, *bind = "127.0.0.1:0";
+  const char *devices_spec = NULL;
   int selfcheck = 0;
   optind = 1;
   opterr = 0;
@@ -67,6 +72,9 @@ int mr_cmd_launch(int argc, char **argv) {
     case 'n':
       if (mr_cli_int("launch", "--nproc", optarg, 1, 100000, &nproc) < 0)
         return 2;
+      break;
+    case 'D':
+      devices_spec = optarg;
       break;
     case 't':
       if (mr_cli_int("launch", "--threads", optarg, 1, 4096, &threads) < 0)
@@ -134,8 +142,58 @@ int mr_cmd_launch(int argc, char **argv) {
     mr_job_close(&job);
     return 1;
   }
+  if (devices_spec != NULL) {
+    /* like paddle.distributed.launch --devices: the ranks see exactly
+     * these GPUs, rank i on the i-th */
+    int idx[1024], n = 0;
+    char env[8192];
+    if (mr_devices_parse_list("--devices", devices_spec, devices.gpus, idx, 1024, &n) < 0 ||
+        mr_devices_select(&devices, idx, n, env, sizeof env) < 0) {
+      fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
+      code = 2;
+      goto done;
+    }
+    if (nproc != 0 && nproc != n) {
+      fprintf(stderr, "meshrun launch: --nproc %ld but --devices %s lists %d GPU%s: "
+              "one rank per GPU\n", nproc, devices_spec, n, n == 1 ? "" : "s");
+      code = 2;
+      goto done;
+    }
+    setenv("CUDA_VISIBLE_DEVICES", env, 1);
+  }
   if (nproc == 0)
     nproc = mr_devices_default_nproc(&devices, (int)threads);
+  if (devices.gpus > 0) {
+    /* the weakest link between two of the GPUs the ranks will use */
+    enum mr_gpu_link worst = MR_GPU_LINK_SELF;
+    for (int i = 0; i < devices.gpus; i++)
+      for (int j = 0; j < devices.gpus; j++) {
+        enum mr_gpu_link l = mr_devices_link(&devices, i, j);
+        if (l == MR_GPU_LINK_UNKNOWN || (worst != MR_GPU_LINK_UNKNOWN && l > worst))
+          worst = l;
+      }
+    printf("meshrun: %d GPU%s: %s, %.0f GiB%s; links %s\n", devices.gpus,
+           devices.gpus > 1 ? "s" : "", devices.dev[0].name,
+           (double)devices.dev[0].memory_bytes / (1 << 30), devices.gpus > 1 ? " each" : "",
+           devices.gpus > 1 ? mr_gpu_link_name(worst) : "(one GPU)");
+    fflush(stdout);
+  }
+  const char *dev_kind = getenv("MESHRUN_DEVICE");
+  int gpu_ranks = (devices_spec != NULL || (dev_kind != NULL && strcmp(dev_kind, "cuda") == 0)) &&
+                  nproc <= devices.gpus;
+  if (job_path != NULL && !selfcheck && job.cluster == NULL && gpu_ranks) {
+    /* ranks on GPUs and no cluster spec given: measure this machine's
+     * GPUs (once; cached) */
+    char spec[4096];
+    int rc = mr_gpu_cluster_spec(&devices, spec, sizeof spec);
+    if (rc == 0) {
+      job.cluster = strdup(spec);
+      printf("meshrun: measured GPUs: %s\n", spec);
+    } else if (rc < 0) {
+      fprintf(stderr, "meshrun launch: warning: %s; planning with the shipped specs\n",
+              mr_error_message());
+    }
+  }
 
   if (job_path != NULL && !selfcheck) {
     struct mr_strategy_choice choice;

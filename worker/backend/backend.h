@@ -90,6 +90,13 @@ struct mr_backend_ops {
    * apart): the packing of a tensor's block for a collective. */
   int (*copy2d)(struct mr_backend *be, void *dst, size_t dpitch, const void *src,
                 size_t spitch, size_t width, size_t rows);
+  /* Optional (NULL: use malloc/free): host memory the device reaches at full
+   * link speed (page-locked on CUDA), for data loading and offload.  A copy
+   * to or from it is asynchronous on its stream (wait with an event or
+   * synchronize before touching it); a copy with other host memory returns
+   * when done. */
+  int (*host_alloc)(struct mr_backend *be, size_t bytes, void **out);
+  void (*host_free)(struct mr_backend *be, void *ptr);
 };
 
 struct mr_backend {

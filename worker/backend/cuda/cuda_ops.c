@@ -1,0 +1,392 @@
+/* cuda_ops.c - binds the op registry's kinds to the CUDA kernels: shapes
+ * and attributes to launcher arguments, exactly as worker/exec_extra.c
+ * binds them to the CPU kernels (the same overwrite / accumulate rules, the
+ * same vocabulary-shard attributes, the same amp rounding of matmul and
+ * attention operands). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "common/ops.h"
+#include "worker/backend/cuda/cuda_internal.h"
+
+#define TT(g, id) (&(g)->tensors[(id)])
+#define NEL(g, id) mr_tensor_numel(TT(g, id))
+#define ROWS(g, id) (TT(g, id)->shape[0])
+#define COLS(g, id) (TT(g, id)->ndim > 1 ? TT(g, id)->shape[1] : 1)
+#define CTX(v) ((struct mr__cuda_ctx *)(v))
+#define STREAM(c) ((c)->cur->s)
+
+/* a kernel's launch result, naming the op */
+static int launched(cudaError_t e, const char *op) {
+  return mr__cuda_check(e, op);
+}
+
+#define LAUNCH(op, call) MR_TRY(launched((call), op))
+
+static int enter(struct mr__cuda_ctx *c) { return mr__cuda_set_device(c->device); }
+
+static size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+static int k_matmul(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                    void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int ai = op->in[0], bi = op->in[1];
+  int ta = op->attr[0] != 0, tb = op->attr[1] != 0;
+  int64_t m = ta ? COLS(g, ai) : ROWS(g, ai), k = ta ? ROWS(g, ai) : COLS(g, ai);
+  int64_t n = tb ? ROWS(g, bi) : COLS(g, bi);
+  const void *A = b[0], *B = b[1];
+  float *out = b[op->n_in];
+  int dtype = 0;
+  if (c->amp) {
+    /* operands rounded to 16 bits on the device, fp32 accumulation */
+    size_t na = (size_t)NEL(g, ai), nb = (size_t)NEL(g, bi);
+    char *s = NULL;
+    MR_TRY(mr__cuda_scratch(c, align256(na * 2) + align256(nb * 2), (void **)&s));
+    LAUNCH("matmul (to 16 bit)", mr__k_to_half(STREAM(c), s, b[0], (int64_t)na, c->amp));
+    LAUNCH("matmul (to 16 bit)", mr__k_to_half(STREAM(c), s + align256(na * 2), b[1],
+                                               (int64_t)nb, c->amp));
+    A = s;
+    B = s + align256(na * 2);
+    dtype = c->amp;
+  }
+  MR_TRY(mr__cuda_matmul(c, ta, tb, m, n, k, A, COLS(g, ai), B, COLS(g, bi), out, n,
+                         dtype));
+  if (op->n_in > 2 && op->in[2] >= 0)
+    LAUNCH("matmul (bias)", mr__k_bias_add(STREAM(c), out, b[2], m, n));
+  return 0;
+}
+
+static int k_embedding(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                       void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t n = ROWS(g, op->in[0]), v = ROWS(g, op->in[1]), cols = COLS(g, op->in[1]);
+  int64_t lo = 0, all = v;
+  if (op->attr[1] > 0) { /* a vocabulary shard: rows [a0, a0 + V) of a1 */
+    lo = (int64_t)op->attr[0];
+    all = (int64_t)op->attr[1];
+  }
+  LAUNCH("embedding", mr__k_embedding_fwd(STREAM(c), b[2], b[1], b[0], n, v, cols, lo,
+                                          all, c->status));
+  return 0;
+}
+
+static int k_embedding_bwd(void *ctx, const struct mr_graph *g,
+                           const struct mr_op *op, void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t n = ROWS(g, op->in[0]), cols = COLS(g, op->in[1]), v = ROWS(g, op->out[0]);
+  int64_t lo = 0, all = v;
+  if (op->attr[2] > 0) {
+    lo = (int64_t)op->attr[1];
+    all = (int64_t)op->attr[2];
+  }
+  LAUNCH("embedding_bwd", mr__k_embedding_bwd(STREAM(c), b[2], b[1], b[0], n, v, cols,
+                                              lo, all, c->status));
+  return 0;
+}
+
+static int colred_scratch(struct mr__cuda_ctx *c, int64_t rows, int64_t cols, int outs,
+                          float **part) {
+  int64_t r = (rows + MR__COLRED_ROWS - 1) / MR__COLRED_ROWS;
+  size_t bytes = (size_t)(r > 0 ? r : 1) * (size_t)cols * sizeof(float) * (size_t)outs;
+  return mr__cuda_scratch(c, bytes, (void **)part);
+}
+
+static int k_bias_grad(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                       void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t m = ROWS(g, op->in[0]), n = COLS(g, op->in[0]);
+  float *part = NULL;
+  MR_TRY(colred_scratch(c, m, n, 1, &part));
+  LAUNCH("bias_grad", mr__k_bias_grad(STREAM(c), b[1], b[0], m, n, part));
+  return 0;
+}
+
+static int k_add(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                 void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  LAUNCH("add", mr__k_add(STREAM(c), b[2], b[0], b[1], NEL(g, op->in[0])));
+  return 0;
+}
+
+static int k_rmsnorm(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                     void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  LAUNCH("rmsnorm", mr__k_rmsnorm_fwd(STREAM(c), b[2], b[3], b[0], b[1],
+                                      ROWS(g, op->in[0]), COLS(g, op->in[0]),
+                                      (float)op->attr[0]));
+  return 0;
+}
+
+static int k_rmsnorm_bwd(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                         void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t n = ROWS(g, op->in[1]), cols = COLS(g, op->in[1]);
+  float *part = NULL;
+  MR_TRY(colred_scratch(c, n, cols, 1, &part));
+  LAUNCH("rmsnorm_bwd", mr__k_rmsnorm_bwd_dx(STREAM(c), b[4], b[0], b[1], b[2], b[3],
+                                             n, cols));
+  LAUNCH("rmsnorm_bwd (dw)", mr__k_norm_dwdb(STREAM(c), b[5], NULL, b[0], b[1], NULL,
+                                             b[3], n, cols, part));
+  return 0;
+}
+
+static int k_layernorm(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                       void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  LAUNCH("layernorm", mr__k_layernorm_fwd(STREAM(c), b[3], b[4], b[5], b[0], b[1],
+                                          b[2], ROWS(g, op->in[0]),
+                                          COLS(g, op->in[0]), (float)op->attr[0]));
+  return 0;
+}
+
+static int k_layernorm_bwd(void *ctx, const struct mr_graph *g,
+                           const struct mr_op *op, void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t n = ROWS(g, op->in[1]), cols = COLS(g, op->in[1]);
+  float *part = NULL;
+  MR_TRY(colred_scratch(c, n, cols, 2, &part));
+  LAUNCH("layernorm_bwd", mr__k_layernorm_bwd_dx(STREAM(c), b[5], b[0], b[1], b[2],
+                                                 b[3], b[4], n, cols));
+  LAUNCH("layernorm_bwd (dw, db)", mr__k_norm_dwdb(STREAM(c), b[6], b[7], b[0], b[1],
+                                                   b[3], b[4], n, cols, part));
+  return 0;
+}
+
+/* The cos/sin tables [T, D/2], computed on the host in double exactly as
+ * mr_cpu_rope_table does, kept on the device per (T, D, theta). */
+static int rope_table(struct mr__cuda_ctx *c, int T, int D, double theta,
+                      const float **cs, const float **sn) {
+  for (size_t i = 0; i < MR_ARRAY_LEN(c->rope); i++) {
+    struct mr__rope_table *r = &c->rope[i];
+    if (r->cs != NULL && r->T == T && r->D == D && r->theta == theta) {
+      *cs = r->cs;
+      *sn = r->sn;
+      return 0;
+    }
+  }
+  if (!(theta > 0))
+    return mr_error_set(MR_EINVAL, "rope: rope_theta must be > 0, got %g", theta);
+  int half = D / 2;
+  size_t n = (size_t)T * (size_t)half;
+  float *host = malloc(2 * (n ? n : 1) * sizeof(float));
+  if (host == NULL)
+    return mr_error_set(MR_ENOMEM, "rope: out of host memory");
+  for (int i = 0; i < half; i++) {
+    double inv = pow(theta, -2.0 * i / D);
+    for (int p = 0; p < T; p++) {
+      double a = p * inv;
+      host[(size_t)p * half + i] = (float)cos(a);
+      host[n + (size_t)p * half + i] = (float)sin(a);
+    }
+  }
+  struct mr__rope_table *r = &c->rope[c->rope_next];
+  c->rope_next = (c->rope_next + 1) % (int)MR_ARRAY_LEN(c->rope);
+  if (r->cs != NULL) {
+    /* kernels queued earlier may still read the table being replaced */
+    int rc = mr__cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    if (rc < 0) {
+      free(host);
+      return rc;
+    }
+    mr__cuda_pool_free(&c->be->pool, r->cs);
+    memset(r, 0, sizeof *r);
+  }
+  float *dev = NULL;
+  int rc = mr__cuda_pool_alloc(&c->be->pool, 2 * (n ? n : 1) * sizeof(float),
+                               (void **)&dev);
+  if (rc == 0)
+    rc = mr__cuda_check(cudaMemcpyAsync(dev, host, 2 * n * sizeof(float),
+                                        cudaMemcpyHostToDevice, STREAM(c)),
+                        "cudaMemcpyAsync");
+  if (rc == 0)
+    rc = mr__cuda_check(cudaStreamSynchronize(STREAM(c)), "cudaStreamSynchronize");
+  free(host);
+  if (rc < 0) {
+    mr__cuda_pool_free(&c->be->pool, dev);
+    return rc;
+  }
+  r->T = T;
+  r->D = D;
+  r->theta = theta;
+  r->cs = dev;
+  r->sn = dev + n;
+  *cs = r->cs;
+  *sn = r->sn;
+  return 0;
+}
+
+static int k_rope(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                  void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t n = ROWS(g, op->in[0]), hd = COLS(g, op->in[0]);
+  int t = (int)op->attr[0], h = (int)op->attr[1], d = (int)(hd / h);
+  const float *cs = NULL, *sn = NULL;
+  MR_TRY(rope_table(c, t, d, op->attr[2], &cs, &sn));
+  LAUNCH("rope", mr__k_rope(STREAM(c), b[1], b[0], cs, sn, n, t, h, d,
+                            op->attr[3] < 0 ? -1.0f : 1.0f));
+  return 0;
+}
+
+static int k_swiglu(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                    void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  LAUNCH("swiglu", mr__k_swiglu_fwd(STREAM(c), b[2], b[0], b[1], NEL(g, op->in[0])));
+  return 0;
+}
+
+static int k_swiglu_bwd(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                        void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  LAUNCH("swiglu_bwd", mr__k_swiglu_bwd(STREAM(c), b[3], b[4], b[0], b[1], b[2],
+                                        NEL(g, op->in[0])));
+  return 0;
+}
+
+static int k_gelu(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                  void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  LAUNCH("gelu", mr__k_gelu_fwd(STREAM(c), b[1], b[0], NEL(g, op->in[0])));
+  return 0;
+}
+
+static int k_gelu_bwd(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                      void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  LAUNCH("gelu_bwd", mr__k_gelu_bwd(STREAM(c), b[2], b[0], b[1], NEL(g, op->in[0])));
+  return 0;
+}
+
+struct attn_shape {
+  int B, T, H, KH, D;
+};
+
+static int attn_shape(const struct mr_graph *g, const struct mr_op *op, int q,
+                      struct attn_shape *s) {
+  s->T = (int)op->attr[0];
+  s->H = (int)op->attr[1];
+  s->KH = (int)op->attr[2];
+  s->B = (int)(ROWS(g, q) / s->T);
+  s->D = (int)(COLS(g, q) / s->H);
+  if (s->D > 256)
+    return mr_error_set(MR_ENOTSUP, "attention: head dim %d: the CUDA kernels take "
+                        "at most 256", s->D);
+  return 0;
+}
+
+static int k_attention(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                       void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  struct attn_shape s;
+  MR_TRY(attn_shape(g, op, op->in[0], &s));
+  LAUNCH("attention", mr__k_attn_fwd(STREAM(c), b[3], b[4], b[0], b[1], b[2], s.B,
+                                     s.T, s.H, s.KH, s.D, c->amp));
+  return 0;
+}
+
+static int k_attention_bwd(void *ctx, const struct mr_graph *g,
+                           const struct mr_op *op, void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  struct attn_shape s;
+  MR_TRY(attn_shape(g, op, op->in[1], &s));
+  float *di = NULL;
+  MR_TRY(mr__cuda_scratch(c, (size_t)s.B * s.H * s.T * sizeof(float), (void **)&di));
+  LAUNCH("attention_bwd", mr__k_attn_bwd(STREAM(c), b[6], b[7], b[8], b[0], b[1], b[2],
+                                         b[3], b[4], b[5], s.B, s.T, s.H, s.KH, s.D,
+                                         c->amp, di));
+  return 0;
+}
+
+static int k_split3(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                    void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t n = ROWS(g, op->in[0]), cols = COLS(g, op->in[0]) / 3;
+  if (n == 0 || cols == 0)
+    return 0;
+  size_t w = (size_t)cols * sizeof(float);
+  for (int p = 0; p < 3; p++)
+    MR_CUDA_TRY(cudaMemcpy2DAsync(b[1 + p], w, (const float *)b[0] + p * cols, 3 * w,
+                                  w, (size_t)n, cudaMemcpyDeviceToDevice, STREAM(c)));
+  return 0;
+}
+
+static int k_concat3(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                     void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t n = ROWS(g, op->in[0]), cols = COLS(g, op->in[0]);
+  if (n == 0 || cols == 0)
+    return 0;
+  size_t w = (size_t)cols * sizeof(float);
+  for (int p = 0; p < 3; p++)
+    MR_CUDA_TRY(cudaMemcpy2DAsync((float *)b[3] + p * cols, 3 * w, b[p], w, w,
+                                  (size_t)n, cudaMemcpyDeviceToDevice, STREAM(c)));
+  return 0;
+}
+
+/* mean over the rows whose target is not ignored (< 0), or over a0 rows */
+static int k_xent(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                  void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t n = ROWS(g, op->in[0]), v = COLS(g, op->in[0]);
+  float *rows = NULL;
+  MR_TRY(mr__cuda_scratch(c, (size_t)n * sizeof(float), (void **)&rows));
+  LAUNCH("cross_entropy", mr__k_xent_fwd(STREAM(c), rows, b[3], b[0], b[1], n, v,
+                                         c->status));
+  LAUNCH("cross_entropy (mean)", mr__k_xent_mean(STREAM(c), b[2], rows, b[1], n,
+                                                 op->attr[0]));
+  return 0;
+}
+
+static int k_xent_bwd(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                      void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t n = ROWS(g, op->in[1]), v = COLS(g, op->in[1]);
+  float *scale = NULL;
+  MR_TRY(mr__cuda_scratch(c, sizeof(float), (void **)&scale));
+  LAUNCH("cross_entropy_bwd (scale)", mr__k_xent_scale(STREAM(c), scale, b[0], b[2], n,
+                                                       op->attr[0]));
+  LAUNCH("cross_entropy_bwd", mr__k_xent_bwd(STREAM(c), b[4], b[1], b[3], b[2], scale,
+                                             n, v, c->status));
+  return 0;
+}
+
+void mr__cuda_kernels_register(void) {
+  static const struct {
+    int kind;
+    mr_kernel_fn fn;
+  } table[] = {
+      {MR_OP_EMBEDDING, k_embedding},     {MR_OP_EMBEDDING_BWD, k_embedding_bwd},
+      {MR_OP_MATMUL, k_matmul},           {MR_OP_BIAS_GRAD, k_bias_grad},
+      {MR_OP_ADD, k_add},                 {MR_OP_RMSNORM, k_rmsnorm},
+      {MR_OP_RMSNORM_BWD, k_rmsnorm_bwd}, {MR_OP_LAYERNORM, k_layernorm},
+      {MR_OP_LAYERNORM_BWD, k_layernorm_bwd}, {MR_OP_ROPE, k_rope},
+      {MR_OP_SWIGLU, k_swiglu},           {MR_OP_SWIGLU_BWD, k_swiglu_bwd},
+      {MR_OP_GELU, k_gelu},               {MR_OP_GELU_BWD, k_gelu_bwd},
+      {MR_OP_ATTENTION, k_attention},     {MR_OP_ATTENTION_BWD, k_attention_bwd},
+      {MR_OP_SPLIT3, k_split3},           {MR_OP_CONCAT3, k_concat3},
+      {MR_OP_CROSS_ENTROPY, k_xent},      {MR_OP_CROSS_ENTROPY_BWD, k_xent_bwd},
+  };
+  for (size_t i = 0; i < MR_ARRAY_LEN(table); i++)
+    mr_op_set_kernel(table[i].kind, MR_BACKEND_CUDA, table[i].fn);
+}
