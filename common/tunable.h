@@ -16,6 +16,8 @@
   XX(LOG_LEVEL, "MESHRUN_LOG_LEVEL", "info",                                 \
      "log level: error, warn, info, debug")                                  \
   XX(THREADS, "MESHRUN_THREADS", "1", "compute threads per CPU rank")        \
+  XX(DEVICE, "MESHRUN_DEVICE", "",                                          \
+     "what ranks compute on: cpu or cuda (set by launch --device)")         \
   XX(CPU_SIMD, "MESHRUN_CPU_SIMD", "auto",                                   \
      "CPU kernels' vector path: auto (AVX2+FMA where present) or portable")  \
   XX(HEARTBEAT_MS, "MESHRUN_HEARTBEAT_MS", "100",                            \

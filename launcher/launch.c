@@ -24,6 +24,8 @@ static void usage(FILE *f) {
           "  --nproc N              ranks (default: one per GPU, else cores / threads)\n"
           "  --devices 0,1,3        GPUs to use, among the visible ones (CUDA_VISIBLE_DEVICES\n"
           "                         applies); one rank each (default: all)\n"
+          "  --device cpu|cuda      what ranks compute on (default MESHRUN_DEVICE, else cuda\n"
+          "                         when every rank can have a GPU, else cpu)\n"
           "  --threads T            compute threads per CPU rank (default MESHRUN_THREADS or 1)\n"
           "  --max-restarts K       group restarts after a failure (default 0)\n"
           "  --log-dir DIR          per-rank logs and metrics (default runs/JOBNAME)\n"
@@ -49,6 +51,7 @@ int mr_cmd_launch(int argc, char **argv) {
   static const struct option longopts[] = {
       {"nproc", required_argument, NULL, 'n'},
       {"devices", required_argument, NULL, 'D'},
+      {"device", required_argument, NULL, 'V'},
       {"threads", required_argument, NULL, 't'},
       {"max-restarts", required_argument, NULL, 'r'},
       {"log-dir", required_argument, NULL, 'l'},
@@ -62,7 +65,7 @@ int mr_cmd_launch(int argc, char **argv) {
   long nproc = 0, threads = 0, restarts = 0;
   double hb = 30.0, hang = 300.0;
   const char *log_dir = NULL, *metrics = NULL, *bind = "127.0.0.1:0";
-  const char *devices_spec = NULL;
+  const char *devices_spec = NULL, *device = NULL;
   int selfcheck = 0;
   optind = 1;
   opterr = 0;
@@ -75,6 +78,13 @@ int mr_cmd_launch(int argc, char **argv) {
       break;
     case 'D':
       devices_spec = optarg;
+      break;
+    case 'V':
+      if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "cuda") != 0) {
+        fprintf(stderr, "meshrun launch: --device \"%s\": expected cpu or cuda\n", optarg);
+        return 2;
+      }
+      device = optarg;
       break;
     case 't':
       if (mr_cli_int("launch", "--threads", optarg, 1, 4096, &threads) < 0)
@@ -178,9 +188,19 @@ int mr_cmd_launch(int argc, char **argv) {
            devices.gpus > 1 ? mr_gpu_link_name(worst) : "(one GPU)");
     fflush(stdout);
   }
-  const char *dev_kind = getenv("MESHRUN_DEVICE");
-  int gpu_ranks = (devices_spec != NULL || (dev_kind != NULL && strcmp(dev_kind, "cuda") == 0)) &&
-                  nproc <= devices.gpus;
+  /* what the ranks compute on: the flag, else MESHRUN_DEVICE, else GPUs
+   * where there are any; the workers read it from their environment */
+  const char *dev_kind = device != NULL ? device : mr_tunable_str(MR_TUNABLE_DEVICE);
+  if (dev_kind == NULL || dev_kind[0] == '\0') /* GPUs where each rank gets one */
+    dev_kind = devices.gpus > 0 && nproc <= devices.gpus ? "cuda" : "cpu";
+  if (strcmp(dev_kind, "cuda") == 0 && nproc > devices.gpus) {
+    fprintf(stderr, "meshrun launch: --device cuda with %ld ranks, but %d GPU%s visible: one "
+            "rank per GPU (or --device cpu)\n", nproc, devices.gpus, devices.gpus == 1 ? "" : "s");
+    code = 2;
+    goto done;
+  }
+  setenv("MESHRUN_DEVICE", dev_kind, 1);
+  int gpu_ranks = strcmp(dev_kind, "cuda") == 0;
   if (job_path != NULL && !selfcheck && job.cluster == NULL && gpu_ranks) {
     /* ranks on GPUs and no cluster spec given: measure this machine's
      * GPUs (once; cached) */

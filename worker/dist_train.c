@@ -12,7 +12,6 @@
 #include "common/log.h"
 #include "common/tunable.h"
 #include "launcher/spmd/lower.h"
-#include "worker/backend/cpu/cpu_backend.h"
 #include "worker/checkpoint.h"
 #include "worker/exec_extra.h"
 #include "worker/runtime.h"
@@ -35,25 +34,13 @@ static void write_metrics(FILE *f, const struct mr_step_report *r) {
 }
 
 int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
-                      struct mr_comm *comm) {
+                      struct mr_backend *be, struct mr_comm *comm) {
   struct mr_lowered L;
   MR_TRY(mr_lower_graph(job, env->world_size, &L));
-  int threads = env->threads > 0 ? env->threads : 1;
-  enum mr_amp_mode amp = job->strategy.amp_dtype == MR_AMP_BF16   ? MR_AMP_ROUND_BF16
-                         : job->strategy.amp_dtype == MR_AMP_FP16 ? MR_AMP_ROUND_F16
-                                                                   : MR_AMP_NONE;
-  struct mr_cpu_ctx cpu;
-  struct mr_backend *be = NULL;
   struct mr_runtime *rt = NULL;
   struct mr_ckpt_saver *saver = NULL;
   FILE *mf = NULL;
-  int rc = mr_cpu_ctx_init(&cpu, threads, amp);
-  if (rc < 0) {
-    mr_lowered_close(&L);
-    return rc;
-  }
-  mr_cpu_kernels_register();
-  MR_TRY_GOTO(rc, mr_cpu_backend_wrap(cpu.pool, &cpu, &be), out);
+  int rc = 0;
   MR_TRY_GOTO(rc, mr_runtime_new(job, &L, env->rank, be, comm, &rt), out);
   mr_runtime_set_reporter(rt, env->reporter);
   if (env->metrics_path && !(mf = fopen(env->metrics_path, "a"))) {
@@ -123,8 +110,6 @@ out:
   if (mf)
     fclose(mf);
   mr_runtime_free(rt);
-  mr_backend_free(be);
-  mr_cpu_ctx_close(&cpu);
   mr_lowered_close(&L);
   return rc;
 }

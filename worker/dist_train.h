@@ -10,9 +10,11 @@
 #include "worker/reporter.h"
 
 /* Trains job (its strategy as chosen by the launcher) on this rank of
- * env->world_size; comm is the job's communicator (NULL for one rank).
- * Returns 0 or a negative code with a message. */
+ * env->world_size, computing on device be (worker/device.h) with comm,
+ * the job's communicator of the matching backend (NULL for one rank); both
+ * borrowed.  Returns 0 or a negative code with a message. */
+struct mr_backend;
 int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
-                      struct mr_comm *comm);
+                      struct mr_backend *be, struct mr_comm *comm);
 
 #endif

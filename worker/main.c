@@ -19,7 +19,10 @@
 #include "worker/logits.h"
 #include "worker/sample.h"
 #include "worker/comm/comm.h"
+#include "worker/device.h"
 #include "worker/dist_train.h"
+#include "worker/exec_extra.h"
+#include "worker/backend/backend.h"
 #include "worker/selfcheck.h"
 
 static struct mr_client client;
@@ -87,14 +90,33 @@ static int run_training(struct mr_client *c) {
     log_dir = ".";
   char weights[4096];
   snprintf(weights, sizeof weights, "%s/model.safetensors", log_dir);
+  /* the device first (a GPU's communicator uses the device opened before
+   * it), then the comm backend that goes with it */
+  const char *kind = mr_tunable_str(MR_TUNABLE_DEVICE);
+  if (kind == NULL || kind[0] == '\0')
+    kind = "cpu";
+  enum mr_amp_mode amp = job.strategy.amp_dtype == MR_AMP_BF16   ? MR_AMP_ROUND_BF16
+                         : job.strategy.amp_dtype == MR_AMP_FP16 ? MR_AMP_ROUND_F16
+                                                                  : MR_AMP_NONE;
+  struct mr_backend *be = NULL;
+  const struct mr_comm_ops *comm_ops = NULL;
+  rc = mr_device_open(kind, c->local_rank, (int)mr_tunable_int(MR_TUNABLE_THREADS), amp, &be);
+  if (rc == 0)
+    rc = mr_device_comm_ops(kind, &comm_ops);
+  if (rc < 0) {
+    mr_backend_free(be);
+    mr_job_close(&job);
+    return rc;
+  }
   struct mr_comm *comm = NULL;
   if (c->world_size > 1) {
     struct mr_bootstrap_rpc boot;
     mr_bootstrap_rpc_init(&boot, c);
-    rc = mr_comm_cpu_ops()->open(&boot.bs, &comm);
+    rc = comm_ops->open(&boot.bs, &comm);
     if (rc < 0) {
       if (comm != NULL)
         comm->ops->close(comm);
+      mr_backend_free(be);
       mr_job_close(&job);
       return rc;
     }
@@ -116,10 +138,11 @@ static int run_training(struct mr_client *c) {
       .resume_dir = plan->resume_dir != NULL && plan->resume_dir[0] != '\0' ? plan->resume_dir
                                                                              : NULL,
   };
-  rc = mr_dist_train_run(&job, &env, comm);
+  rc = mr_dist_train_run(&job, &env, be, comm);
   mr_client_set_blocked_probe(c, NULL, NULL);
   if (comm != NULL)
     comm->ops->close(comm);
+  mr_backend_free(be);
   if (rc == 0 && rep.stop_requested(rep.ctx))
     rc = mr_error_set(MR_ECANCELED, "stopped by the coordinator");
   if (rc == 0)
