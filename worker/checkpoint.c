@@ -227,6 +227,16 @@ static int add_piece(struct mr_ckpt_saver *s, const char *prefix, const struct m
   return 0;
 }
 
+/* A moment's elements to host memory (offloaded state is there already). */
+static int state_out(struct mr_runtime *rt, const struct mr_rt_param *p, float *dst,
+                     const float *src) {
+  if (p->state_on_host) {
+    memcpy(dst, src, (size_t)p->len * 4);
+    return 0;
+  }
+  return mr_runtime_to_host(rt, dst, src, (size_t)p->len * 4);
+}
+
 int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_runtime *rt, int64_t step,
                  const struct mr_reporter *reporter) {
   MR_TRY(mr_ckpt_saver_wait(s));
@@ -257,10 +267,10 @@ int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_runtime *rt, int64_t step,
     if (p->keeps_state && p->len > 0) {
       float *dst = at;
       MR_TRY(add_piece(s, "optim.exp_avg.", p, p->begin, p->len, &at));
-      MR_TRY(mr_runtime_to_host(rt, dst, p->m, (size_t)p->len * 4));
+      MR_TRY(state_out(rt, p, dst, p->m));
       dst = at;
       MR_TRY(add_piece(s, "optim.exp_avg_sq.", p, p->begin, p->len, &at));
-      MR_TRY(mr_runtime_to_host(rt, dst, p->v, (size_t)p->len * 4));
+      MR_TRY(state_out(rt, p, dst, p->v));
     }
   }
   s->step = step;
@@ -344,7 +354,10 @@ int mr_ckpt_load(struct mr_runtime *rt, const char *dir, int64_t *step) {
       snprintf(name, sizeof name, "%s%s", prefixes[k], p->name);
       MR_TRY_GOTO(rc, mr_ckpt_reader_read(rd, name, p->ndim, p->shape, p->goff, p->glen,
                                           p->begin, p->len, host), out);
-      MR_TRY_GOTO(rc, mr_runtime_to_device(rt, dst[k], host, (size_t)p->len * 4), out);
+      if (p->state_on_host)
+        memcpy(dst[k], host, (size_t)p->len * 4);
+      else
+        MR_TRY_GOTO(rc, mr_runtime_to_device(rt, dst[k], host, (size_t)p->len * 4), out);
     }
   }
   if (rc == 0) {

@@ -18,6 +18,7 @@
 #include "common/tokens.h"
 #include "common/tunable.h"
 #include "worker/backend/cpu/kernels.h"
+#include "worker/backend/cpu/pool.h"
 #include "worker/optim.h"
 #include "worker/reshard_run.h"
 #include "worker/weights.h"
@@ -43,6 +44,11 @@ struct mr_runtime {
   int64_t allocated;             // device memory held now, and at most
   int64_t peak_allocated;
   int offload_host;             // optim is host memory (offload)
+  /* offload on a device: the optimizer runs on the host, on staged copies
+   * of the rank's blocks (pinned where the backend has such memory) */
+  float *off_param, *off_grad;  // [off_floats] each
+  int64_t off_floats;
+  struct mr_pool *off_pool;
   int32_t *host_ids, *host_labels, *host_pos; // staging for loads
   struct mr_tokens train, val;
   int have_val;
@@ -84,6 +90,29 @@ static int alloc_region(struct mr_runtime *rt, int64_t bytes, char **out) {
 static void free_region(struct mr_runtime *rt, char *p) {
   if (p)
     rt->be->ops->free(rt->be, p);
+}
+
+/* Host memory outside the device pool (offloaded optimizer state): the
+ * backend's page-locked memory where it has it, zeroed. */
+static int host_region(struct mr_runtime *rt, int64_t bytes, char **out) {
+  size_t n = (size_t)(bytes > 0 ? bytes : 64);
+  void *p = NULL;
+  if (rt->be->ops->host_alloc != NULL)
+    MR_TRY(rt->be->ops->host_alloc(rt->be, n, &p));
+  else if ((p = malloc(n)) == NULL)
+    return MR_ENOMEM;
+  memset(p, 0, n);
+  *out = p;
+  return 0;
+}
+
+static void free_host(struct mr_runtime *rt, char *p) {
+  if (p == NULL)
+    return;
+  if (rt->be->ops->host_free != NULL)
+    rt->be->ops->host_free(rt->be, p);
+  else
+    free(p);
 }
 
 /* Where local tensor t lives in pass ps for stash slot `slot`. */
@@ -253,10 +282,14 @@ void mr_runtime_free(struct mr_runtime *rt) {
       rt->comm->ops->group_free(gs[i]);
   free_region(rt, rt->param);
   free_region(rt, rt->acc);
-  if (rt->offload_host)
-    free(rt->optim);
-  else
+  if (rt->offload_host) {
+    free_host(rt, rt->optim);
+    free_host(rt, (char *)rt->off_param);
+    free_host(rt, (char *)rt->off_grad);
+    mr_pool_free(rt->off_pool);
+  } else {
     free_region(rt, rt->optim);
+  }
   free_region(rt, rt->arena);
   free_region(rt, rt->send);
   free_region(rt, rt->zero_tmp);
@@ -310,12 +343,17 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
     /* optimizer states outside the device pool: host memory the optimizer
      * step streams through (on CPU ranks the same RAM, but not counted in
      * the rank's device memory) */
-    rt->optim = calloc((size_t)(p->optim_bytes > 0 ? p->optim_bytes : 64), 1);
-    if (!rt->optim) {
-      rc = MR_ENOMEM;
-      goto fail;
-    }
     rt->offload_host = 1;
+    MR_TRY_GOTO(rc, host_region(rt, p->optim_bytes, &rt->optim), fail);
+    if (be->ops->registry != MR_BACKEND_CPU) {
+      for (int i = 0; i < p->n_params; i++)
+        if (p->params[i].len > rt->off_floats)
+          rt->off_floats = p->params[i].len;
+      MR_TRY_GOTO(rc, host_region(rt, rt->off_floats * 4, (char **)&rt->off_param), fail);
+      MR_TRY_GOTO(rc, host_region(rt, rt->off_floats * 4, (char **)&rt->off_grad), fail);
+      MR_TRY_GOTO(rc, mr_pool_new((int)mr_tunable_int(MR_TUNABLE_THREADS), &rt->off_pool),
+                  fail);
+    }
   } else {
     MR_TRY_GOTO(rc, alloc_region(rt, p->optim_bytes, &rt->optim), fail);
   }
@@ -676,7 +714,22 @@ static int optimizer(struct mr_runtime *rt, int64_t step, struct mr_step_report 
     const float *acc = (const float *)(rt->acc + pp->acc_offset) + (lay->zero == 1 ? pp->begin : 0);
     float *m = (float *)(rt->optim + pp->state_offset);
     float *v = m + ((pp->len * 4 + 63) / 64 * 64) / 4;
-    MR_TRY(be->ops->adamw(be, param, acc, m, v, (size_t)pp->len, &h, opt_step));
+    if (rt->off_pool == NULL) {
+      MR_TRY(be->ops->adamw(be, param, acc, m, v, (size_t)pp->len, &h, opt_step));
+      continue;
+    }
+    /* offloaded on a device: the block and its gradient to the host, the
+     * update there, the block back */
+    MR_TRY(be->ops->copy(be, NULL, rt->off_param, param, (size_t)pp->len * 4,
+                         MR_COPY_DEVICE_TO_HOST));
+    MR_TRY(be->ops->copy(be, NULL, rt->off_grad, acc, (size_t)pp->len * 4,
+                         MR_COPY_DEVICE_TO_HOST));
+    MR_TRY(be->ops->synchronize(be, NULL));
+    MR_TRY(mr_cpu_adamw_step(rt->off_pool, rt->off_param, rt->off_grad, m, v, (size_t)pp->len,
+                             &h, opt_step));
+    MR_TRY(be->ops->copy(be, NULL, param, rt->off_param, (size_t)pp->len * 4,
+                         MR_COPY_HOST_TO_DEVICE));
+    MR_TRY(be->ops->synchronize(be, NULL));
   }
   if (lay->zero == 1 || lay->zero == 2) /* every rank updated its block: gather */
     for (int i = 0; i < rt->p.n_params; i++) {
@@ -896,6 +949,7 @@ int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out) {
           .glen = pp->glen, .numel = pp->numel, .param = (float *)(rt->param + pp->store_offset),
           .pbegin = z3 ? pp->begin : 0, .plen = z3 ? pp->len : pp->numel, .m = m,
           .v = m + ((pp->len * 4 + 63) / 64 * 64) / 4, .begin = pp->begin, .len = pp->len,
+          .state_on_host = rt->offload_host,
           .keeps_param = model_ok && (z3 || rt->p.data == 0) && pp->replica_of < 0,
           .keeps_state = model_ok && (rt->L->lay.zero >= 1 || rt->p.data == 0)};
     }

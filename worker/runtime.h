@@ -73,8 +73,9 @@ struct mr_rt_param {
   int64_t numel;                 // local
   float *param;                  // device memory: the values this rank keeps,
   int64_t pbegin, plen;          //   elements [pbegin, +plen) of the local tensor
-  float *m, *v;                  // device memory: moments of elements
-  int64_t begin, len;            //   [begin, +len) of the local tensor
+  float *m, *v;                  // moments of elements [begin, +len) of the
+  int64_t begin, len;            //   local tensor: device memory, or host
+  int state_on_host;             //   memory when offloaded
   int keeps_param, keeps_state;  // this rank writes them to checkpoints (one
                                  // copy of each distinct shard in the job)
 };
