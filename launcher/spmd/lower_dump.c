@@ -1,0 +1,114 @@
+/* lower_dump.c - checking every rank's programs together, and printing
+ * one. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "common/fit.h"
+#include "common/ops.h"
+#include "launcher/spmd/lower_internal.h"
+
+int mr_lower_check_all(const struct mr_job *job, int world) {
+  struct mr_lowered L;
+  MR_TRY(mr_lower_graph(job, world, &L));
+  struct mr_rank_program *ps = calloc((size_t)world, sizeof *ps);
+  struct mr_comm_trace *tr = calloc((size_t)world, sizeof *tr);
+  int rc = MR_ENOMEM, built = 0;
+  if (!ps || !tr)
+    goto out;
+  for (; built < world; built++)
+    MR_TRY_GOTO(rc, mr_rank_program_build(&L, built, &ps[built]), out);
+  for (int eval = 0; eval < 2; eval++) {
+    for (int r = 0; r < world; r++)
+      tr[r] = mr_rank_program_trace(&ps[r], eval);
+    MR_TRY_GOTO(rc, mr_comm_check(tr, world), out);
+  }
+  rc = 0;
+out:
+  for (int r = 0; ps && r < built; r++)
+    mr_rank_program_close(&ps[r]);
+  free(ps);
+  free(tr);
+  mr_lowered_close(&L);
+  return rc;
+}
+
+static const char *const kind_names[MR_INS_KIND_COUNT] = {
+    "recv", "load", "seed", "gather", "reshard", "kernel", "loss", "grad",
+    "grad_wait", "send", "sync_wait", "optimizer", "param_sync", "step_end"};
+
+void mr_ins_describe(const struct mr_rank_program *p, const struct mr_ins *in, char *buf,
+                     size_t n) {
+  const struct mr_graph *g = &p->L->model.graph;
+  int k = 0;
+  if (in->pass >= 0)
+    k = snprintf(buf, n, "%s c%d m%d ", p->passes[in->pass].backward ? "B" : "F",
+                 p->passes[in->pass].chunk, in->micro);
+  if (k < 0 || (size_t)k >= n)
+    return;
+  k += snprintf(buf + k, n - (size_t)k, "%s", kind_names[in->kind]);
+  if ((size_t)k >= n)
+    return;
+  switch (in->kind) {
+  case MR_INS_KERNEL:
+    snprintf(buf + k, n - (size_t)k, " %s -> %s", mr_op_def(g->ops[in->op].kind)->name,
+             g->tensors[g->ops[in->op].out[0]].name);
+    break;
+  case MR_INS_RECV:
+  case MR_INS_SEND:
+    snprintf(buf + k, n - (size_t)k, " %s %s rank %d", p->local.tensors[in->tensor].name,
+             in->kind == MR_INS_SEND ? "to" : "from", in->peer);
+    break;
+  case MR_INS_RESHARD: {
+    const struct mr_reshard_edge *e = &p->L->dg.edges[in->edge];
+    char a[96], c[96];
+    mr_dist_format(&e->src, a, sizeof a);
+    mr_dist_format(&e->dst, c, sizeof c);
+    snprintf(buf + k, n - (size_t)k, " %s %s -> %s", g->tensors[e->tensor].name, a, c);
+    break;
+  }
+  case MR_INS_GATHER:
+  case MR_INS_GRAD:
+    snprintf(buf + k, n - (size_t)k, " %s", g->tensors[in->tensor].name);
+    break;
+  default:
+    break;
+  }
+}
+
+void mr_rank_program_dump(const struct mr_rank_program *p, FILE *f) {
+  const struct mr_lowered *L = p->L;
+  char lay[256];
+  mr_layout_format(&L->lay, lay, sizeof lay);
+  fprintf(f, "rank %d of %d: pipeline stage %d, data %d, model %d\nlayout: %s\n", p->rank,
+          L->lay.world, p->pipe, p->data, p->model, lay);
+  fprintf(f, "groups: %s %s %s\n", p->pipe_group.name, p->data_group.name, p->model_group.name);
+  fprintf(f, "chunks:");
+  for (int c = p->pipe; c < L->n_chunks; c += L->lay.pp)
+    fprintf(f, " %d (layers %d..%d, %d micro-batches in flight, %lld bytes each)", c,
+            L->chunk_first_layer[c], L->chunk_first_layer[c + 1] - 1, p->stash_slots[c],
+            (long long)p->stash_bytes[c]);
+  fprintf(f, "\nmemory (bytes): parameters %lld, gradients %lld, optimizer %lld%s, "
+          "activations kept %lld, arena %lld, send buffers %lld, reshard staging %lld, "
+          "ZeRO blocks %lld, gradient staging %lld; peak %lld\n",
+          (long long)p->param_bytes, (long long)p->acc_bytes, (long long)p->optim_bytes,
+          L->lay.offload ? " (offloaded)" : "",
+          (long long)(mr_rank_program_peak_bytes(p) - p->param_bytes - p->acc_bytes -
+                      (L->lay.offload ? 0 : p->optim_bytes) - p->arena_bytes -
+                      p->send_bytes - 3 * p->scratch_bytes - p->zero_tmp_bytes -
+                      p->grad_stage_bytes),
+          (long long)p->arena_bytes, (long long)p->send_bytes, (long long)(3 * p->scratch_bytes),
+          (long long)p->zero_tmp_bytes, (long long)p->grad_stage_bytes,
+          (long long)mr_rank_program_peak_bytes(p));
+  fprintf(f, "step: %d instructions, %d communication events\n", p->n_step, p->n_ev_step);
+  for (int i = 0; i < p->n_step; i++) {
+    char d[400];
+    mr_ins_describe(p, &p->step[i], d, sizeof d);
+    fprintf(f, "%5d  %s", i, d);
+    for (int e = p->step[i].ev; e >= 0 && e < p->step[i].ev + p->step[i].n_ev; e++)
+      fprintf(f, "%s%s %s count %lld", e == p->step[i].ev ? "  [" : "; ",
+              mr_comm_event_kind_name(p->ev[e].kind), p->ev[e].group, (long long)p->ev[e].count);
+    fprintf(f, "%s\n", p->step[i].n_ev > 0 ? "]" : "");
+  }
+}
