@@ -14,12 +14,20 @@
 #include "common/error.h"
 #include "common/safetensors.h"
 #include "common/safetensors_internal.h"
+#include "common/sha256.h"
 
 /* Writes of at least this much go straight from the caller's memory; smaller
  * pieces are gathered in a staging buffer of the same size, so every write
  * call moves megabytes. */
 #define STAGE_BYTES (8u << 20)
-#define MAX_WRITE (1u << 30) /* bytes per write(2) call */
+/* Bytes per write(2) call: small enough that a piece just hashed is still
+ * in the cache when it is written, and that the disk can be started on
+ * each piece as it lands (MR_ST_WRITE_FSYNC); large enough that the calls
+ * cost nothing next to the copy. */
+#define WRITE_BYTES (8u << 20)
+/* MR_ST_WRITE_FSYNC: at most about this much written data waits for the
+ * disk at any time (see write_behind). */
+#define DIRTY_BYTES (64u << 20)
 
 struct entry {
   char *name;
@@ -47,7 +55,13 @@ struct mr_st_writer {
   /* while finishing */
   int fd;
   uint8_t *stage;
-  size_t staged; /* bytes */
+  size_t staged;    /* bytes */
+  uint64_t written; /* bytes of the file written so far */
+  int behind;       /* written behind (MR_ST_WRITE_FSYNC; see write_behind) */
+  uint64_t started; /* [0, started) handed to the disk */
+  uint64_t settled; /* [0, settled) on the disk and out of the page cache */
+  struct mr_sha256 sha;  /* MR_ST_WRITE_SHA256: of the bytes written */
+  char sha_hex[65];      /* set by a successful finish */
 };
 
 int mr_st_writer_new(const char *path, int flags, struct mr_st_writer **out) {
@@ -253,16 +267,60 @@ static char *build_header(struct mr_st_writer *w, size_t *len) {
   return out;
 }
 
+/* A durable file (MR_ST_WRITE_FSYNC) is written behind: the disk is started
+ * on each piece as soon as it is written, and once more than DIRTY_BYTES
+ * wait, the older half is waited for and dropped from the page cache.  So
+ * the disk works while the rest is hashed and copied, instead of all of it
+ * waiting for the final fsync, and a checkpoint does not push gigabytes of
+ * other files (the token files) out of the cache.  Errors are returned
+ * here: a failed write-back reported to sync_file_range would no longer be
+ * reported to the fsync that follows. */
+static int write_behind(struct mr_st_writer *w) {
+  int fd = w->fd;
+  if (w->written > w->started) {
+    if (sync_file_range(fd, (off_t)w->started, (off_t)(w->written - w->started),
+                        SYNC_FILE_RANGE_WRITE) != 0)
+      goto fail;
+    w->started = w->written;
+  }
+  if (w->started - w->settled > DIRTY_BYTES) {
+    uint64_t to = w->started - DIRTY_BYTES / 2;
+    if (sync_file_range(fd, (off_t)w->settled, (off_t)(to - w->settled),
+                        SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
+                            SYNC_FILE_RANGE_WAIT_AFTER) != 0)
+      goto fail;
+    (void)posix_fadvise(fd, (off_t)w->settled, (off_t)(to - w->settled),
+                        POSIX_FADV_DONTNEED); /* advice: may be ignored */
+    w->settled = to;
+  }
+  return 0;
+fail:
+  if (errno == ENOSYS || errno == ESPIPE || errno == EINVAL) {
+    w->behind = 0; /* not supported here: the final fsync does it all */
+    return 0;
+  }
+  return mr_error_set(MR_EIO, "%s: write-back: %s", w->path, strerror(errno));
+}
+
 static int write_all(struct mr_st_writer *w, const uint8_t *p, size_t n) {
   while (n > 0) {
-    ssize_t k = write(w->fd, p, n < MAX_WRITE ? n : MAX_WRITE);
-    if (k < 0 && errno == EINTR)
-      continue;
-    if (k <= 0)
-      return mr_error_set(MR_EIO, "%s: write: %s", w->path,
-                          k < 0 ? strerror(errno) : "no progress");
-    p += k;
-    n -= (size_t)k;
+    size_t part = n < WRITE_BYTES ? n : WRITE_BYTES;
+    if (w->flags & MR_ST_WRITE_SHA256)
+      mr_sha256_update(&w->sha, p, part);
+    for (size_t done = 0; done < part;) {
+      ssize_t k = write(w->fd, p + done, part - done);
+      if (k < 0 && errno == EINTR)
+        continue;
+      if (k <= 0)
+        return mr_error_set(MR_EIO, "%s: write: %s", w->path,
+                            k < 0 ? strerror(errno) : "no progress");
+      done += (size_t)k;
+    }
+    p += part;
+    n -= part;
+    w->written += part;
+    if (w->behind)
+      MR_TRY(write_behind(w));
   }
   return 0;
 }
@@ -345,6 +403,9 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
     return mr_error_set(mr_from_errno(errno), "%s: cannot create: %s", p,
                         strerror(errno));
   }
+  if (w->flags & MR_ST_WRITE_SHA256)
+    mr_sha256_init(&w->sha);
+  w->behind = (w->flags & MR_ST_WRITE_FSYNC) != 0;
   uint8_t len8[8];
   for (int i = 0; i < 8; i++)
     len8[i] = (uint8_t)((uint64_t)hlen >> (8 * i));
@@ -363,6 +424,8 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
     rc = mr_error_set(MR_EIO, "%s: fsync: %s", p, strerror(errno));
     goto fail;
   }
+  if (w->behind) /* the tail, now clean, leaves the cache as the rest did */
+    (void)posix_fadvise(w->fd, (off_t)w->settled, 0, POSIX_FADV_DONTNEED);
   free(header);
   int fd = w->fd;
   w->fd = -1;
@@ -371,6 +434,8 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
     unlink(p);
     return rc;
   }
+  if (w->flags & MR_ST_WRITE_SHA256)
+    mr_sha256_final(&w->sha, w->sha_hex);
   return 0;
 fail:
   free(header);
@@ -378,6 +443,14 @@ fail:
   w->fd = -1;
   unlink(p);
   return rc;
+}
+
+int mr_st_writer_sha256(const struct mr_st_writer *w, char hex[65]) {
+  if (!(w->flags & MR_ST_WRITE_SHA256) || w->sha_hex[0] == '\0')
+    return mr_error_set(MR_EINVAL, "%s: no checksum: the writer was not made with "
+                        "MR_ST_WRITE_SHA256 or did not finish", w->path);
+  memcpy(hex, w->sha_hex, 65);
+  return 0;
 }
 
 /* ---- the index ---- */
