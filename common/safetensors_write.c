@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,11 @@
 /* MR_ST_WRITE_FSYNC: at most about this much written data waits for the
  * disk at any time (see write_behind). */
 #define DIRTY_BYTES (64u << 20)
+/* MR_ST_WRITE_DIRECT (see struct direct_io): staging buffers of STAGE_BYTES
+ * in the ring, and the alignment of O_DIRECT addresses, offsets and sizes
+ * (the largest logical block size in common use). */
+#define DIRECT_RING 4
+#define DIRECT_ALIGN 4096u
 
 struct entry {
   char *name;
@@ -43,6 +49,24 @@ struct kv {
   char *key, *value;
 };
 
+/* MR_ST_WRITE_DIRECT: the file is open with O_DIRECT and an I/O thread
+ * writes full staging buffers from a ring while the caller's thread fills
+ * (copies, converts, hashes) the next, so the disk and the CPU work at
+ * once and nothing passes through the page cache: no page is allocated,
+ * copied, written back or evicted for the file.  Buffer i of the file
+ * (i = 0, 1, ...) is ring[i % DIRECT_RING], written at i * STAGE_BYTES. */
+struct direct_io {
+  pthread_t thread;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;             // submitted, completed or stop changed
+  uint8_t *ring[DIRECT_RING];    // STAGE_BYTES each, DIRECT_ALIGN-aligned
+  size_t len[DIRECT_RING];       // bytes to write (a multiple of DIRECT_ALIGN)
+  uint64_t submitted, completed; // buffers handed over / written
+  int stop;
+  int err;                       // errno of the first failed write; 0: none
+  int fd;
+};
+
 struct mr_st_writer {
   char *path;
   int flags;
@@ -54,8 +78,10 @@ struct mr_st_writer {
   uint64_t data_bytes;
   /* while finishing */
   int fd;
-  uint8_t *stage;
+  uint8_t *stage;   /* being filled: stage_mem, or a buffer of dio's ring */
+  uint8_t *stage_mem;
   size_t staged;    /* bytes */
+  struct direct_io *dio; /* MR_ST_WRITE_DIRECT where the filesystem allows */
   uint64_t written; /* bytes of the file written so far */
   int behind;       /* written behind (MR_ST_WRITE_FSYNC; see write_behind) */
   uint64_t started; /* [0, started) handed to the disk */
@@ -77,6 +103,136 @@ int mr_st_writer_new(const char *path, int flags, struct mr_st_writer **out) {
   return 0;
 }
 
+/* ---- direct I/O (struct direct_io) ---- */
+
+static void *direct_main(void *arg) {
+  struct direct_io *d = arg;
+  pthread_mutex_lock(&d->mu);
+  for (;;) {
+    while (d->completed == d->submitted && !d->stop)
+      pthread_cond_wait(&d->cv, &d->mu);
+    if (d->completed == d->submitted)
+      break; /* stopped with nothing left */
+    int i = (int)(d->completed % DIRECT_RING), failed = d->err != 0;
+    off_t at = (off_t)(d->completed * STAGE_BYTES);
+    pthread_mutex_unlock(&d->mu);
+    int err = 0;
+    for (size_t done = 0; !failed && !err && done < d->len[i];) {
+      ssize_t k = pwrite(d->fd, d->ring[i] + done, d->len[i] - done, at + (off_t)done);
+      if (k > 0)
+        done += (size_t)k;
+      else if (k == 0 || errno != EINTR)
+        err = k < 0 ? errno : EIO;
+    }
+    pthread_mutex_lock(&d->mu);
+    if (err != 0 && d->err == 0)
+      d->err = err;
+    d->completed++;
+    pthread_cond_broadcast(&d->cv);
+  }
+  pthread_mutex_unlock(&d->mu);
+  return NULL;
+}
+
+/* Whether O_DIRECT I/O on fd takes DIRECT_ALIGN-aligned addresses, offsets
+ * and sizes.  Where the kernel cannot tell (before Linux 6.1), an open with
+ * O_DIRECT that succeeded is taken as yes. */
+static int direct_ok(int fd) {
+#ifdef STATX_DIOALIGN
+  struct statx sx;
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN))
+    return sx.stx_dio_offset_align != 0 && DIRECT_ALIGN % sx.stx_dio_offset_align == 0 &&
+           sx.stx_dio_mem_align != 0 && DIRECT_ALIGN % sx.stx_dio_mem_align == 0;
+#endif
+  return 1;
+}
+
+/* Starts direct I/O on w->fd (open with O_DIRECT): the ring and its
+ * thread.  Returns 0 or MR_ENOMEM / MR_ESYS. */
+static int direct_open(struct mr_st_writer *w) {
+  struct direct_io *d = calloc(1, sizeof *d);
+  if (d == NULL)
+    return mr_error_set(MR_ENOMEM, "%s: out of memory", w->path);
+  for (int i = 0; i < DIRECT_RING; i++)
+    if (posix_memalign((void **)&d->ring[i], DIRECT_ALIGN, STAGE_BYTES) != 0) {
+      while (i-- > 0)
+        free(d->ring[i]);
+      free(d);
+      return mr_error_set(MR_ENOMEM, "%s: out of memory", w->path);
+    }
+  d->fd = w->fd;
+  pthread_mutex_init(&d->mu, NULL);
+  pthread_cond_init(&d->cv, NULL);
+  if (pthread_create(&d->thread, NULL, direct_main, d) != 0) {
+    for (int i = 0; i < DIRECT_RING; i++)
+      free(d->ring[i]);
+    pthread_mutex_destroy(&d->mu);
+    pthread_cond_destroy(&d->cv);
+    free(d);
+    return mr_error_set(MR_ESYS, "%s: cannot start the I/O thread", w->path);
+  }
+  w->dio = d;
+  w->stage = d->ring[0];
+  return 0;
+}
+
+/* Hands the first len bytes of the stage (a multiple of DIRECT_ALIGN
+ * unless it is the file's end, then padded) to the I/O thread and takes
+ * the next free buffer as the stage.  Returns 0 or MR_EIO when a write
+ * failed. */
+static int direct_submit(struct mr_st_writer *w, size_t len) {
+  struct direct_io *d = w->dio;
+  size_t padded = (len + DIRECT_ALIGN - 1) & ~(size_t)(DIRECT_ALIGN - 1);
+  memset(w->stage + len, 0, padded - len); /* cut off again by ftruncate */
+  pthread_mutex_lock(&d->mu);
+  d->len[d->submitted % DIRECT_RING] = padded;
+  d->submitted++;
+  pthread_cond_broadcast(&d->cv);
+  while (d->submitted - d->completed >= DIRECT_RING)
+    pthread_cond_wait(&d->cv, &d->mu);
+  int err = d->err;
+  pthread_mutex_unlock(&d->mu);
+  w->stage = d->ring[d->submitted % DIRECT_RING];
+  w->staged = 0;
+  w->written += len;
+  if (err != 0)
+    return mr_error_set(MR_EIO, "%s: write: %s", w->path, strerror(err));
+  return 0;
+}
+
+/* Waits until every submitted buffer is written.  Returns 0 or MR_EIO. */
+static int direct_drain(struct mr_st_writer *w) {
+  struct direct_io *d = w->dio;
+  pthread_mutex_lock(&d->mu);
+  while (d->completed != d->submitted)
+    pthread_cond_wait(&d->cv, &d->mu);
+  int err = d->err;
+  pthread_mutex_unlock(&d->mu);
+  if (err != 0)
+    return mr_error_set(MR_EIO, "%s: write: %s", w->path, strerror(err));
+  return 0;
+}
+
+/* Stops the I/O thread once it has written what it was given, and frees
+ * the ring.  No-op without direct I/O. */
+static void direct_close(struct mr_st_writer *w) {
+  struct direct_io *d = w->dio;
+  if (d == NULL)
+    return;
+  pthread_mutex_lock(&d->mu);
+  d->stop = 1;
+  pthread_cond_broadcast(&d->cv);
+  pthread_mutex_unlock(&d->mu);
+  pthread_join(d->thread, NULL);
+  for (int i = 0; i < DIRECT_RING; i++)
+    free(d->ring[i]);
+  pthread_mutex_destroy(&d->mu);
+  pthread_cond_destroy(&d->cv);
+  free(d);
+  w->dio = NULL;
+  w->stage = NULL;
+}
+
 void mr_st_writer_free(struct mr_st_writer *w) {
   if (w == NULL)
     return;
@@ -88,7 +244,8 @@ void mr_st_writer_free(struct mr_st_writer *w) {
     free(w->meta[i].value);
   }
   free(w->meta);
-  free(w->stage);
+  direct_close(w);
+  free(w->stage_mem);
   if (w->fd >= 0)
     close(w->fd);
   free(w->path);
@@ -325,24 +482,43 @@ static int write_all(struct mr_st_writer *w, const uint8_t *p, size_t n) {
   return 0;
 }
 
-static int flush_stage(struct mr_st_writer *w) {
+/* Writes what is staged.  Direct I/O writes only full buffers, except at
+ * the file's end (last = 1). */
+static int flush_stage(struct mr_st_writer *w, int last) {
+  if (w->dio != NULL) {
+    if (w->staged < STAGE_BYTES && !last)
+      return 0;
+    if (w->staged > 0 && (w->flags & MR_ST_WRITE_SHA256))
+      mr_sha256_update(&w->sha, w->stage, w->staged);
+    return w->staged > 0 ? direct_submit(w, w->staged) : 0;
+  }
   int rc = write_all(w, w->stage, w->staged);
   w->staged = 0;
   return rc;
 }
 
-/* Appends n bytes: gathered when small, written in place when large. */
+/* Appends n bytes: gathered when small, written in place when large (with
+ * direct I/O everything is gathered: the caller's memory is not aligned). */
 static int put_bytes(struct mr_st_writer *w, const uint8_t *p, size_t n) {
   if (n == 0)
     return 0; /* an empty tensor may have no data pointer */
+  if (w->dio != NULL) {
+    while (n > 0) {
+      size_t k = STAGE_BYTES - w->staged < n ? STAGE_BYTES - w->staged : n;
+      memcpy(w->stage + w->staged, p, k);
+      w->staged += k;
+      p += k;
+      n -= k;
+      MR_TRY(flush_stage(w, 0));
+    }
+    return 0;
+  }
   if (n >= STAGE_BYTES) {
-    MR_TRY(flush_stage(w));
+    MR_TRY(flush_stage(w, 0));
     return write_all(w, p, n);
   }
-  if (n == 0)
-    return 0;
   if (w->staged + n > STAGE_BYTES)
-    MR_TRY(flush_stage(w));
+    MR_TRY(flush_stage(w, 0));
   memcpy(w->stage + w->staged, p, n);
   w->staged += n;
   return 0;
@@ -355,8 +531,16 @@ static int put_converted(struct mr_st_writer *w, const struct entry *e) {
   uint64_t left = e->numel;
   while (left > 0) {
     size_t room = (STAGE_BYTES - w->staged) / ds;
+    if (room == 0 && w->dio != NULL && w->staged < STAGE_BYTES) {
+      uint8_t one[8]; /* an element across two direct-I/O buffers */
+      mr__st_convert(e->file_dtype, one, e->src_dtype, src, 1);
+      MR_TRY(put_bytes(w, one, ds));
+      src += ss;
+      left--;
+      continue;
+    }
     if (room == 0) {
-      MR_TRY(flush_stage(w));
+      MR_TRY(flush_stage(w, 0));
       continue;
     }
     size_t k = left < room ? (size_t)left : room;
@@ -392,20 +576,30 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
                         hlen, (unsigned long long)MR_ST_MAX_HEADER);
   }
   int rc = 0;
-  w->stage = malloc(STAGE_BYTES);
-  if (w->stage == NULL) {
-    free(header);
-    return mr_error_set(MR_ENOMEM, "%s: out of memory", p);
+  const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+  int direct = (w->flags & MR_ST_WRITE_DIRECT) != 0;
+  w->fd = open(p, flags | (direct ? O_DIRECT : 0), 0644);
+  if (direct && (w->fd >= 0 ? !direct_ok(w->fd) : errno == EINVAL)) {
+    direct = 0; /* not on this filesystem: through the page cache */
+    if (w->fd >= 0)
+      close(w->fd);
+    w->fd = open(p, flags, 0644);
   }
-  w->fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (w->fd < 0) {
     free(header);
     return mr_error_set(mr_from_errno(errno), "%s: cannot create: %s", p,
                         strerror(errno));
   }
+  if (direct) {
+    MR_TRY_GOTO(rc, direct_open(w), fail);
+  } else if ((w->stage = w->stage_mem = malloc(STAGE_BYTES)) == NULL) {
+    rc = mr_error_set(MR_ENOMEM, "%s: out of memory", p);
+    goto fail;
+  }
   if (w->flags & MR_ST_WRITE_SHA256)
     mr_sha256_init(&w->sha);
-  w->behind = (w->flags & MR_ST_WRITE_FSYNC) != 0;
+  int durable = (w->flags & (MR_ST_WRITE_FSYNC | MR_ST_WRITE_DIRECT)) != 0;
+  w->behind = durable && !direct;
   uint8_t len8[8];
   for (int i = 0; i < 8; i++)
     len8[i] = (uint8_t)((uint64_t)hlen >> (8 * i));
@@ -419,8 +613,16 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
     else
       MR_TRY_GOTO(rc, put_converted(w, e), fail);
   }
-  MR_TRY_GOTO(rc, flush_stage(w), fail);
-  if ((w->flags & MR_ST_WRITE_FSYNC) && fsync(w->fd) != 0) {
+  MR_TRY_GOTO(rc, flush_stage(w, 1), fail);
+  if (direct) {
+    MR_TRY_GOTO(rc, direct_drain(w), fail);
+    direct_close(w);
+    if (w->written % DIRECT_ALIGN != 0 && ftruncate(w->fd, (off_t)w->written) != 0) {
+      rc = mr_error_set(MR_EIO, "%s: truncate: %s", p, strerror(errno));
+      goto fail;
+    }
+  }
+  if (durable && fsync(w->fd) != 0) {
     rc = mr_error_set(MR_EIO, "%s: fsync: %s", p, strerror(errno));
     goto fail;
   }
@@ -439,6 +641,7 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
   return 0;
 fail:
   free(header);
+  direct_close(w);
   close(w->fd);
   w->fd = -1;
   unlink(p);
