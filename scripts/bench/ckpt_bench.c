@@ -17,11 +17,13 @@
  *    bytes written from memory to DIR/peer.bin by 8 MiB write(2) calls and
  *    one fsync; and `dd bs=8M conv=fsync` of as many bytes.  Files are
  *    removed and synced between trials, untimed.
- * 2. Step delay, --saves cycles of: --base-steps steps with no save in
- *    flight, a save after the last of them, then steps until its COMPLETE
- *    is written.  A save's delay is the time mr_ckpt_save took (the
- *    snapshot is synchronous) plus what each step run while the save was in
- *    flight took beyond the median of the cycle's baseline steps.
+ * 2. Step delay, --saves times: --base-steps steps with no save in flight,
+ *    a save after the last of them, then steps until its COMPLETE is
+ *    written; --base-steps more steps close the run.  A save's delay is the
+ *    time mr_ckpt_save took (the snapshot is synchronous) plus what the
+ *    steps run while it was in flight took beyond the baseline: the median
+ *    of the steps without a save just before and just after it, so a drift
+ *    in the machine's load cancels.  --reps 0 or --saves 0 skips a part.
  *
  * Prints every trial, then one `summary` line of medians. */
 #include <fcntl.h>
@@ -222,8 +224,9 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (reps < 1 || reps > MAX_TRIALS || saves < 0 || saves > MAX_TRIALS || base_steps < 1) {
-    fprintf(stderr, "ckpt_bench: --reps 1..%d, --saves 0..%d, --base-steps >= 1\n", MAX_TRIALS,
+  if (reps < 0 || reps > MAX_TRIALS || saves < 0 || saves > MAX_TRIALS || base_steps < 1 ||
+      base_steps > 16) {
+    fprintf(stderr, "ckpt_bench: --reps 0..%d, --saves 0..%d, --base-steps 1..16\n", MAX_TRIALS,
             MAX_TRIALS);
     return 2;
   }
@@ -255,10 +258,14 @@ int main(int argc, char **argv) {
       fprintf(stderr, "ckpt_bench: %s\n", mr_error_message());
       return 1;
     }
-  printf("model: LLaMA hidden %lld, %lld layers, intermediate %lld, vocab %lld; "
-         "batch %lld x seq %lld; %d threads; SHA-256 %s\n",
+  const struct mr_train_slot *slots;
+  double state_bytes = 0;
+  for (int i = 0, n = mr_trainer_slots(tr, &slots); i < n; i++)
+    state_bytes += 4.0 * (double)(slots[i].numel + 2 * slots[i].shard_len);
+  printf("model: LLaMA hidden %lld, %lld layers, intermediate %lld, vocab %lld; state %.0f MiB "
+         "(parameters and AdamW moments); batch %lld x seq %lld; %d threads; SHA-256 %s\n",
          (long long)c->hidden_size, (long long)c->num_hidden_layers,
-         (long long)c->intermediate_size, (long long)c->vocab_size,
+         (long long)c->intermediate_size, (long long)c->vocab_size, state_bytes / 1048576,
          (long long)t->global_batch, (long long)t->seq_len, threads,
          mr_sha256_accelerated() ? "with the CPU's SHA instructions" : "portable");
 
@@ -320,7 +327,7 @@ int main(int argc, char **argv) {
     ratio_direct[k] = gbps[OURS][k] / gbps[DIRECT][k];
     ratio_dd[k] = gbps[OURS][k] / gbps[DD][k];
     snaps[k] = snap, cpus[k] = cpu;
-    printf("write %d: %.0f MiB, checkpoint %.2f s (snapshot %.3f s, CPU %.2f s)", k,
+    printf("write %d: %.0f MiB, save %.2f s (snapshot %.3f s, CPU %.2f s)", k,
            (double)bytes / 1048576, dt[OURS], snap, cpu);
     for (int i = 0; i < PROGRAMS; i++)
       printf(" | %s %.2f GB/s", names[i], gbps[i][k]);
@@ -336,8 +343,6 @@ int main(int argc, char **argv) {
   double runs[MAX_TRIALS + 1][16]; /* baseline steps before save k: runs[k] */
   int n_base_all = 0;
   double base_cpu = 0, base_wall = 0;
-  if (base_steps > 16)
-    base_steps = 16;
   for (int k = 0; k <= saves; k++) {
     for (int i = 0; i < base_steps; i++) {
       double c0 = cpu_now(), t0 = now();
@@ -395,11 +400,14 @@ int main(int argc, char **argv) {
   mr_trainer_free(tr);
   rmdir(ckroot);
   unlink(tokens);
-  printf("summary bytes=%lld ckpt_gbps=%.3f loop_gbps=%.3f direct_gbps=%.3f dd_gbps=%.3f "
-         "ratio=%.3f ratio_direct=%.3f ratio_dd=%.3f snapshot_s=%.3f save_cpu_s=%.2f",
-         bytes, median(gbps[OURS], reps), median(gbps[LOOP], reps), median(gbps[DIRECT], reps),
-         median(gbps[DD], reps), median(ratio, reps), median(ratio_direct, reps),
-         median(ratio_dd, reps), median(snaps, reps), median(cpus, reps));
+  printf("summary state_bytes=%.0f", state_bytes);
+  if (reps > 0)
+    printf(" bytes=%lld ckpt_gbps=%.3f loop_gbps=%.3f direct_gbps=%.3f dd_gbps=%.3f ratio=%.3f "
+           "ratio_direct=%.3f ratio_dd=%.3f snapshot_s=%.3f save_cpu_s=%.2f",
+           bytes, median(gbps[OURS], reps), median(gbps[LOOP], reps),
+           median(gbps[DIRECT], reps), median(gbps[DD], reps), median(ratio, reps),
+           median(ratio_direct, reps), median(ratio_dd, reps), median(snaps, reps),
+           median(cpus, reps));
   if (saves > 0)
     printf(" step_s=%.3f train_cpu_use=%.2f delay_pct=%.1f inflight_step_pct=%.1f "
            "inflight_steps=%.1f save_snapshot_s=%.3f durable_s=%.2f",
