@@ -53,22 +53,28 @@ struct kv {
   char *key, *value;
 };
 
-/* MR_ST_WRITE_DIRECT: the file is open with O_DIRECT and an I/O thread
- * writes full staging buffers from a ring while the caller's thread fills
- * (copies, converts, hashes) the next, so the disk and the CPU work at
- * once and nothing passes through the page cache: no page is allocated,
- * copied, written back or evicted for the file.  Buffer i of the file
- * (i = 0, 1, ...) is ring[i % DIRECT_RING], written at i * DIRECT_BYTES. */
+/* MR_ST_WRITE_DIRECT: the file is open with O_DIRECT; the caller's thread
+ * fills (copies, converts) staging buffers from a ring, an I/O thread
+ * writes each filled buffer, and with MR_ST_WRITE_SHA256 a hashing thread
+ * hashes each, in order, at the same time.  So copying, hashing and the
+ * disk all work at once, the slowest of them sets the pace, and nothing
+ * passes through the page cache: no page is allocated, copied, written back
+ * or evicted for the file.  Buffer i of the file (i = 0, 1, ...) is
+ * ring[i % DIRECT_RING], written at i * DIRECT_BYTES; it is filled again
+ * once it is both written and hashed. */
 struct direct_io {
-  pthread_t thread;
+  pthread_t io_thread, hash_thread;
+  int hashing;                   // hash_thread runs (MR_ST_WRITE_SHA256)
   pthread_mutex_t mu;
-  pthread_cond_t cv;             // submitted, completed or stop changed
+  pthread_cond_t cv;             // a counter or stop changed
   uint8_t *ring[DIRECT_RING];    // DIRECT_BYTES each, DIRECT_BYTES-aligned
-  size_t len[DIRECT_RING];       // bytes to write (a multiple of DIRECT_ALIGN)
-  uint64_t submitted, completed; // buffers handed over / written
+  size_t len[DIRECT_RING];       // bytes of the file in ring[i]
+  uint64_t submitted;            // buffers handed over
+  uint64_t written, hashed;      // buffers done by each thread (<= submitted)
   int stop;
   int err;                       // errno of the first failed write; 0: none
   int fd;
+  struct mr_sha256 *sha;         // the writer's; only hash_thread touches it
 };
 
 struct mr_st_writer {
@@ -110,20 +116,26 @@ int mr_st_writer_new(const char *path, int flags, struct mr_st_writer **out) {
 
 /* ---- direct I/O (struct direct_io) ---- */
 
-static void *direct_main(void *arg) {
+static uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+
+/* Writes buffer after buffer: whole DIRECT_ALIGN blocks, the last one padded
+ * with zeros (cut off again by ftruncate). */
+static void *direct_write_main(void *arg) {
   struct direct_io *d = arg;
   pthread_mutex_lock(&d->mu);
   for (;;) {
-    while (d->completed == d->submitted && !d->stop)
+    while (d->written == d->submitted && !d->stop)
       pthread_cond_wait(&d->cv, &d->mu);
-    if (d->completed == d->submitted)
+    if (d->written == d->submitted)
       break; /* stopped with nothing left */
-    int i = (int)(d->completed % DIRECT_RING), failed = d->err != 0;
-    off_t at = (off_t)(d->completed * DIRECT_BYTES);
+    int i = (int)(d->written % DIRECT_RING), failed = d->err != 0;
+    off_t at = (off_t)(d->written * DIRECT_BYTES);
+    size_t len = (d->len[i] + DIRECT_ALIGN - 1) & ~(size_t)(DIRECT_ALIGN - 1);
     pthread_mutex_unlock(&d->mu);
+    memset(d->ring[i] + d->len[i], 0, len - d->len[i]);
     int err = 0;
-    for (size_t done = 0; !failed && !err && done < d->len[i];) {
-      ssize_t k = pwrite(d->fd, d->ring[i] + done, d->len[i] - done, at + (off_t)done);
+    for (size_t done = 0; !failed && !err && done < len;) {
+      ssize_t k = pwrite(d->fd, d->ring[i] + done, len - done, at + (off_t)done);
       if (k > 0)
         done += (size_t)k;
       else if (k == 0 || errno != EINTR)
@@ -132,7 +144,29 @@ static void *direct_main(void *arg) {
     pthread_mutex_lock(&d->mu);
     if (err != 0 && d->err == 0)
       d->err = err;
-    d->completed++;
+    d->written++;
+    pthread_cond_broadcast(&d->cv);
+  }
+  pthread_mutex_unlock(&d->mu);
+  return NULL;
+}
+
+/* Hashes buffer after buffer, the file's bytes only (not the padding,
+ * which the writing thread adds after them: both only read what is
+ * before it). */
+static void *direct_hash_main(void *arg) {
+  struct direct_io *d = arg;
+  pthread_mutex_lock(&d->mu);
+  for (;;) {
+    while (d->hashed == d->submitted && !d->stop)
+      pthread_cond_wait(&d->cv, &d->mu);
+    if (d->hashed == d->submitted)
+      break;
+    int i = (int)(d->hashed % DIRECT_RING);
+    pthread_mutex_unlock(&d->mu);
+    mr_sha256_update(d->sha, d->ring[i], d->len[i]);
+    pthread_mutex_lock(&d->mu);
+    d->hashed++;
     pthread_cond_broadcast(&d->cv);
   }
   pthread_mutex_unlock(&d->mu);
@@ -152,77 +186,16 @@ static int direct_ok(int fd) {
   return 1;
 }
 
-/* Starts direct I/O on w->fd (open with O_DIRECT): the ring and its
- * thread.  Returns 0 or MR_ENOMEM / MR_ESYS. */
-static int direct_open(struct mr_st_writer *w) {
-  struct direct_io *d = calloc(1, sizeof *d);
-  if (d == NULL)
-    return mr_error_set(MR_ENOMEM, "%s: out of memory", w->path);
-  for (int i = 0; i < DIRECT_RING; i++) {
-    if (posix_memalign((void **)&d->ring[i], DIRECT_BYTES, DIRECT_BYTES) != 0) {
-      while (i-- > 0)
-        free(d->ring[i]);
-      free(d);
-      return mr_error_set(MR_ENOMEM, "%s: out of memory", w->path);
-    }
-    (void)madvise(d->ring[i], DIRECT_BYTES, MADV_HUGEPAGE); /* one fault, not 512 */
-  }
-  d->fd = w->fd;
-  pthread_mutex_init(&d->mu, NULL);
-  pthread_cond_init(&d->cv, NULL);
-  if (pthread_create(&d->thread, NULL, direct_main, d) != 0) {
-    for (int i = 0; i < DIRECT_RING; i++)
-      free(d->ring[i]);
-    pthread_mutex_destroy(&d->mu);
-    pthread_cond_destroy(&d->cv);
-    free(d);
-    return mr_error_set(MR_ESYS, "%s: cannot start the I/O thread", w->path);
-  }
-  w->dio = d;
-  w->stage = d->ring[0];
-  w->stage_cap = DIRECT_BYTES;
-  return 0;
+static void direct_free(struct direct_io *d) {
+  for (int i = 0; i < DIRECT_RING; i++)
+    free(d->ring[i]);
+  pthread_mutex_destroy(&d->mu);
+  pthread_cond_destroy(&d->cv);
+  free(d);
 }
 
-/* Hands the first len bytes of the stage (a multiple of DIRECT_ALIGN
- * unless it is the file's end, then padded) to the I/O thread and takes
- * the next free buffer as the stage.  Returns 0 or MR_EIO when a write
- * failed. */
-static int direct_submit(struct mr_st_writer *w, size_t len) {
-  struct direct_io *d = w->dio;
-  size_t padded = (len + DIRECT_ALIGN - 1) & ~(size_t)(DIRECT_ALIGN - 1);
-  memset(w->stage + len, 0, padded - len); /* cut off again by ftruncate */
-  pthread_mutex_lock(&d->mu);
-  d->len[d->submitted % DIRECT_RING] = padded;
-  d->submitted++;
-  pthread_cond_broadcast(&d->cv);
-  while (d->submitted - d->completed >= DIRECT_RING)
-    pthread_cond_wait(&d->cv, &d->mu);
-  int err = d->err;
-  pthread_mutex_unlock(&d->mu);
-  w->stage = d->ring[d->submitted % DIRECT_RING];
-  w->staged = 0;
-  w->written += len;
-  if (err != 0)
-    return mr_error_set(MR_EIO, "%s: write: %s", w->path, strerror(err));
-  return 0;
-}
-
-/* Waits until every submitted buffer is written.  Returns 0 or MR_EIO. */
-static int direct_drain(struct mr_st_writer *w) {
-  struct direct_io *d = w->dio;
-  pthread_mutex_lock(&d->mu);
-  while (d->completed != d->submitted)
-    pthread_cond_wait(&d->cv, &d->mu);
-  int err = d->err;
-  pthread_mutex_unlock(&d->mu);
-  if (err != 0)
-    return mr_error_set(MR_EIO, "%s: write: %s", w->path, strerror(err));
-  return 0;
-}
-
-/* Stops the I/O thread once it has written what it was given, and frees
- * the ring.  No-op without direct I/O. */
+/* Stops the threads once they are done with what they were given, and
+ * frees the ring.  No-op without direct I/O. */
 static void direct_close(struct mr_st_writer *w) {
   struct direct_io *d = w->dio;
   if (d == NULL)
@@ -231,14 +204,83 @@ static void direct_close(struct mr_st_writer *w) {
   d->stop = 1;
   pthread_cond_broadcast(&d->cv);
   pthread_mutex_unlock(&d->mu);
-  pthread_join(d->thread, NULL);
-  for (int i = 0; i < DIRECT_RING; i++)
-    free(d->ring[i]);
-  pthread_mutex_destroy(&d->mu);
-  pthread_cond_destroy(&d->cv);
-  free(d);
+  pthread_join(d->io_thread, NULL);
+  if (d->hashing)
+    pthread_join(d->hash_thread, NULL);
+  direct_free(d);
   w->dio = NULL;
   w->stage = NULL;
+}
+
+/* Starts direct I/O on w->fd (open with O_DIRECT): the ring and its
+ * threads.  Returns 0 or MR_ENOMEM / MR_ESYS. */
+static int direct_open(struct mr_st_writer *w) {
+  struct direct_io *d = calloc(1, sizeof *d);
+  if (d == NULL)
+    return mr_error_set(MR_ENOMEM, "%s: out of memory", w->path);
+  pthread_mutex_init(&d->mu, NULL);
+  pthread_cond_init(&d->cv, NULL);
+  for (int i = 0; i < DIRECT_RING; i++) {
+    if (posix_memalign((void **)&d->ring[i], DIRECT_BYTES, DIRECT_BYTES) != 0) {
+      direct_free(d);
+      return mr_error_set(MR_ENOMEM, "%s: out of memory", w->path);
+    }
+    (void)madvise(d->ring[i], DIRECT_BYTES, MADV_HUGEPAGE); /* one fault, not 512 */
+  }
+  d->fd = w->fd;
+  d->sha = &w->sha;
+  if (pthread_create(&d->io_thread, NULL, direct_write_main, d) != 0) {
+    direct_free(d);
+    return mr_error_set(MR_ESYS, "%s: cannot start the I/O thread", w->path);
+  }
+  w->dio = d;
+  w->stage = d->ring[0];
+  w->stage_cap = DIRECT_BYTES;
+  if (w->flags & MR_ST_WRITE_SHA256) {
+    if (pthread_create(&d->hash_thread, NULL, direct_hash_main, d) != 0) {
+      direct_close(w);
+      return mr_error_set(MR_ESYS, "%s: cannot start the hashing thread", w->path);
+    }
+    d->hashing = 1;
+  }
+  return 0;
+}
+
+/* Hands the stage's staged bytes to the threads and takes the next free
+ * buffer as the stage.  Only the file's last buffer may be less than full.
+ * Returns 0 or MR_EIO when a write failed. */
+static int direct_submit(struct mr_st_writer *w) {
+  struct direct_io *d = w->dio;
+  pthread_mutex_lock(&d->mu);
+  d->len[d->submitted % DIRECT_RING] = w->staged;
+  d->submitted++;
+  if (!d->hashing)
+    d->hashed = d->submitted;
+  pthread_cond_broadcast(&d->cv);
+  while (d->submitted - min_u64(d->written, d->hashed) >= DIRECT_RING)
+    pthread_cond_wait(&d->cv, &d->mu);
+  int err = d->err;
+  pthread_mutex_unlock(&d->mu);
+  w->written += w->staged;
+  w->stage = d->ring[d->submitted % DIRECT_RING];
+  w->staged = 0;
+  if (err != 0)
+    return mr_error_set(MR_EIO, "%s: write: %s", w->path, strerror(err));
+  return 0;
+}
+
+/* Waits until every submitted buffer is written and hashed.  Returns 0 or
+ * MR_EIO. */
+static int direct_drain(struct mr_st_writer *w) {
+  struct direct_io *d = w->dio;
+  pthread_mutex_lock(&d->mu);
+  while (d->written != d->submitted || d->hashed != d->submitted)
+    pthread_cond_wait(&d->cv, &d->mu);
+  int err = d->err;
+  pthread_mutex_unlock(&d->mu);
+  if (err != 0)
+    return mr_error_set(MR_EIO, "%s: write: %s", w->path, strerror(err));
+  return 0;
 }
 
 void mr_st_writer_free(struct mr_st_writer *w) {
@@ -493,13 +535,8 @@ static int write_all(struct mr_st_writer *w, const uint8_t *p, size_t n) {
 /* Writes what is staged.  Direct I/O writes only full buffers, except at
  * the file's end (last = 1). */
 static int flush_stage(struct mr_st_writer *w, int last) {
-  if (w->dio != NULL) {
-    if (w->staged < w->stage_cap && !last)
-      return 0;
-    if (w->staged > 0 && (w->flags & MR_ST_WRITE_SHA256))
-      mr_sha256_update(&w->sha, w->stage, w->staged);
-    return w->staged > 0 ? direct_submit(w, w->staged) : 0;
-  }
+  if (w->dio != NULL)
+    return w->staged == w->stage_cap || (last && w->staged > 0) ? direct_submit(w) : 0;
   int rc = write_all(w, w->stage, w->staged);
   w->staged = 0;
   return rc;

@@ -236,6 +236,7 @@ int main(int argc, char **argv) {
   snprintf(ckroot, sizeof ckroot, "%s/ckpt", root);
   snprintf(peer, sizeof peer, "%s/peer.bin", root);
   snprintf(ddf, sizeof ddf, "%s/dd.bin", root);
+  mkdir(root, 0755); /* may exist */
   if (write_tokens(tokens, 1 << 20) != 0) {
     fprintf(stderr, "ckpt_bench: cannot write %s\n", tokens);
     return 1;
