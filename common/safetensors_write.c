@@ -5,11 +5,9 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -30,14 +28,6 @@
 /* MR_ST_WRITE_FSYNC: at most about this much written data waits for the
  * disk at any time (see write_behind). */
 #define DIRTY_BYTES (64u << 20)
-/* MR_ST_WRITE_DIRECT (see struct direct_io): DIRECT_RING staging buffers of
- * DIRECT_BYTES (each write as fast as larger ones on the disks measured,
- * and a buffer just filled is still in the cache when it is hashed), and
- * the alignment of O_DIRECT addresses, offsets and sizes (the largest
- * logical block size in common use). */
-#define DIRECT_RING 4
-#define DIRECT_BYTES (2u << 20)
-#define DIRECT_ALIGN 4096u
 
 struct entry {
   char *name;
@@ -53,30 +43,6 @@ struct kv {
   char *key, *value;
 };
 
-/* MR_ST_WRITE_DIRECT: the file is open with O_DIRECT; the caller's thread
- * fills (copies, converts) staging buffers from a ring, an I/O thread
- * writes each filled buffer, and with MR_ST_WRITE_SHA256 a hashing thread
- * hashes each, in order, at the same time.  So copying, hashing and the
- * disk all work at once, the slowest of them sets the pace, and nothing
- * passes through the page cache: no page is allocated, copied, written back
- * or evicted for the file.  Buffer i of the file (i = 0, 1, ...) is
- * ring[i % DIRECT_RING], written at i * DIRECT_BYTES; it is filled again
- * once it is both written and hashed. */
-struct direct_io {
-  pthread_t io_thread, hash_thread;
-  int hashing;                   // hash_thread runs (MR_ST_WRITE_SHA256)
-  pthread_mutex_t mu;
-  pthread_cond_t cv;             // a counter or stop changed
-  uint8_t *ring[DIRECT_RING];    // DIRECT_BYTES each, DIRECT_BYTES-aligned
-  size_t len[DIRECT_RING];       // bytes of the file in ring[i]
-  uint64_t submitted;            // buffers handed over
-  uint64_t written, hashed;      // buffers done by each thread (<= submitted)
-  int stop;
-  int err;                       // errno of the first failed write; 0: none
-  int fd;
-  struct mr_sha256 *sha;         // the writer's; only hash_thread touches it
-};
-
 struct mr_st_writer {
   char *path;
   int flags;
@@ -90,9 +56,9 @@ struct mr_st_writer {
   int fd;
   uint8_t *stage;   /* being filled: stage_mem, or a buffer of dio's ring */
   uint8_t *stage_mem;
-  size_t stage_cap; /* bytes: STAGE_BYTES, or DIRECT_BYTES with dio */
+  size_t stage_cap; /* bytes: STAGE_BYTES, or MR__ST_DIRECT_BYTES with dio */
   size_t staged;    /* bytes */
-  struct direct_io *dio; /* MR_ST_WRITE_DIRECT where the filesystem allows */
+  struct mr__st_direct *dio; /* MR_ST_WRITE_DIRECT where the filesystem allows */
   uint64_t written; /* bytes of the file written so far */
   int behind;       /* written behind (MR_ST_WRITE_FSYNC; see write_behind) */
   uint64_t started; /* [0, started) handed to the disk */
@@ -114,175 +80,6 @@ int mr_st_writer_new(const char *path, int flags, struct mr_st_writer **out) {
   return 0;
 }
 
-/* ---- direct I/O (struct direct_io) ---- */
-
-static uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
-
-/* Writes buffer after buffer: whole DIRECT_ALIGN blocks, the last one padded
- * with zeros (cut off again by ftruncate). */
-static void *direct_write_main(void *arg) {
-  struct direct_io *d = arg;
-  pthread_mutex_lock(&d->mu);
-  for (;;) {
-    while (d->written == d->submitted && !d->stop)
-      pthread_cond_wait(&d->cv, &d->mu);
-    if (d->written == d->submitted)
-      break; /* stopped with nothing left */
-    int i = (int)(d->written % DIRECT_RING), failed = d->err != 0;
-    off_t at = (off_t)(d->written * DIRECT_BYTES);
-    size_t len = (d->len[i] + DIRECT_ALIGN - 1) & ~(size_t)(DIRECT_ALIGN - 1);
-    pthread_mutex_unlock(&d->mu);
-    memset(d->ring[i] + d->len[i], 0, len - d->len[i]);
-    int err = 0;
-    for (size_t done = 0; !failed && !err && done < len;) {
-      ssize_t k = pwrite(d->fd, d->ring[i] + done, len - done, at + (off_t)done);
-      if (k > 0)
-        done += (size_t)k;
-      else if (k == 0 || errno != EINTR)
-        err = k < 0 ? errno : EIO;
-    }
-    pthread_mutex_lock(&d->mu);
-    if (err != 0 && d->err == 0)
-      d->err = err;
-    d->written++;
-    pthread_cond_broadcast(&d->cv);
-  }
-  pthread_mutex_unlock(&d->mu);
-  return NULL;
-}
-
-/* Hashes buffer after buffer, the file's bytes only (not the padding,
- * which the writing thread adds after them: both only read what is
- * before it). */
-static void *direct_hash_main(void *arg) {
-  struct direct_io *d = arg;
-  pthread_mutex_lock(&d->mu);
-  for (;;) {
-    while (d->hashed == d->submitted && !d->stop)
-      pthread_cond_wait(&d->cv, &d->mu);
-    if (d->hashed == d->submitted)
-      break;
-    int i = (int)(d->hashed % DIRECT_RING);
-    pthread_mutex_unlock(&d->mu);
-    mr_sha256_update(d->sha, d->ring[i], d->len[i]);
-    pthread_mutex_lock(&d->mu);
-    d->hashed++;
-    pthread_cond_broadcast(&d->cv);
-  }
-  pthread_mutex_unlock(&d->mu);
-  return NULL;
-}
-
-/* Whether O_DIRECT I/O on fd takes DIRECT_ALIGN-aligned addresses, offsets
- * and sizes.  Where the kernel cannot tell (before Linux 6.1), an open with
- * O_DIRECT that succeeded is taken as yes. */
-static int direct_ok(int fd) {
-#ifdef STATX_DIOALIGN
-  struct statx sx;
-  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN))
-    return sx.stx_dio_offset_align != 0 && DIRECT_ALIGN % sx.stx_dio_offset_align == 0 &&
-           sx.stx_dio_mem_align != 0 && DIRECT_ALIGN % sx.stx_dio_mem_align == 0;
-#endif
-  return 1;
-}
-
-static void direct_free(struct direct_io *d) {
-  for (int i = 0; i < DIRECT_RING; i++)
-    free(d->ring[i]);
-  pthread_mutex_destroy(&d->mu);
-  pthread_cond_destroy(&d->cv);
-  free(d);
-}
-
-/* Stops the threads once they are done with what they were given, and
- * frees the ring.  No-op without direct I/O. */
-static void direct_close(struct mr_st_writer *w) {
-  struct direct_io *d = w->dio;
-  if (d == NULL)
-    return;
-  pthread_mutex_lock(&d->mu);
-  d->stop = 1;
-  pthread_cond_broadcast(&d->cv);
-  pthread_mutex_unlock(&d->mu);
-  pthread_join(d->io_thread, NULL);
-  if (d->hashing)
-    pthread_join(d->hash_thread, NULL);
-  direct_free(d);
-  w->dio = NULL;
-  w->stage = NULL;
-}
-
-/* Starts direct I/O on w->fd (open with O_DIRECT): the ring and its
- * threads.  Returns 0 or MR_ENOMEM / MR_ESYS. */
-static int direct_open(struct mr_st_writer *w) {
-  struct direct_io *d = calloc(1, sizeof *d);
-  if (d == NULL)
-    return mr_error_set(MR_ENOMEM, "%s: out of memory", w->path);
-  pthread_mutex_init(&d->mu, NULL);
-  pthread_cond_init(&d->cv, NULL);
-  for (int i = 0; i < DIRECT_RING; i++) {
-    if (posix_memalign((void **)&d->ring[i], DIRECT_BYTES, DIRECT_BYTES) != 0) {
-      direct_free(d);
-      return mr_error_set(MR_ENOMEM, "%s: out of memory", w->path);
-    }
-    (void)madvise(d->ring[i], DIRECT_BYTES, MADV_HUGEPAGE); /* one fault, not 512 */
-  }
-  d->fd = w->fd;
-  d->sha = &w->sha;
-  if (pthread_create(&d->io_thread, NULL, direct_write_main, d) != 0) {
-    direct_free(d);
-    return mr_error_set(MR_ESYS, "%s: cannot start the I/O thread", w->path);
-  }
-  w->dio = d;
-  w->stage = d->ring[0];
-  w->stage_cap = DIRECT_BYTES;
-  if (w->flags & MR_ST_WRITE_SHA256) {
-    if (pthread_create(&d->hash_thread, NULL, direct_hash_main, d) != 0) {
-      direct_close(w);
-      return mr_error_set(MR_ESYS, "%s: cannot start the hashing thread", w->path);
-    }
-    d->hashing = 1;
-  }
-  return 0;
-}
-
-/* Hands the stage's staged bytes to the threads and takes the next free
- * buffer as the stage.  Only the file's last buffer may be less than full.
- * Returns 0 or MR_EIO when a write failed. */
-static int direct_submit(struct mr_st_writer *w) {
-  struct direct_io *d = w->dio;
-  pthread_mutex_lock(&d->mu);
-  d->len[d->submitted % DIRECT_RING] = w->staged;
-  d->submitted++;
-  if (!d->hashing)
-    d->hashed = d->submitted;
-  pthread_cond_broadcast(&d->cv);
-  while (d->submitted - min_u64(d->written, d->hashed) >= DIRECT_RING)
-    pthread_cond_wait(&d->cv, &d->mu);
-  int err = d->err;
-  pthread_mutex_unlock(&d->mu);
-  w->written += w->staged;
-  w->stage = d->ring[d->submitted % DIRECT_RING];
-  w->staged = 0;
-  if (err != 0)
-    return mr_error_set(MR_EIO, "%s: write: %s", w->path, strerror(err));
-  return 0;
-}
-
-/* Waits until every submitted buffer is written and hashed.  Returns 0 or
- * MR_EIO. */
-static int direct_drain(struct mr_st_writer *w) {
-  struct direct_io *d = w->dio;
-  pthread_mutex_lock(&d->mu);
-  while (d->written != d->submitted || d->hashed != d->submitted)
-    pthread_cond_wait(&d->cv, &d->mu);
-  int err = d->err;
-  pthread_mutex_unlock(&d->mu);
-  if (err != 0)
-    return mr_error_set(MR_EIO, "%s: write: %s", w->path, strerror(err));
-  return 0;
-}
-
 void mr_st_writer_free(struct mr_st_writer *w) {
   if (w == NULL)
     return;
@@ -294,7 +91,7 @@ void mr_st_writer_free(struct mr_st_writer *w) {
     free(w->meta[i].value);
   }
   free(w->meta);
-  direct_close(w);
+  mr__st_direct_close(w->dio);
   free(w->stage_mem);
   if (w->fd >= 0)
     close(w->fd);
@@ -535,8 +332,14 @@ static int write_all(struct mr_st_writer *w, const uint8_t *p, size_t n) {
 /* Writes what is staged.  Direct I/O writes only full buffers, except at
  * the file's end (last = 1). */
 static int flush_stage(struct mr_st_writer *w, int last) {
-  if (w->dio != NULL)
-    return w->staged == w->stage_cap || (last && w->staged > 0) ? direct_submit(w) : 0;
+  if (w->dio != NULL) {
+    if (w->staged < w->stage_cap && !(last && w->staged > 0))
+      return 0;
+    size_t n = w->staged;
+    w->staged = 0;
+    w->written += n;
+    return mr__st_direct_submit(w->dio, n, &w->stage);
+  }
   int rc = write_all(w, w->stage, w->staged);
   w->staged = 0;
   return rc;
@@ -624,7 +427,7 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
   const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
   int direct = (w->flags & MR_ST_WRITE_DIRECT) != 0;
   w->fd = open(p, flags | (direct ? O_DIRECT : 0), 0644);
-  if (direct && (w->fd >= 0 ? !direct_ok(w->fd) : errno == EINVAL)) {
+  if (direct && (w->fd >= 0 ? !mr__st_direct_usable(w->fd) : errno == EINVAL)) {
     direct = 0; /* not on this filesystem: through the page cache */
     if (w->fd >= 0)
       close(w->fd);
@@ -635,16 +438,19 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
     return mr_error_set(mr_from_errno(errno), "%s: cannot create: %s", p,
                         strerror(errno));
   }
+  if (w->flags & MR_ST_WRITE_SHA256)
+    mr_sha256_init(&w->sha);
   if (direct) {
-    MR_TRY_GOTO(rc, direct_open(w), fail);
+    MR_TRY_GOTO(rc, mr__st_direct_open(w->fd, w->flags & MR_ST_WRITE_SHA256 ? &w->sha : NULL,
+                                       p, &w->dio, &w->stage),
+                fail);
+    w->stage_cap = MR__ST_DIRECT_BYTES;
   } else if ((w->stage = w->stage_mem = malloc(STAGE_BYTES)) != NULL) {
     w->stage_cap = STAGE_BYTES;
   } else {
     rc = mr_error_set(MR_ENOMEM, "%s: out of memory", p);
     goto fail;
   }
-  if (w->flags & MR_ST_WRITE_SHA256)
-    mr_sha256_init(&w->sha);
   int durable = (w->flags & (MR_ST_WRITE_FSYNC | MR_ST_WRITE_DIRECT)) != 0;
   w->behind = durable && !direct;
   uint8_t len8[8];
@@ -662,9 +468,10 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
   }
   MR_TRY_GOTO(rc, flush_stage(w, 1), fail);
   if (direct) {
-    MR_TRY_GOTO(rc, direct_drain(w), fail);
-    direct_close(w);
-    if (w->written % DIRECT_ALIGN != 0 && ftruncate(w->fd, (off_t)w->written) != 0) {
+    MR_TRY_GOTO(rc, mr__st_direct_drain(w->dio), fail);
+    mr__st_direct_close(w->dio);
+    w->dio = NULL;
+    if (w->written % MR__ST_DIRECT_ALIGN != 0 && ftruncate(w->fd, (off_t)w->written) != 0) {
       rc = mr_error_set(MR_EIO, "%s: truncate: %s", p, strerror(errno));
       goto fail;
     }
@@ -688,7 +495,8 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
   return 0;
 fail:
   free(header);
-  direct_close(w);
+  mr__st_direct_close(w->dio);
+  w->dio = NULL;
   close(w->fd);
   w->fd = -1;
   unlink(p);

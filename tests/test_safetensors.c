@@ -6,11 +6,13 @@
 #include <check.h>
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <signal.h>
 #include <sodium.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "check_main.h"
@@ -601,6 +603,34 @@ START_TEST(test_safetensors_durable_write_hashes_what_it_wrote) {
 }
 END_TEST
 
+/* A write that fails half way (the file-size limit, as a full disk would)
+ * is an error and leaves no file behind, through the page cache or not. */
+START_TEST(test_safetensors_failed_write_leaves_no_file) {
+  enum { N = 4 << 20 }; /* 16 MiB of F32 */
+  float *a = calloc(N, sizeof(float));
+  ck_assert_ptr_nonnull(a);
+  signal(SIGXFSZ, SIG_IGN); /* write(2) returns EFBIG instead */
+  struct rlimit lim = {.rlim_cur = 5 << 20, .rlim_max = RLIM_INFINITY};
+  ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &lim), 0); /* this test's process only */
+  const int flags[3] = {MR_ST_WRITE_FSYNC, MR_ST_WRITE_DIRECT | MR_ST_WRITE_SHA256,
+                        MR_ST_WRITE_DIRECT};
+  for (int k = 0; k < 3; k++) {
+    const char *p = path_of("full.safetensors");
+    struct mr_st_writer *w;
+    char hex[65];
+    ck_assert_int_eq(mr_st_writer_new(p, flags[k], &w), 0);
+    ck_assert_int_eq(mr_st_writer_add(w, "a", MR_F32, 1, (int64_t[]){N}, a), 0);
+    mr_error_clear();
+    ck_assert_int_eq(mr_st_writer_finish(w), MR_EIO);
+    ck_assert_ptr_nonnull(strstr(mr_error_message(), "full.safetensors"));
+    ck_assert_int_eq(mr_st_writer_sha256(w, hex), MR_EINVAL);
+    mr_st_writer_free(w);
+    ck_assert_int_eq(access(p, F_OK), -1);
+  }
+  free(a);
+}
+END_TEST
+
 /* ---- the index ---- */
 
 START_TEST(test_safetensors_index_round_trip) {
@@ -694,6 +724,7 @@ static Suite *safetensors_suite(void) {
   tcase_add_test(tc, test_safetensors_writer_errors);
   tcase_add_test(tc, test_sha256_matches_reference_every_length_and_split);
   tcase_add_test(tc, test_safetensors_durable_write_hashes_what_it_wrote);
+  tcase_add_test(tc, test_safetensors_failed_write_leaves_no_file);
   tcase_add_test(tc, test_safetensors_index_round_trip);
   tcase_add_test(tc, test_safetensors_index_rejects_malformed);
   suite_add_tcase(s, tc);
