@@ -338,11 +338,11 @@ int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_trainer *t, int64_t step,
   }
   /* Two threads copy: the training waits for the snapshot anyway, and one
    * core's copy does not use all of the memory's bandwidth. */
-  pthread_t helper;
-  int helped = copy.n > 1 && pthread_create(&helper, NULL, copy_main, &copy) == 0;
+  pthread_t copier;
+  int two = copy.n > 1 && pthread_create(&copier, NULL, copy_main, &copy) == 0;
   copy_pieces(&copy);
-  if (helped)
-    pthread_join(helper, NULL);
+  if (two)
+    pthread_join(copier, NULL);
   s->step = step;
   s->scaler = *mr_trainer_scaler(t);
   s->reporter = *reporter;
