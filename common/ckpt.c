@@ -6,7 +6,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
-#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +15,7 @@
 #include "common/error.h"
 #include "common/jsonv.h"
 #include "common/log.h"
+#include "common/sha256.h"
 
 void mr_ckpt_step_dir(const char *root, int64_t step, char *buf, size_t n) {
   snprintf(buf, n, "%s/step-%08" PRId64, root, step);
@@ -25,19 +25,19 @@ int mr_sha256_file(const char *path, char hex[65]) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0)
     return mr_error_set(mr_from_errno(errno), "%s: %s", path, strerror(errno));
-  crypto_hash_sha256_state st;
-  crypto_hash_sha256_init(&st);
+  (void)posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL); /* advice: may be ignored */
+  struct mr_sha256 st;
+  mr_sha256_init(&st);
   static _Thread_local uint8_t buf[1 << 20];
   ssize_t r;
-  while ((r = read(fd, buf, sizeof buf)) > 0)
-    crypto_hash_sha256_update(&st, buf, (unsigned long long)r);
+  while ((r = read(fd, buf, sizeof buf)) > 0 || (r < 0 && errno == EINTR))
+    if (r > 0)
+      mr_sha256_update(&st, buf, (size_t)r);
   int err = r < 0 ? errno : 0;
   close(fd);
   if (err != 0)
     return mr_error_set(MR_EIO, "%s: %s", path, strerror(err));
-  uint8_t d[crypto_hash_sha256_BYTES];
-  crypto_hash_sha256_final(&st, d);
-  sodium_bin2hex(hex, 65, d, sizeof d);
+  mr_sha256_final(&st, hex);
   return 0;
 }
 

@@ -110,10 +110,22 @@ int mr_st_read(const struct mr_st_file *f, const struct mr_st_tensor *t,
 
 struct mr_st_writer; /* opaque */
 
-#define MR_ST_WRITE_FSYNC 1 /* fsync the file before finish returns */
+#define MR_ST_WRITE_FSYNC 1  /* fsync the file before finish returns */
+#define MR_ST_WRITE_SHA256 2 /* hash the file while writing it */
+#define MR_ST_WRITE_DIRECT 4 /* durable, bypassing the page cache */
 
 /* Starts a file at path (created or truncated only at finish).  flags: 0 or
- * MR_ST_WRITE_FSYNC.  *out is freed by mr_st_writer_free. */
+ * any of
+ *   MR_ST_WRITE_FSYNC   durable: the disk is started on each piece as it
+ *                       is written, written pieces leave the page cache,
+ *                       and the file is fsynced;
+ *   MR_ST_WRITE_DIRECT  durable, written with O_DIRECT by a second thread
+ *                       from aligned staging buffers while the caller's
+ *                       thread fills the next, where the filesystem
+ *                       supports it (else as MR_ST_WRITE_FSYNC);
+ *   MR_ST_WRITE_SHA256  the file's SHA-256 is computed from the bytes as
+ *                       they are written (see mr_st_writer_sha256).
+ * *out is freed by mr_st_writer_free. */
 int mr_st_writer_new(const char *path, int flags, struct mr_st_writer **out);
 
 /* Adds a tensor whose data (numel * size(dtype) bytes, row-major) is stored
@@ -143,6 +155,11 @@ uint64_t mr_st_writer_data_bytes(const struct mr_st_writer *w);
  * or a negative code with a message; on error the partial file is removed.
  * The writer can only be freed afterwards. */
 int mr_st_writer_finish(struct mr_st_writer *w);
+
+/* After a successful finish of a writer made with MR_ST_WRITE_SHA256: the
+ * file's SHA-256 as 64 hex characters + NUL into hex (caller-owned), with
+ * no second read of the file.  MR_EINVAL otherwise. */
+int mr_st_writer_sha256(const struct mr_st_writer *w, char hex[65]);
 
 /* Frees the writer (NULL is a no-op); an unfinished writer writes nothing. */
 void mr_st_writer_free(struct mr_st_writer *w);

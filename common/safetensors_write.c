@@ -14,12 +14,20 @@
 #include "common/error.h"
 #include "common/safetensors.h"
 #include "common/safetensors_internal.h"
+#include "common/sha256.h"
 
 /* Writes of at least this much go straight from the caller's memory; smaller
  * pieces are gathered in a staging buffer of the same size, so every write
  * call moves megabytes. */
 #define STAGE_BYTES (8u << 20)
-#define MAX_WRITE (1u << 30) /* bytes per write(2) call */
+/* Bytes per write(2) call: small enough that a piece just hashed is still
+ * in the cache when it is written, and that the disk can be started on
+ * each piece as it lands (MR_ST_WRITE_FSYNC); large enough that the calls
+ * cost nothing next to the copy. */
+#define WRITE_BYTES (8u << 20)
+/* MR_ST_WRITE_FSYNC: at most about this much written data waits for the
+ * disk at any time (see write_behind). */
+#define DIRTY_BYTES (64u << 20)
 
 struct entry {
   char *name;
@@ -46,8 +54,17 @@ struct mr_st_writer {
   uint64_t data_bytes;
   /* while finishing */
   int fd;
-  uint8_t *stage;
-  size_t staged; /* bytes */
+  uint8_t *stage;   /* being filled: stage_mem, or a buffer of dio's ring */
+  uint8_t *stage_mem;
+  size_t stage_cap; /* bytes: STAGE_BYTES, or MR__ST_DIRECT_BYTES with dio */
+  size_t staged;    /* bytes */
+  struct mr__st_direct *dio; /* MR_ST_WRITE_DIRECT where the filesystem allows */
+  uint64_t written; /* bytes of the file written so far */
+  int behind;       /* written behind (MR_ST_WRITE_FSYNC; see write_behind) */
+  uint64_t started; /* [0, started) handed to the disk */
+  uint64_t settled; /* [0, settled) on the disk and out of the page cache */
+  struct mr_sha256 sha;  /* MR_ST_WRITE_SHA256: of the bytes written */
+  char sha_hex[65];      /* set by a successful finish */
 };
 
 int mr_st_writer_new(const char *path, int flags, struct mr_st_writer **out) {
@@ -74,7 +91,8 @@ void mr_st_writer_free(struct mr_st_writer *w) {
     free(w->meta[i].value);
   }
   free(w->meta);
-  free(w->stage);
+  mr__st_direct_close(w->dio);
+  free(w->stage_mem);
   if (w->fd >= 0)
     close(w->fd);
   free(w->path);
@@ -253,38 +271,102 @@ static char *build_header(struct mr_st_writer *w, size_t *len) {
   return out;
 }
 
+/* A durable file (MR_ST_WRITE_FSYNC) is written behind: the disk is started
+ * on each piece as soon as it is written, and once more than DIRTY_BYTES
+ * wait, the older half is waited for and dropped from the page cache.  So
+ * the disk works while the rest is hashed and copied, instead of all of it
+ * waiting for the final fsync, and a checkpoint does not push gigabytes of
+ * other files (the token files) out of the cache.  Errors are returned
+ * here: a failed write-back reported to sync_file_range would no longer be
+ * reported to the fsync that follows. */
+static int write_behind(struct mr_st_writer *w) {
+  int fd = w->fd;
+  if (w->written > w->started) {
+    if (sync_file_range(fd, (off_t)w->started, (off_t)(w->written - w->started),
+                        SYNC_FILE_RANGE_WRITE) != 0)
+      goto fail;
+    w->started = w->written;
+  }
+  if (w->started - w->settled > DIRTY_BYTES) {
+    uint64_t to = w->started - DIRTY_BYTES / 2;
+    if (sync_file_range(fd, (off_t)w->settled, (off_t)(to - w->settled),
+                        SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
+                            SYNC_FILE_RANGE_WAIT_AFTER) != 0)
+      goto fail;
+    (void)posix_fadvise(fd, (off_t)w->settled, (off_t)(to - w->settled),
+                        POSIX_FADV_DONTNEED); /* advice: may be ignored */
+    w->settled = to;
+  }
+  return 0;
+fail:
+  if (errno == ENOSYS || errno == ESPIPE || errno == EINVAL) {
+    w->behind = 0; /* not supported here: the final fsync does it all */
+    return 0;
+  }
+  return mr_error_set(MR_EIO, "%s: write-back: %s", w->path, strerror(errno));
+}
+
 static int write_all(struct mr_st_writer *w, const uint8_t *p, size_t n) {
   while (n > 0) {
-    ssize_t k = write(w->fd, p, n < MAX_WRITE ? n : MAX_WRITE);
-    if (k < 0 && errno == EINTR)
-      continue;
-    if (k <= 0)
-      return mr_error_set(MR_EIO, "%s: write: %s", w->path,
-                          k < 0 ? strerror(errno) : "no progress");
-    p += k;
-    n -= (size_t)k;
+    size_t part = n < WRITE_BYTES ? n : WRITE_BYTES;
+    if (w->flags & MR_ST_WRITE_SHA256)
+      mr_sha256_update(&w->sha, p, part);
+    for (size_t done = 0; done < part;) {
+      ssize_t k = write(w->fd, p + done, part - done);
+      if (k < 0 && errno == EINTR)
+        continue;
+      if (k <= 0)
+        return mr_error_set(MR_EIO, "%s: write: %s", w->path,
+                            k < 0 ? strerror(errno) : "no progress");
+      done += (size_t)k;
+    }
+    p += part;
+    n -= part;
+    w->written += part;
+    if (w->behind)
+      MR_TRY(write_behind(w));
   }
   return 0;
 }
 
-static int flush_stage(struct mr_st_writer *w) {
+/* Writes what is staged.  Direct I/O writes only full buffers, except at
+ * the file's end (last = 1). */
+static int flush_stage(struct mr_st_writer *w, int last) {
+  if (w->dio != NULL) {
+    if (w->staged < w->stage_cap && !(last && w->staged > 0))
+      return 0;
+    size_t n = w->staged;
+    w->staged = 0;
+    w->written += n;
+    return mr__st_direct_submit(w->dio, n, &w->stage);
+  }
   int rc = write_all(w, w->stage, w->staged);
   w->staged = 0;
   return rc;
 }
 
-/* Appends n bytes: gathered when small, written in place when large. */
+/* Appends n bytes: gathered when small, written in place when large (with
+ * direct I/O everything is gathered: the caller's memory is not aligned). */
 static int put_bytes(struct mr_st_writer *w, const uint8_t *p, size_t n) {
   if (n == 0)
     return 0; /* an empty tensor may have no data pointer */
+  if (w->dio != NULL) {
+    while (n > 0) {
+      size_t k = w->stage_cap - w->staged < n ? w->stage_cap - w->staged : n;
+      memcpy(w->stage + w->staged, p, k);
+      w->staged += k;
+      p += k;
+      n -= k;
+      MR_TRY(flush_stage(w, 0));
+    }
+    return 0;
+  }
   if (n >= STAGE_BYTES) {
-    MR_TRY(flush_stage(w));
+    MR_TRY(flush_stage(w, 0));
     return write_all(w, p, n);
   }
-  if (n == 0)
-    return 0;
   if (w->staged + n > STAGE_BYTES)
-    MR_TRY(flush_stage(w));
+    MR_TRY(flush_stage(w, 0));
   memcpy(w->stage + w->staged, p, n);
   w->staged += n;
   return 0;
@@ -296,9 +378,17 @@ static int put_converted(struct mr_st_writer *w, const struct entry *e) {
   const uint8_t *src = e->data;
   uint64_t left = e->numel;
   while (left > 0) {
-    size_t room = (STAGE_BYTES - w->staged) / ds;
+    size_t room = (w->stage_cap - w->staged) / ds;
+    if (room == 0 && w->dio != NULL && w->staged < w->stage_cap) {
+      uint8_t one[8]; /* an element across two direct-I/O buffers */
+      mr__st_convert(e->file_dtype, one, e->src_dtype, src, 1);
+      MR_TRY(put_bytes(w, one, ds));
+      src += ss;
+      left--;
+      continue;
+    }
     if (room == 0) {
-      MR_TRY(flush_stage(w));
+      MR_TRY(flush_stage(w, 0));
       continue;
     }
     size_t k = left < room ? (size_t)left : room;
@@ -334,17 +424,35 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
                         hlen, (unsigned long long)MR_ST_MAX_HEADER);
   }
   int rc = 0;
-  w->stage = malloc(STAGE_BYTES);
-  if (w->stage == NULL) {
-    free(header);
-    return mr_error_set(MR_ENOMEM, "%s: out of memory", p);
+  const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+  int direct = (w->flags & MR_ST_WRITE_DIRECT) != 0;
+  w->fd = open(p, flags | (direct ? O_DIRECT : 0), 0644);
+  if (direct && (w->fd >= 0 ? !mr__st_direct_usable(w->fd) : errno == EINVAL)) {
+    direct = 0; /* not on this filesystem: through the page cache */
+    if (w->fd >= 0)
+      close(w->fd);
+    w->fd = open(p, flags, 0644);
   }
-  w->fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (w->fd < 0) {
     free(header);
     return mr_error_set(mr_from_errno(errno), "%s: cannot create: %s", p,
                         strerror(errno));
   }
+  if (w->flags & MR_ST_WRITE_SHA256)
+    mr_sha256_init(&w->sha);
+  if (direct) {
+    MR_TRY_GOTO(rc, mr__st_direct_open(w->fd, w->flags & MR_ST_WRITE_SHA256 ? &w->sha : NULL,
+                                       p, &w->dio, &w->stage),
+                fail);
+    w->stage_cap = MR__ST_DIRECT_BYTES;
+  } else if ((w->stage = w->stage_mem = malloc(STAGE_BYTES)) != NULL) {
+    w->stage_cap = STAGE_BYTES;
+  } else {
+    rc = mr_error_set(MR_ENOMEM, "%s: out of memory", p);
+    goto fail;
+  }
+  int durable = (w->flags & (MR_ST_WRITE_FSYNC | MR_ST_WRITE_DIRECT)) != 0;
+  w->behind = durable && !direct;
   uint8_t len8[8];
   for (int i = 0; i < 8; i++)
     len8[i] = (uint8_t)((uint64_t)hlen >> (8 * i));
@@ -358,11 +466,22 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
     else
       MR_TRY_GOTO(rc, put_converted(w, e), fail);
   }
-  MR_TRY_GOTO(rc, flush_stage(w), fail);
-  if ((w->flags & MR_ST_WRITE_FSYNC) && fsync(w->fd) != 0) {
+  MR_TRY_GOTO(rc, flush_stage(w, 1), fail);
+  if (direct) {
+    MR_TRY_GOTO(rc, mr__st_direct_drain(w->dio), fail);
+    mr__st_direct_close(w->dio);
+    w->dio = NULL;
+    if (w->written % MR__ST_DIRECT_ALIGN != 0 && ftruncate(w->fd, (off_t)w->written) != 0) {
+      rc = mr_error_set(MR_EIO, "%s: truncate: %s", p, strerror(errno));
+      goto fail;
+    }
+  }
+  if (durable && fsync(w->fd) != 0) {
     rc = mr_error_set(MR_EIO, "%s: fsync: %s", p, strerror(errno));
     goto fail;
   }
+  if (w->behind) /* the tail, now clean, leaves the cache as the rest did */
+    (void)posix_fadvise(w->fd, (off_t)w->settled, 0, POSIX_FADV_DONTNEED);
   free(header);
   int fd = w->fd;
   w->fd = -1;
@@ -371,13 +490,25 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
     unlink(p);
     return rc;
   }
+  if (w->flags & MR_ST_WRITE_SHA256)
+    mr_sha256_final(&w->sha, w->sha_hex);
   return 0;
 fail:
   free(header);
+  mr__st_direct_close(w->dio);
+  w->dio = NULL;
   close(w->fd);
   w->fd = -1;
   unlink(p);
   return rc;
+}
+
+int mr_st_writer_sha256(const struct mr_st_writer *w, char hex[65]) {
+  if (!(w->flags & MR_ST_WRITE_SHA256) || w->sha_hex[0] == '\0')
+    return mr_error_set(MR_EINVAL, "%s: no checksum: the writer was not made with "
+                        "MR_ST_WRITE_SHA256 or did not finish", w->path);
+  memcpy(hex, w->sha_hex, 65);
+  return 0;
 }
 
 /* ---- the index ---- */

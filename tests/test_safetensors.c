@@ -6,15 +6,20 @@
 #include <check.h>
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <signal.h>
+#include <sodium.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "check_main.h"
+#include "common/ckpt.h"
 #include "common/error.h"
 #include "common/safetensors.h"
+#include "common/sha256.h"
 
 static char dir[] = "/tmp/mr-test-st-XXXXXX";
 
@@ -475,6 +480,157 @@ START_TEST(test_safetensors_writer_errors) {
 }
 END_TEST
 
+/* ---- checksums taken while writing ---- */
+
+/* SHA-256 of n bytes by libsodium, the independent reference. */
+static void reference_sha256(const void *p, size_t n, char hex[65]) {
+  uint8_t d[crypto_hash_sha256_BYTES];
+  crypto_hash_sha256(d, p, n);
+  sodium_bin2hex(hex, 65, d, sizeof d);
+}
+
+/* Both block functions (the CPU's SHA instructions where present, and the
+ * portable one), fed in two pieces split anywhere, against libsodium; and
+ * the FIPS 180-4 example "abc". */
+START_TEST(test_sha256_matches_reference_every_length_and_split) {
+  enum { MAX = 1100 };
+  uint8_t *b = malloc(MAX);
+  ck_assert_ptr_nonnull(b);
+  for (size_t i = 0; i < MAX; i++)
+    b[i] = (uint8_t)(i * 131 + 7);
+  char got[65], want[65];
+  for (int fast = 0; fast <= mr_sha256_accelerated(); fast++)
+    for (size_t n = 0; n <= MAX; n += n < 300 ? 1 : 37)
+      for (size_t split = 0; split <= n; split += n / 5 + 1) {
+        struct mr_sha256 h;
+        mr_sha256_init(&h);
+        h.fast = fast;
+        mr_sha256_update(&h, b, split);
+        mr_sha256_update(&h, b + split, n - split);
+        mr_sha256_final(&h, got);
+        reference_sha256(b, n, want);
+        ck_assert_msg(strcmp(got, want) == 0, "fast %d, %zu bytes split at %zu", fast, n,
+                      split);
+      }
+  struct mr_sha256 h;
+  mr_sha256_init(&h);
+  mr_sha256_update(&h, "abc", 3);
+  mr_sha256_final(&h, got);
+  ck_assert_str_eq(got, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  free(b);
+}
+END_TEST
+
+/* Writes a file of a (rows x 1024 F32), b (5 F32) and c (b as BF16) with
+ * flags and checks that the checksum given is that of the bytes on disk
+ * and that the data reads back. */
+static void check_hashed_write(const char *p, int flags, const float *a, int64_t rows) {
+  float small[5] = {1, 2, 3, 4, 5};
+  struct mr_st_writer *w;
+  char hex[65], want[65], again[65];
+  ck_assert_int_eq(mr_st_writer_new(p, flags | MR_ST_WRITE_SHA256, &w), 0);
+  ck_assert_int_eq(mr_st_writer_add(w, "a", MR_F32, 2, (int64_t[]){rows, 1024}, a), 0);
+  ck_assert_int_eq(mr_st_writer_add(w, "b", MR_F32, 1, (int64_t[]){5}, small), 0);
+  ck_assert_int_eq(mr_st_writer_add_converted(w, "c", MR_BF16, 1, (int64_t[]){5}, MR_F32,
+                                              small),
+                   0);
+  ck_assert_int_eq(mr_st_writer_add_metadata(w, "format", "pt"), 0);
+  ck_assert_int_eq(mr_st_writer_sha256(w, hex), MR_EINVAL); /* not finished */
+  ck_assert_msg(mr_st_writer_finish(w) == 0, "%s", mr_error_message());
+  ck_assert_int_eq(mr_st_writer_sha256(w, hex), 0);
+  mr_st_writer_free(w);
+
+  FILE *f = fopen(p, "rb");
+  ck_assert_ptr_nonnull(f);
+  fseek(f, 0, SEEK_END);
+  size_t size = (size_t)ftell(f);
+  rewind(f);
+  uint8_t *bytes = malloc(size);
+  ck_assert_ptr_nonnull(bytes);
+  ck_assert_uint_eq(fread(bytes, 1, size, f), size);
+  fclose(f);
+  reference_sha256(bytes, size, want);
+  ck_assert_str_eq(hex, want);
+  ck_assert_int_eq(mr_sha256_file(p, again), 0);
+  ck_assert_str_eq(again, want);
+  free(bytes);
+
+  struct mr_st_file *sf;
+  ck_assert_msg(mr_st_open(p, &sf) == 0, "%s", mr_error_message());
+  ck_assert_int_eq(memcmp(mr_st_data(sf, mr_st_find(sf, "a")), a,
+                          sizeof(float) * (size_t)rows * 1024),
+                   0);
+  float back[5];
+  ck_assert_int_eq(mr_st_read(sf, mr_st_find(sf, "c"), MR_F32, back), 0);
+  ck_assert(back[0] == 1 && back[4] == 5);
+  ck_assert_int_eq(mr_st_read(sf, mr_st_find(sf, "b"), MR_F32, back), 0);
+  ck_assert(back[0] == 1 && back[4] == 5);
+  mr_st_free(sf);
+}
+
+/* Durable files larger than the write-behind window (pieces are waited for
+ * and dropped from the page cache on the way) and than the direct-I/O ring
+ * (its buffers are reused), of a size that is no multiple of the block
+ * size, and small ones; hashed while written. */
+START_TEST(test_safetensors_durable_write_hashes_what_it_wrote) {
+  enum { ROWS = 25000 }; /* 100 MB of F32 */
+  float *a = malloc(sizeof(float) * ROWS * 1024);
+  ck_assert_ptr_nonnull(a);
+  for (size_t i = 0; i < (size_t)ROWS * 1024; i++)
+    a[i] = (float)(i % 999983) * 0.5f;
+  const int flags[2] = {MR_ST_WRITE_FSYNC, MR_ST_WRITE_DIRECT};
+  for (int k = 0; k < 2; k++) {
+    check_hashed_write(path_of("durable.safetensors"), flags[k], a, ROWS);
+    check_hashed_write(path_of("small.safetensors"), flags[k], a, 3);
+  }
+  /* a filesystem without O_DIRECT (tmpfs) is written through the cache */
+  char shm[64];
+  snprintf(shm, sizeof shm, "/dev/shm/mr-test-st-%d.safetensors", (int)getpid());
+  if (access("/dev/shm", W_OK) == 0) {
+    check_hashed_write(shm, MR_ST_WRITE_DIRECT, a, 300);
+    unlink(shm);
+  }
+
+  /* without the flag there is no checksum to give */
+  struct mr_st_writer *w;
+  char hex[65];
+  ck_assert_int_eq(mr_st_writer_new(path_of("plain.safetensors"), 0, &w), 0);
+  ck_assert_int_eq(mr_st_writer_add(w, "b", MR_F32, 1, (int64_t[]){5}, a), 0);
+  ck_assert_int_eq(mr_st_writer_finish(w), 0);
+  ck_assert_int_eq(mr_st_writer_sha256(w, hex), MR_EINVAL);
+  mr_st_writer_free(w);
+  free(a);
+}
+END_TEST
+
+/* A write that fails half way (the file-size limit, as a full disk would)
+ * is an error and leaves no file behind, through the page cache or not. */
+START_TEST(test_safetensors_failed_write_leaves_no_file) {
+  enum { N = 4 << 20 }; /* 16 MiB of F32 */
+  float *a = calloc(N, sizeof(float));
+  ck_assert_ptr_nonnull(a);
+  signal(SIGXFSZ, SIG_IGN); /* write(2) returns EFBIG instead */
+  struct rlimit lim = {.rlim_cur = 5 << 20, .rlim_max = RLIM_INFINITY};
+  ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &lim), 0); /* this test's process only */
+  const int flags[3] = {MR_ST_WRITE_FSYNC, MR_ST_WRITE_DIRECT | MR_ST_WRITE_SHA256,
+                        MR_ST_WRITE_DIRECT};
+  for (int k = 0; k < 3; k++) {
+    const char *p = path_of("full.safetensors");
+    struct mr_st_writer *w;
+    char hex[65];
+    ck_assert_int_eq(mr_st_writer_new(p, flags[k], &w), 0);
+    ck_assert_int_eq(mr_st_writer_add(w, "a", MR_F32, 1, (int64_t[]){N}, a), 0);
+    mr_error_clear();
+    ck_assert_int_eq(mr_st_writer_finish(w), MR_EIO);
+    ck_assert_ptr_nonnull(strstr(mr_error_message(), "full.safetensors"));
+    ck_assert_int_eq(mr_st_writer_sha256(w, hex), MR_EINVAL);
+    mr_st_writer_free(w);
+    ck_assert_int_eq(access(p, F_OK), -1);
+  }
+  free(a);
+}
+END_TEST
+
 /* ---- the index ---- */
 
 START_TEST(test_safetensors_index_round_trip) {
@@ -566,6 +722,9 @@ static Suite *safetensors_suite(void) {
   tcase_add_test(tc, test_safetensors_rejects_malformed_headers);
   tcase_add_test(tc, test_safetensors_accepts_padding_and_empty);
   tcase_add_test(tc, test_safetensors_writer_errors);
+  tcase_add_test(tc, test_sha256_matches_reference_every_length_and_split);
+  tcase_add_test(tc, test_safetensors_durable_write_hashes_what_it_wrote);
+  tcase_add_test(tc, test_safetensors_failed_write_leaves_no_file);
   tcase_add_test(tc, test_safetensors_index_round_trip);
   tcase_add_test(tc, test_safetensors_index_rejects_malformed);
   suite_add_tcase(s, tc);

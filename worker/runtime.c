@@ -922,6 +922,10 @@ static int writes_model(const struct mr_runtime *rt, const struct mr_param_plan 
          rt->p.model == 0;
 }
 
+int mr_runtime_host_memory(const struct mr_runtime *rt) {
+  return rt->be->ops->registry == MR_BACKEND_CPU;
+}
+
 int mr_runtime_to_host(struct mr_runtime *rt, void *host, const void *dev, size_t bytes) {
   return rt->be->ops->copy(rt->be, NULL, host, dev, bytes, MR_COPY_DEVICE_TO_HOST);
 }

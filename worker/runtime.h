@@ -83,6 +83,10 @@ struct mr_rt_param {
 /* Fills *out (owned by the runtime) and returns the count. */
 int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out);
 
+/* 1 when the backend's device memory is this process's host memory (the
+ * CPU backend): plain memcpy reaches it. */
+int mr_runtime_host_memory(const struct mr_runtime *rt);
+
 /* Copies bytes between device and host memory of the runtime's backend. */
 int mr_runtime_to_host(struct mr_runtime *rt, void *host, const void *dev, size_t bytes);
 int mr_runtime_to_device(struct mr_runtime *rt, void *dev, const void *host, size_t bytes);
