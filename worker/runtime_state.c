@@ -1,0 +1,317 @@
+/* runtime_state.c - a rank's parameters in and out: the first values,
+ * their views for checkpoints, the final weights. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/ops.h"
+#include "common/rng.h"
+#include "common/safetensors.h"
+#include "common/tunable.h"
+#include "worker/backend/cpu/pool.h"
+#include "worker/runtime_internal.h"
+#include "worker/weights.h"
+
+/* ---- initialization ---- */
+
+/* Fills the local shard of parameter i from the seeded initializer: element
+ * by element the same global values whatever the sharding. */
+static void init_param(struct mr_runtime *rt, const struct mr_param_plan *pp, float *dst) {
+  const struct mr_graph *g = &rt->L->model.graph;
+  const struct mr_tensor *t = &g->tensors[pp->tensor];
+  int64_t rows = t->ndim > 1 ? pp->glen[0] : 1, cols = t->ndim > 1 ? pp->glen[1] : pp->glen[0];
+  int64_t gcols = t->ndim > 1 ? t->shape[1] : t->shape[0];
+  for (int64_t r = 0; r < rows; r++) {
+    float *row = dst + r * cols;
+    if (t->init == MR_INIT_NORMAL) {
+      int64_t first = t->ndim > 1 ? (pp->goff[0] + r) * gcols + pp->goff[1] : pp->goff[0];
+      mr_rng_normal_fill(rt->job->train.seed, mr_hash_str(t->name), (uint64_t)first,
+                         (size_t)cols, 0.0f, (float)rt->job->model.initializer_range, row);
+    } else {
+      for (int64_t c = 0; c < cols; c++)
+        row[c] = t->init == MR_INIT_ONES ? 1.0f : 0.0f;
+    }
+  }
+}
+
+static int load_param(struct mr_runtime *rt, struct mr_st_file *f, const struct mr_param_plan *pp,
+                      float *dst) {
+  const struct mr_tensor *t = &rt->L->model.graph.tensors[pp->tensor];
+  const struct mr_st_tensor *s = mr_st_find(f, t->name);
+  if (!s)
+    return mr_error_set(MR_EFORMAT, "%s: tensor %s: missing", mr_st_path(f), t->name);
+  int same = s->rank == t->ndim;
+  for (int d = 0; same && d < t->ndim; d++)
+    same = s->shape[d] == t->shape[d];
+  if (!same)
+    return mr_error_set(MR_EFORMAT, "%s: tensor %s: shape does not match the model config",
+                        mr_st_path(f), t->name);
+  return mr_st_read_slice(f, s, pp->goff, pp->glen, MR_F32, dst);
+}
+
+/* The parameters' first values, through a host buffer. */
+int mr__rt_init_params(struct mr_runtime *rt) {
+  const char *init = rt->job->train.init;
+  struct mr_st_file *f = NULL;
+  if (init != NULL && strcmp(init, "random") != 0) {
+    char full[4096];
+    snprintf(full, sizeof full, "%s/model.safetensors", init);
+    FILE *probe = fopen(full, "rb");
+    if (probe != NULL) {
+      fclose(probe);
+      MR_TRY(mr_st_open(full, &f));
+    } else {
+      MR_TRY(mr_st_open(init, &f));
+    }
+  }
+  int rc = 0;
+  const struct mr_layout *lay = &rt->L->lay;
+  for (int i = 0; i < rt->p.n_params && rc == 0; i++) {
+    const struct mr_param_plan *pp = &rt->p.params[i];
+    float *host = calloc((size_t)(pp->block * lay->dp > pp->numel ? pp->block * lay->dp
+                                                                  : pp->numel) + 1,
+                         sizeof *host);
+    if (!host) {
+      rc = MR_ENOMEM;
+      break;
+    }
+    if (f != NULL)
+      rc = load_param(rt, f, pp, host);
+    else
+      init_param(rt, pp, host);
+    if (rc == 0) {
+      char *dst = rt->param + pp->store_offset;
+      if (lay->zero >= 3) /* only this rank's block */
+        rc = rt->be->ops->copy(rt->be, NULL, dst, host + pp->begin, (size_t)pp->len * 4,
+                               MR_COPY_HOST_TO_DEVICE);
+      else
+        rc = rt->be->ops->copy(rt->be, NULL, dst, host, (size_t)pp->numel * 4,
+                               MR_COPY_HOST_TO_DEVICE);
+    }
+    free(host);
+  }
+  mr_st_free(f);
+  return rc;
+}
+
+/* One copy of each shard along the model dim: model coordinate 0 unless
+ * the parameter is split over model. */
+int mr__rt_writes_model(const struct mr_runtime *rt, const struct mr_param_plan *pp) {
+  const struct mr_lowered *L = rt->L;
+  return L->model_dim < 0 || L->dg.tensor[pp->tensor].p[L->model_dim].kind == MR_SHARD ||
+         rt->p.model == 0;
+}
+
+int mr_runtime_host_memory(const struct mr_runtime *rt) {
+  return rt->be->ops->registry == MR_BACKEND_CPU;
+}
+
+int mr_runtime_to_host(struct mr_runtime *rt, void *host, const void *dev, size_t bytes) {
+  return rt->be->ops->copy(rt->be, NULL, host, dev, bytes, MR_COPY_DEVICE_TO_HOST);
+}
+
+int mr_runtime_to_device(struct mr_runtime *rt, void *dev, const void *host, size_t bytes) {
+  return rt->be->ops->copy(rt->be, NULL, dev, host, bytes, MR_COPY_HOST_TO_DEVICE);
+}
+
+const struct mr_lowered *mr_runtime_lowered(const struct mr_runtime *rt) { return rt->L; }
+
+int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out) {
+  const struct mr_rank_program *p = &rt->p;
+  if (rt->views == NULL) {
+    rt->views = calloc((size_t)(p->n_params > 0 ? p->n_params : 1), sizeof *rt->views);
+    if (!rt->views)
+      return MR_ENOMEM;
+    const struct mr_graph *g = &rt->L->model.graph;
+    for (int i = 0; i < p->n_params; i++) {
+      const struct mr_param_plan *pp = &p->params[i];
+      const struct mr_tensor *t = &g->tensors[pp->tensor];
+      float *m = (float *)(rt->optim + pp->state_offset);
+      int z3 = rt->L->lay.zero >= 3, model_ok = mr__rt_writes_model(rt, pp);
+      rt->views[i] = (struct mr_rt_param){
+          .name = t->name, .ndim = t->ndim, .shape = t->shape, .goff = pp->goff,
+          .glen = pp->glen, .numel = pp->numel, .param = (float *)(rt->param + pp->store_offset),
+          .pbegin = z3 ? pp->begin : 0, .plen = z3 ? pp->len : pp->numel, .m = m,
+          .v = m + ((pp->len * 4 + 63) / 64 * 64) / 4, .begin = pp->begin, .len = pp->len,
+          .state_on_host = rt->offload_host,
+          .keeps_param = model_ok && (z3 || rt->p.data == 0) && pp->replica_of < 0,
+          .keeps_state = model_ok && (rt->L->lay.zero >= 1 || rt->p.data == 0)};
+    }
+  }
+  *out = rt->views;
+  return rt->p.n_params;
+}
+
+/* ---- final weights ---- */
+
+/* Whether this rank writes parameter i's local tensor: one copy of each
+ * distinct shard (data coordinate 0, and model coordinate 0 unless the
+ * parameter is split over model). */
+static int writes_param(const struct mr_runtime *rt, const struct mr_param_plan *pp) {
+  return rt->p.data == 0 && pp->replica_of < 0 && mr__rt_writes_model(rt, pp);
+}
+
+static int write_part(struct mr_runtime *rt, const char *path) {
+  const struct mr_layout *lay = &rt->L->lay;
+  struct mr_st_writer *w = NULL;
+  cJSON *pieces = cJSON_CreateObject();
+  float *host = NULL, *dev = NULL;
+  int64_t max = 0, total = 0;
+  for (int i = 0; i < rt->p.n_params; i++) {
+    if (rt->p.params[i].block * lay->dp > max)
+      max = rt->p.params[i].block * lay->dp;
+    total += rt->p.params[i].numel;
+  }
+  int rc = MR_ENOMEM;
+  /* the writer keeps pointers until it finishes: one buffer for all */
+  host = malloc((size_t)(total + 1) * sizeof *host);
+  float *at = host;
+  if (!pieces || !host)
+    goto out;
+  if (lay->zero >= 3)
+    MR_TRY_GOTO(rc, rt->be->ops->alloc(rt->be, (size_t)(max + 1) * 4, (void **)&dev), out);
+  MR_TRY_GOTO(rc, mr_st_writer_new(path, 0, &w), out);
+  for (int i = 0; i < rt->p.n_params; i++) {
+    const struct mr_param_plan *pp = &rt->p.params[i];
+    const char *src = rt->param + pp->store_offset;
+    if (lay->zero >= 3) { /* every data rank takes part in the gather */
+      struct mr_comm_req *req;
+      if (rt->data_g != NULL) {
+        MR_TRY_GOTO(rc, mr_comm_all_gather(rt->data_g, src, dev, (size_t)pp->block, NULL, MR_F32,
+                                           &req), out);
+        MR_TRY_GOTO(rc, mr_comm_wait(req), out);
+        src = (const char *)dev;
+      }
+    }
+    if (!writes_param(rt, pp))
+      continue;
+    MR_TRY_GOTO(rc, rt->be->ops->copy(rt->be, NULL, at, src, (size_t)pp->numel * 4,
+                                      MR_COPY_DEVICE_TO_HOST), out);
+    const struct mr_tensor *t = &rt->L->model.graph.tensors[pp->tensor];
+    MR_TRY_GOTO(rc, mr_st_writer_add(w, t->name, MR_F32, 1, &pp->numel, at), out);
+    at += pp->numel;
+    cJSON *a = cJSON_AddArrayToObject(pieces, t->name);
+    for (int d = 0; d < t->ndim; d++)
+      cJSON_AddItemToArray(a, cJSON_CreateNumber((double)pp->goff[d]));
+    for (int d = 0; d < t->ndim; d++)
+      cJSON_AddItemToArray(a, cJSON_CreateNumber((double)pp->glen[d]));
+  }
+  char *text = cJSON_PrintUnformatted(pieces);
+  rc = text ? mr_st_writer_add_metadata(w, "pieces", text) : MR_ENOMEM;
+  free(text);
+  if (rc == 0)
+    rc = mr_st_writer_finish(w);
+out:
+  mr_st_writer_free(w);
+  cJSON_Delete(pieces);
+  free(host);
+  if (dev)
+    rt->be->ops->free(rt->be, dev);
+  return rc;
+}
+
+/* Rank 0: every part's pieces placed into whole tensors, written as one
+ * file. */
+static int merge_parts(struct mr_runtime *rt, const char *path) {
+  const struct mr_graph *g = &rt->L->model.graph;
+  int world = rt->L->lay.world, rc = 0;
+  struct mr_st_file **parts = calloc((size_t)world, sizeof *parts);
+  float **full = calloc((size_t)g->n_tensors, sizeof *full);
+  if (!parts || !full) {
+    rc = MR_ENOMEM;
+    goto out;
+  }
+  for (int r = 0; r < world && rc == 0; r++) {
+    char pp[4200];
+    snprintf(pp, sizeof pp, "%s.part-%d", path, r);
+    if (access(pp, F_OK) == 0)
+      rc = mr_st_open(pp, &parts[r]);
+  }
+  for (int t = 0; t < g->n_tensors && rc == 0; t++) {
+    if (g->tensors[t].role != MR_ROLE_PARAM)
+      continue;
+    const struct mr_tensor *tt = &g->tensors[t];
+    if (!(full[t] = calloc((size_t)mr_tensor_numel(tt), sizeof(float)))) {
+      rc = MR_ENOMEM;
+      break;
+    }
+    for (int r = 0; r < world && rc == 0; r++) {
+      if (parts[r] == NULL)
+        continue;
+      const struct mr_st_tensor *s = mr_st_find(parts[r], tt->name);
+      const char *meta = mr_st_metadata(parts[r], "pieces");
+      if (s == NULL || meta == NULL)
+        continue;
+      cJSON *o = cJSON_Parse(meta);
+      const cJSON *a = o ? cJSON_GetObjectItemCaseSensitive(o, tt->name) : NULL;
+      if (!cJSON_IsArray(a) || cJSON_GetArraySize(a) != 2 * tt->ndim) {
+        cJSON_Delete(o);
+        rc = mr_error_set(MR_EFORMAT, "%s: pieces of %s", mr_st_path(parts[r]), tt->name);
+        break;
+      }
+      int64_t off[MR_MAX_DIMS], len[MR_MAX_DIMS], n = 1;
+      for (int d = 0; d < tt->ndim; d++) {
+        off[d] = (int64_t)cJSON_GetArrayItem(a, d)->valuedouble;
+        len[d] = (int64_t)cJSON_GetArrayItem(a, tt->ndim + d)->valuedouble;
+        n *= len[d];
+      }
+      cJSON_Delete(o);
+      float *piece = malloc((size_t)(n + 1) * sizeof *piece);
+      if (!piece) {
+        rc = MR_ENOMEM;
+        break;
+      }
+      rc = mr_st_read(parts[r], s, MR_F32, piece);
+      int64_t zero[MR_MAX_DIMS] = {0};
+      if (rc == 0) { /* on the host: a plain strided copy */
+        int64_t rows = tt->ndim > 1 ? len[0] : 1, cols = tt->ndim > 1 ? len[1] : len[0];
+        int64_t gcols = tt->ndim > 1 ? tt->shape[1] : tt->shape[0];
+        int64_t r0 = tt->ndim > 1 ? off[0] : 0, c0 = tt->ndim > 1 ? off[1] : off[0];
+        (void)zero;
+        for (int64_t i = 0; i < rows; i++)
+          memcpy(full[t] + (r0 + i) * gcols + c0, piece + i * cols, (size_t)cols * sizeof(float));
+      }
+      free(piece);
+    }
+  }
+  if (rc == 0)
+    rc = mr_weights_write(g, &rt->job->model, full, path);
+out:
+  for (int r = 0; parts && r < world; r++) {
+    mr_st_free(parts[r]);
+    char pp[4200];
+    snprintf(pp, sizeof pp, "%s.part-%d", path, r);
+    unlink(pp);
+  }
+  for (int t = 0; full && t < g->n_tensors; t++)
+    free(full[t]);
+  free(full);
+  free(parts);
+  return rc;
+}
+
+int mr_runtime_save_weights(struct mr_runtime *rt, const char *path) {
+  char part[4200];
+  snprintf(part, sizeof part, "%s.part-%d", path, rt->p.rank);
+  int rc = write_part(rt, part);
+  int any;
+  /* every part is on disk before rank 0 reads them (the agreement is a
+   * barrier over every rank) */
+  int rc2 = mr_runtime_agree(rt, rc < 0, &any);
+  if (rc < 0)
+    return rc;
+  MR_TRY(rc2);
+  if (any)
+    return mr_error_set(MR_EIO, "writing the final weights failed on another rank");
+  if (rt->p.rank == 0)
+    return merge_parts(rt, path);
+  return 0;
+}
+
