@@ -134,7 +134,6 @@ static int run_training(struct mr_client *c) {
       .metrics_path = NULL, /* the coordinator writes the job's metrics file */
       .weights_out = weights, /* every rank writes its part; rank 0 merges */
       .reporter = &rep,
-      .dp_group = NULL,
       .resume_dir = plan->resume_dir != NULL && plan->resume_dir[0] != '\0' ? plan->resume_dir
                                                                              : NULL,
   };

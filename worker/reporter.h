@@ -42,8 +42,6 @@ struct mr_reporter {
                              const char *const *sha256, int n);
 };
 
-struct mr_comm_group;
-
 /* Where a job runs: given to the job by the worker runtime. */
 struct mr_run_env {
   int rank;
@@ -54,7 +52,6 @@ struct mr_run_env {
   const char *metrics_path;     // JSON lines, one per step; NULL: none
   const char *weights_out;      // final weights (safetensors); NULL: none
   struct mr_reporter *reporter; // never NULL
-  struct mr_comm_group *dp_group; // data-parallel group; NULL: one rank
   const char *resume_dir;       // checkpoint folder to start from; NULL: none
 };
 

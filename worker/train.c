@@ -18,7 +18,6 @@
 #include "common/tunable.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/exec.h"
-#include "worker/grad_sync.h"
 #include "worker/optim.h"
 #include "worker/weights.h"
 
@@ -36,26 +35,11 @@ struct mr_trainer {
   int have_val;
   int64_t inject_step;
   double step_flops;
-  /* data parallelism: this rank computes rows [dp_rank * batch, +batch) of
-   * every global batch; sync averages the gradients (NULL: one rank) */
-  int dp_rank, dp_size;
-  struct mr_grad_sync *sync;
-  struct mr_train_slot *slots;  // [n_params], for checkpoints
   /* gradient accumulation: `accum` micro-batches of `model.batch` rows per
    * step; acc[i] sums parameter i's gradient over the micro-batches */
   int accum;
   float **acc;
-  /* ZeRO-1: this rank keeps AdamW moments for, and updates, elements
-   * [shard_begin[i], +shard_len[i]) of parameter i (blocks of
-   * ceil(n / dp)); the updated blocks are all-gathered */
-  int zero;
-  int64_t *shard_begin, *shard_len;
-  float *gather;                // scratch for the all-gather
-  struct mr_comm_group *env_dp; // borrowed data-parallel group, or NULL
-  size_t gather_floats;
 };
-
-static void finish_accumulation(void *ctx, int i);
 
 static double now(void) {
   struct timespec ts;
@@ -75,14 +59,9 @@ void mr_trainer_free(struct mr_trainer *t) {
       free(t->acc[i]);
   }
   free(t->acc);
-  free(t->shard_begin);
-  free(t->shard_len);
-  free(t->gather);
   free(t->m);
   free(t->v);
   free(t->params);
-  free(t->slots);
-  mr_grad_sync_free(t->sync);
   mr_exec_close(&t->exec);
   mr_model_close(&t->model);
   mr_tokens_close(&t->train);
@@ -92,30 +71,21 @@ void mr_trainer_free(struct mr_trainer *t) {
 
 int mr_trainer_new(const struct mr_job *job, int threads,
                    struct mr_trainer **out) {
-  return mr_trainer_new_dp(job, threads, NULL, out);
-}
-
-int mr_trainer_new_dp(const struct mr_job *job, int threads, struct mr_comm_group *dp,
-                      struct mr_trainer **out) {
   const struct mr_train_config *tc = &job->train;
-  int dp_size = dp != NULL ? dp->comm->ops->group_size(dp) : 1;
   int accum = job->strategy.grad_accum_steps > 1 ? job->strategy.grad_accum_steps : 1;
-  if (tc->global_batch % ((int64_t)dp_size * accum) != 0)
+  if (tc->global_batch % accum != 0)
     return mr_error_set(MR_EINVAL,
-                        "train.global_batch (%lld) must be a multiple of the data-parallel "
-                        "degree (%d) times strategy.gradient_accumulation_steps (%d)",
-                        (long long)tc->global_batch, dp_size, accum);
+                        "train.global_batch (%lld) must be a multiple of "
+                        "strategy.gradient_accumulation_steps (%d)",
+                        (long long)tc->global_batch, accum);
   struct mr_trainer *t = calloc(1, sizeof *t);
   if (!t)
     return MR_ENOMEM;
   int rc;
   t->job = job;
-  t->dp_size = dp_size;
-  t->dp_rank = dp != NULL ? dp->comm->ops->group_rank(dp) : 0;
   t->accum = accum;
-  t->zero = dp_size > 1 && job->strategy.zero_stage >= 1;
-  MR_TRY_GOTO(rc, mr_model_build(&job->model, tc->global_batch / dp_size / accum, tc->seq_len,
-                                 &t->model), fail);
+  MR_TRY_GOTO(rc, mr_model_build(&job->model, tc->global_batch / accum, tc->seq_len, &t->model),
+              fail);
   struct mr_graph *g = &t->model.graph;
   MR_TRY_GOTO(rc, mr_autodiff(g, t->model.loss, &t->seed_grad), fail);
   enum mr_amp_mode amp = job->strategy.amp_dtype == MR_AMP_BF16 ? MR_AMP_ROUND_BF16
@@ -133,38 +103,17 @@ int mr_trainer_new_dp(const struct mr_job *job, int threads, struct mr_comm_grou
   t->m = calloc((size_t)t->n_params, sizeof *t->m);
   t->v = calloc((size_t)t->n_params, sizeof *t->v);
   t->acc = calloc((size_t)t->n_params, sizeof *t->acc);
-  t->shard_begin = calloc((size_t)t->n_params, sizeof *t->shard_begin);
-  t->shard_len = calloc((size_t)t->n_params, sizeof *t->shard_len);
-  if (!t->m || !t->v || !t->acc || !t->shard_begin || !t->shard_len)
+  if (!t->m || !t->v || !t->acc)
     goto fail;
   for (int i = 0; i < t->n_params; i++) {
     int64_t numel = mr_tensor_numel(&g->tensors[t->params[i]]);
-    t->shard_begin[i] = 0;
-    t->shard_len[i] = numel;
-    if (t->zero) {
-      int64_t block = (numel + dp_size - 1) / dp_size;
-      int64_t b = block * t->dp_rank;
-      t->shard_begin[i] = b < numel ? b : numel;
-      t->shard_len[i] = b >= numel ? 0 : (numel - b < block ? numel - b : block);
-      if ((size_t)(block * dp_size) > t->gather_floats)
-        t->gather_floats = (size_t)(block * dp_size);
-    }
-    size_t n = (size_t)t->shard_len[i];
+    size_t n = (size_t)numel;
     t->m[i] = calloc(n > 0 ? n : 1, sizeof(float));
     t->v[i] = calloc(n > 0 ? n : 1, sizeof(float));
     if (!t->m[i] || !t->v[i])
       goto fail;
     if (accum > 1 && !(t->acc[i] = calloc((size_t)numel, sizeof(float))))
       goto fail;
-  }
-  if (t->zero &&
-      !(t->gather = malloc((t->gather_floats + t->gather_floats / (size_t)dp_size + 1) *
-                           sizeof(float))))
-    goto fail;
-  t->env_dp = dp;
-  if (dp != NULL) {
-    MR_TRY_GOTO(rc, mr_grad_sync_new(dp, &t->exec, t->params, t->n_params, &t->sync), fail);
-    mr_grad_sync_set_prepare(t->sync, finish_accumulation, t);
   }
   if (!tc->init || strcmp(tc->init, "random") == 0)
     mr_weights_init(&t->model, &t->exec, tc->seed);
@@ -195,23 +144,22 @@ fail:
 }
 
 /* Fills the graph's inputs with rows of a batch; eval_batch < 0: training
- * rows of step `step` (0-based).  This rank's micro-batch `micro` holds
- * global rows (dp_rank * accum + micro) * batch onwards, so the global
- * batch is the same whatever the data-parallel degree and accumulation. */
+ * rows of step `step` (0-based).  Micro-batch `micro` holds global rows
+ * micro * batch onwards, so the global batch is the same whatever the
+ * accumulation. */
 static int load_batch(struct mr_trainer *t, int64_t step, int64_t eval_batch, int micro) {
   const struct mr_model *m = &t->model;
   int32_t *ids = mr_exec_buf(&t->exec, m->input_ids);
   int32_t *lab = mr_exec_buf(&t->exec, m->labels);
   int64_t T = m->seq;
-  /* global row numbers: the global batch is the same whatever dp is */
-  int64_t first = ((int64_t)t->dp_rank * t->accum + micro) * m->batch;
+  int64_t first = (int64_t)micro * m->batch;
   for (int64_t r = 0; r < m->batch; r++) {
     if (eval_batch < 0)
       MR_TRY(mr_tokens_batch_row(&t->train, t->job->train.seed, step, first + r, T,
                                  ids + r * T, lab + r * T));
     else
       MR_TRY(mr_tokens_eval_row(t->have_val ? &t->val : &t->train, eval_batch,
-                                first + r, m->batch * t->accum * t->dp_size, T, ids + r * T,
+                                first + r, m->batch * t->accum, T, ids + r * T,
                                 lab + r * T));
   }
   if (m->position_ids >= 0) {
@@ -225,17 +173,16 @@ static int load_batch(struct mr_trainer *t, int64_t step, int64_t eval_batch, in
 static uint64_t peak_bytes(const struct mr_trainer *t) {
   uint64_t opt = 0;
   for (int i = 0; i < t->n_params; i++) {
-    opt += 2 * (uint64_t)t->shard_len[i] * sizeof(float);
+    opt += 2 * (uint64_t)mr_tensor_bytes(&t->model.graph.tensors[t->params[i]]);
     if (t->accum > 1)
       opt += (uint64_t)mr_tensor_bytes(&t->model.graph.tensors[t->params[i]]);
   }
-  return mr_exec_peak_bytes(&t->exec) + opt + t->gather_floats * sizeof(float);
+  return mr_exec_peak_bytes(&t->exec) + opt;
 }
 
 /* The last micro-batch's gradient of parameter i becomes the mean over the
- * step's micro-batches (called just before it is synchronised). */
-static void finish_accumulation(void *ctx, int i) {
-  struct mr_trainer *t = ctx;
+ * step's micro-batches. */
+static void finish_accumulation(struct mr_trainer *t, int i) {
   if (t->accum <= 1)
     return;
   const struct mr_tensor *p = &t->model.graph.tensors[t->params[i]];
@@ -244,24 +191,6 @@ static void finish_accumulation(void *ctx, int i) {
   float inv = 1.0f / (float)t->accum;
   for (int64_t e = 0, n = mr_tensor_numel(p); e < n; e++)
     gr[e] = (gr[e] + acc[e]) * inv;
-}
-
-/* ZeRO-1: every rank updated its block of each parameter; gather them. */
-static int gather_params(struct mr_trainer *t) {
-  const struct mr_graph *g = &t->model.graph;
-  for (int i = 0; i < t->n_params; i++) {
-    int64_t numel = mr_tensor_numel(&g->tensors[t->params[i]]);
-    size_t block = (size_t)((numel + t->dp_size - 1) / t->dp_size);
-    float *p = mr_exec_buf(&t->exec, t->params[i]);
-    float *mine = t->gather + t->gather_floats; /* the send block, past the gathered */
-    memset(mine, 0, block * sizeof(float));
-    memcpy(mine, p + t->shard_begin[i], (size_t)t->shard_len[i] * sizeof(float));
-    struct mr_comm_req *req;
-    MR_TRY(mr_comm_all_gather(t->env_dp, mine, t->gather, block, NULL, MR_F32, &req));
-    MR_TRY(mr_comm_wait(req));
-    memcpy(p, t->gather, (size_t)numel * sizeof(float));
-  }
-  return 0;
 }
 
 int mr_trainer_step(struct mr_trainer *t, int64_t step,
@@ -293,19 +222,13 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
           for (int64_t e = 0; e < n; e++)
             acc[e] += gr[e];
       }
-    } else if (t->sync == NULL) {
+    } else {
       MR_TRY(mr_exec_run(&t->exec, g->n_forward_ops, g->n_ops));
       for (int i = 0; i < t->n_params; i++)
         finish_accumulation(t, i);
-    } else {
-      MR_TRY(mr_grad_sync_run(t->sync, g->n_forward_ops, g->n_ops));
-      MR_TRY(mr_grad_sync_wait(t->sync, &r->comm_wait_s));
     }
   }
-  float loss = (float)(loss_sum / t->accum);
-  if (t->sync != NULL)
-    MR_TRY(mr_grad_sync_average(t->sync, &loss, 1));
-  r->loss = loss;
+  r->loss = (float)(loss_sum / t->accum);
   if (step == t->inject_step && t->n_params > 0)
     ((float *)mr_exec_buf(&t->exec, g->tensors[t->params[0]].grad))[0] = INFINITY;
   double ss = 0;
@@ -334,17 +257,14 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
     int64_t opt_step = step - t->scaler.skipped;
     for (int i = 0; i < t->n_params; i++) {
       const struct mr_tensor *p = &g->tensors[t->params[i]];
-      MR_TRY(mr_cpu_adamw_step(t->exec.cpu.pool,
-                               (float *)mr_exec_buf(&t->exec, t->params[i]) + t->shard_begin[i],
-                               (float *)mr_exec_buf(&t->exec, p->grad) + t->shard_begin[i],
-                               t->m[i], t->v[i], (size_t)t->shard_len[i], &h, opt_step));
+      MR_TRY(mr_cpu_adamw_step(t->exec.cpu.pool, (float *)mr_exec_buf(&t->exec, t->params[i]),
+                               (float *)mr_exec_buf(&t->exec, p->grad), t->m[i], t->v[i],
+                               (size_t)mr_tensor_numel(p), &h, opt_step));
     }
-    if (t->zero)
-      MR_TRY(gather_params(t));
   }
   r->step_time_s = now() - t0;
   r->tokens_per_s =
-      (double)(t->model.batch * t->accum * t->dp_size * t->model.seq) / r->step_time_s;
+      (double)(t->model.batch * t->accum * t->model.seq) / r->step_time_s;
   r->peak_memory_bytes = peak_bytes(t);
   return 0;
 }
@@ -359,8 +279,6 @@ int mr_trainer_eval(struct mr_trainer *t, double *loss) {
       MR_TRY(mr_exec_run(&t->exec, 0, t->model.graph.n_forward_ops));
       batch_loss += ((float *)mr_exec_buf(&t->exec, t->model.loss))[0] / (float)t->accum;
     }
-    if (t->sync != NULL)
-      MR_TRY(mr_grad_sync_average(t->sync, &batch_loss, 1));
     sum += batch_loss;
   }
   *loss = sum / (double)nb;
@@ -372,24 +290,6 @@ int mr_trainer_save(const struct mr_trainer *t, const char *path) {
 }
 
 struct mr_exec *mr_trainer_exec(struct mr_trainer *t) { return &t->exec; }
-
-int mr_trainer_slots(struct mr_trainer *t, const struct mr_train_slot **slots) {
-  if (t->slots == NULL) {
-    t->slots = calloc((size_t)(t->n_params > 0 ? t->n_params : 1), sizeof *t->slots);
-    if (t->slots == NULL)
-      return MR_ENOMEM;
-    const struct mr_graph *g = &t->model.graph;
-    for (int i = 0; i < t->n_params; i++) {
-      const struct mr_tensor *p = &g->tensors[t->params[i]];
-      t->slots[i] = (struct mr_train_slot){
-          .name = p->name, .param = mr_exec_buf(&t->exec, t->params[i]), .m = t->m[i],
-          .v = t->v[i], .numel = mr_tensor_numel(p), .shard_begin = t->shard_begin[i],
-          .shard_len = t->shard_len[i], .ndim = p->ndim, .shape = p->shape};
-    }
-  }
-  *slots = t->slots;
-  return t->n_params;
-}
 
 struct mr_loss_scaler *mr_trainer_scaler(struct mr_trainer *t) { return &t->scaler; }
 
@@ -415,7 +315,7 @@ static void write_metrics(FILE *f, const struct mr_step_report *r) {
 int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
   struct mr_trainer *t;
   int threads = env->threads > 0 ? env->threads : 1;
-  MR_TRY(mr_trainer_new_dp(job, threads, env->dp_group, &t));
+  MR_TRY(mr_trainer_new(job, threads, &t));
   FILE *mf = NULL;
   int rc = 0;
   if (env->metrics_path && !(mf = fopen(env->metrics_path, "a"))) {

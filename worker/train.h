@@ -31,14 +31,6 @@ struct mr_trainer;
 int mr_trainer_new(const struct mr_job *job, int threads,
                    struct mr_trainer **out);
 
-/* The same for one rank of a data-parallel group dp (borrowed; NULL: a
- * single rank): the rank computes its share of every global batch and the
- * gradients and losses are averaged over dp, so every rank holds the same
- * weights as one rank training the whole batch. */
-struct mr_comm_group;
-int mr_trainer_new_dp(const struct mr_job *job, int threads, struct mr_comm_group *dp,
-                      struct mr_trainer **out);
-
 /* Runs optimizer step `step` (1-based): reads its rows, forward, backward,
  * loss scaling, clipping, AdamW.  Fills r (val_loss NaN).  Returns 0 or a
  * kernel's error. */
@@ -60,22 +52,7 @@ struct mr_exec *mr_trainer_exec(struct mr_trainer *t);
 
 void mr_trainer_free(struct mr_trainer *t);
 
-/* The trainer's persistent state, for checkpoints: one slot per trained
- * parameter with its AdamW moments (all borrowed from the trainer). */
-struct mr_train_slot {
-  const char *name;       // Hugging Face name
-  float *param;           // numel floats
-  float *m, *v;           // shard_len floats: elements [shard_begin, +shard_len)
-  int64_t numel;          //   of the flattened parameter (all of it unless ZeRO)
-  int64_t shard_begin, shard_len;
-  int ndim;
-  const int64_t *shape;
-};
-
-/* Fills *slots (owned by the trainer) and returns their count. */
-int mr_trainer_slots(struct mr_trainer *t, const struct mr_train_slot **slots);
-
-/* The loss scaler (fp16), for checkpoints.  Borrowed. */
+/* The loss scaler (fp16).  Borrowed. */
 struct mr_loss_scaler *mr_trainer_scaler(struct mr_trainer *t);
 
 /* Trains job in this process for train.steps steps: reports each step to
