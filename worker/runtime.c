@@ -74,6 +74,8 @@ void *mr__rt_buf(const struct mr_runtime *rt, int t, const struct mr_pass *ps, i
     return rt->param + b->offset;
   case MR_REG_STASH:
     return rt->stash[b->chunk] + slot * rt->p.stash_bytes[b->chunk] + b->offset;
+  case MR_REG_ACC:
+    return rt->acc + b->offset;
   case MR_REG_ARENA:
     if (ps != NULL && ps->arena_off[t] >= 0)
       return rt->arena + ps->arena_off[t];

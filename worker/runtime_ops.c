@@ -152,7 +152,9 @@ int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
   }
   int last = in->micro == lay->n_micro - 1;
   float scale = last ? 1.0f / (float)lay->n_micro : 1.0f;
-  MR_TRY(be->ops->axpby(be, acc, gr, in->micro == 0 ? 0.0f : scale, scale, (size_t)pp->numel));
+  if (gr != acc) /* unless the op wrote the accumulator itself */
+    MR_TRY(be->ops->axpby(be, acc, gr, in->micro == 0 ? 0.0f : scale, scale,
+                          (size_t)pp->numel));
   if (!last || plan == NULL || rt->data_g == NULL)
     return 0;
   /* the data-parallel sum, left in flight (or waited at once, to measure

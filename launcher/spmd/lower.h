@@ -155,6 +155,7 @@ enum mr_region {
   MR_REG_PARAM,      // persistent (a parameter; under ZeRO-3 its block)
   MR_REG_STASH,      // per micro-batch slot of its chunk
   MR_REG_ARENA,      // per pass (offset in the pass's arena_off)
+  MR_REG_ACC,        // a gradient written straight into its accumulator
 };
 
 struct mr_lbuf {

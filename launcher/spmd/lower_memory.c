@@ -100,6 +100,13 @@ int mr__lower_plan_buffers(struct build *b) {
     }
     if (lay->zero >= 2) /* reduce-scatter pads the gradient to dp blocks */
       p->buf[g->tensors[pp->tensor].grad].bytes = padded;
+    /* one micro-batch: the op producing the gradient writes the accumulator
+     * itself, where its synchronisation then runs */
+    if (lay->n_micro == 1 && lay->zero < 2 && !pp->off_data && pp->replica_of < 0) {
+      struct mr_lbuf *gb = &p->buf[g->tensors[pp->tensor].grad];
+      gb->region = MR_REG_ACC;
+      gb->offset = pp->acc_offset;
+    }
   }
   p->param_bytes = param;
   for (int pi = 0; pi < p->n_passes; pi++) {

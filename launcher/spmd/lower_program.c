@@ -545,6 +545,12 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
   for (int c = 0; c < L->n_chunks; c++)
     b.my_chunk[c] = c % lay->pp == p->pipe;
   MR_TRY_GOTO(rc, plan_params(&b), err);
+  for (int i = 0; i < p->n_params; i++) {
+    struct mr_param_plan *pp = &p->params[i];
+    int e = mr__lower_sync_edge(L, pp->tensor);
+    for (int s = 0; e >= 0 && s < L->dg.edges[e].plan.n_steps; s++)
+      pp->off_data |= L->dg.edges[e].plan.steps[s].mesh_dim != L->data_dim;
+  }
   MR_TRY_GOTO(rc, producers(&b), err);
   int fpass[64], bpass[64];
   if (lay->vp > 64) {
@@ -635,9 +641,6 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
   }
   for (int i = 0; i < p->n_params; i++) {
     struct mr_param_plan *pp = &p->params[i];
-    int e = mr__lower_sync_edge(L, pp->tensor);
-    for (int s = 0; e >= 0 && s < L->dg.edges[e].plan.n_steps; s++)
-      pp->off_data |= L->dg.edges[e].plan.steps[s].mesh_dim != L->data_dim;
     int64_t need = pp->block * lay->dp > pp->numel ? pp->block * lay->dp : pp->numel;
     if (pp->off_data && ALIGNED(need * 4) > p->grad_stage_bytes)
       p->grad_stage_bytes = ALIGNED(need * 4);
