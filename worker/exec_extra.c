@@ -12,6 +12,7 @@
 #include "common/ops.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/backend/cpu/pool.h"
+#include "worker/backend/cpu/sgemm.h"
 
 #define TT(g, id) (&(g)->tensors[(id)])
 #define NEL(g, id) mr_tensor_numel(TT(g, id))
@@ -276,13 +277,15 @@ static int k_attention(void *ctx, const struct mr_graph *g,
   return mr_cpu_attention_fwd(POOL(ctx), b[3], b[4], src[0], src[1], src[2], &s);
 }
 
-/* Attention backward by BLAS: for one (batch, kv head) task and each of
- * its query heads, rebuild P = exp(scale Q K^T - lse) (T x T, causal),
- * then dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO o O)),
- * dQ = scale dS K, dK += scale dS^T Q.  At T = 256, D = 32 the T x T
- * products run through sgemm several times faster than the backend's
- * blockwise loop (see docs/PERFORMANCE.md); the forward stays the
- * backend's.  lse is the backend's layout, [B, H, T]. */
+/* Attention backward by BLAS, on CPUs without AVX-512 (with it, the
+ * backend's backward does the same on its own matmul, skipping the masked
+ * triangle): for one (batch, kv head) task and each of its query heads,
+ * rebuild P = exp(scale Q K^T - lse) (T x T, causal), then dV += P^T dO,
+ * dP = dO V^T, dS = P (dP - rowsum(dO o O)), dQ = scale dS K,
+ * dK += scale dS^T Q.  At T = 256, D = 32 the T x T products run through
+ * sgemm several times faster than the backend's blockwise loop (see
+ * docs/PERFORMANCE.md); the forward stays the backend's.  lse is the
+ * backend's layout, [B, H, T]. */
 struct attn_bwd_job {
   struct mr_attn_shape s;
   const float *q, *k, *v, *o, *dout, *lse;
@@ -350,6 +353,10 @@ static int k_attention_bwd(void *ctx, const struct mr_graph *g,
   j.dout = src[0], j.q = src[1], j.k = src[2], j.v = src[3];
   j.o = b[4], j.lse = b[5], j.dq = b[6], j.dk = b[7], j.dv = b[8];
   j.pool = POOL(ctx);
+  /* with AVX-512 the backend's own backward runs on the same products */
+  if (mr__cpu_has_avx512())
+    return mr_cpu_attention_bwd(j.pool, j.dq, j.dk, j.dv, j.dout, j.q, j.k, j.v,
+                                j.o, j.lse, &j.s);
   return mr_pool_run(j.pool, j.s.B * j.s.Hkv, attn_bwd_task, &j);
 }
 

@@ -98,7 +98,7 @@ static int tile_task(void *arg, int task, int thread) {
   int i0 = task / j->col_tiles * j->mb, j0 = task % j->col_tiles * j->nb;
   int i1 = i0 + j->mb < j->M ? i0 + j->mb : j->M;
   int j1 = j0 + j->nb < j->N ? j0 + j->nb : j->N;
-  mr__sgemm_block(j->ta, j->K, j->alpha, j->A, j->lda, j->bp, j->beta, j->C,
+  mr__sgemm_block(j->ta, j->K, j->alpha, j->A, j->lda, j->bp, j->K, j->beta, j->C,
                   j->ldc, j->bias, i0, i1, j0, j1);
   return 0;
 }

@@ -180,11 +180,123 @@ AVX512 static void kernel_6x64(int kc, const float *a0, const float *a1,
   STORE_ROW(5);
 }
 
+/* The same for a panel with at most 32 valid columns (attention's head
+ * dimension): 12 rows x 32 columns, two panel loads and twelve broadcasts
+ * per k. */
+#define ACC2_ROW(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0
+#define FMA2_ROW(r)                                                            \
+  do {                                                                         \
+    __m512 x = _mm512_set1_ps(a##r[ka]);                                       \
+    c##r##0 = _mm512_fmadd_ps(x, b0, c##r##0);                                 \
+    c##r##1 = _mm512_fmadd_ps(x, b1, c##r##1);                                 \
+  } while (0)
+#define STORE2_ROW(r)                                                          \
+  do {                                                                         \
+    if ((r) < mr) {                                                            \
+      STORE1(r, 0);                                                            \
+      STORE1(r, 1);                                                            \
+    }                                                                          \
+  } while (0)
+
+AVX512 static void kernel_12x32(int kc, const float *const *a, ptrdiff_t as,
+                                const float *b, float *c, int ldc, int mr,
+                                const __mmask16 *m, float alpha, float beta,
+                                int first, const float *bias) {
+  const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4],
+              *a5 = a[5], *a6 = a[6], *a7 = a[7], *a8 = a[8], *a9 = a[9],
+              *a10 = a[10], *a11 = a[11];
+  ACC2_ROW(0);
+  ACC2_ROW(1);
+  ACC2_ROW(2);
+  ACC2_ROW(3);
+  ACC2_ROW(4);
+  ACC2_ROW(5);
+  ACC2_ROW(6);
+  ACC2_ROW(7);
+  ACC2_ROW(8);
+  ACC2_ROW(9);
+  ACC2_ROW(10);
+  ACC2_ROW(11);
+  ptrdiff_t ka = 0;
+  for (int k = 0; k < kc; k++, ka += as, b += NR) {
+    __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
+    FMA2_ROW(0);
+    FMA2_ROW(1);
+    FMA2_ROW(2);
+    FMA2_ROW(3);
+    FMA2_ROW(4);
+    FMA2_ROW(5);
+    FMA2_ROW(6);
+    FMA2_ROW(7);
+    FMA2_ROW(8);
+    FMA2_ROW(9);
+    FMA2_ROW(10);
+    FMA2_ROW(11);
+  }
+  __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  STORE2_ROW(0);
+  STORE2_ROW(1);
+  STORE2_ROW(2);
+  STORE2_ROW(3);
+  STORE2_ROW(4);
+  STORE2_ROW(5);
+  STORE2_ROW(6);
+  STORE2_ROW(7);
+  STORE2_ROW(8);
+  STORE2_ROW(9);
+  STORE2_ROW(10);
+  STORE2_ROW(11);
+}
+
+/* Columns [j0, j1) within one panel, at most 32 wide. */
+AVX512 static void block_narrow(bool ta, int K, float alpha, const float *A,
+                                int lda, const float *b, size_t kp, float beta,
+                                float *C, int ldc, const float *bias, int i0,
+                                int i1, int j0, int j1, float *apack) {
+  __mmask16 m[2];
+  for (int q = 0; q < 2; q++) {
+    int n = j1 - j0 - 16 * q;
+    m[q] = n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+  }
+  int nkb = k_blocks(K);
+  b += (size_t)(j0 / NR) * kp * NR;
+  for (int kb = 0; kb < nkb; kb++) {
+    int k0 = (int)((int64_t)K * kb / nkb), k1 = (int)((int64_t)K * (kb + 1) / nkb);
+    int kc = k1 - k0, first = kb == 0;
+    const float *bs = kb == nkb - 1 ? bias : NULL;
+    for (int i = i0; i < i1; i += 12) {
+      int mr = i1 - i < 12 ? i1 - i : 12;
+      const float *a[12];
+      ptrdiff_t as;
+      if (!ta) {
+        for (int r = 0; r < 12; r++)
+          a[r] = A + (size_t)(i + (r < mr ? r : mr - 1)) * (size_t)lda + k0;
+        as = 1;
+      } else {
+        __mmask16 am = (__mmask16)((1u << mr) - 1);
+        for (int k = 0; k < kc; k++)
+          _mm512_mask_storeu_ps(apack + (size_t)k * 12, 0xfff,
+                                _mm512_maskz_loadu_ps(am, A + (size_t)(k0 + k) * (size_t)lda + i));
+        for (int r = 0; r < 12; r++)
+          a[r] = apack + r;
+        as = 12;
+      }
+      kernel_12x32(kc, a, as, b + (size_t)k0 * NR, C + (size_t)i * (size_t)ldc + j0,
+                   ldc, mr, m, alpha, beta, first, bs ? bs + j0 : NULL);
+    }
+  }
+}
+
 AVX512 void mr__sgemm_block(bool ta, int K, float alpha, const float *A,
-                            int lda, const float *bp, float beta, float *C,
-                            int ldc, const float *bias, int i0, int i1, int j0,
-                            int j1) {
-  _Alignas(64) float apack[MR * KC];
+                            int lda, const float *bp, int kp, float beta,
+                            float *C, int ldc, const float *bias, int i0,
+                            int i1, int j0, int j1) {
+  _Alignas(64) float apack[12 * KC];
+  if (j1 - j0 <= 32) {
+    block_narrow(ta, K, alpha, A, lda, bp, (size_t)kp, beta, C, ldc, bias, i0,
+                 i1, j0, j1, apack);
+    return;
+  }
   int nkb = k_blocks(K);
   for (int kb = 0; kb < nkb; kb++) {
     int k0 = (int)((int64_t)K * kb / nkb), k1 = (int)((int64_t)K * (kb + 1) / nkb);
@@ -216,7 +328,7 @@ AVX512 void mr__sgemm_block(bool ta, int K, float alpha, const float *A,
           int n = nv - 16 * q;
           m[q] = n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
         }
-        const float *b = bp + (size_t)(j / NR) * (size_t)K * NR + (size_t)k0 * NR;
+        const float *b = bp + (size_t)(j / NR) * (size_t)kp * NR + (size_t)k0 * NR;
         kernel_6x64(kc, a[0], a[1], a[2], a[3], a[4], a[5], as, b,
                     C + (size_t)i * (size_t)ldc + j, ldc, mr, m, alpha, beta,
                     first, bs ? bs + j : NULL);
@@ -229,5 +341,5 @@ void mr__sgemm_serial(bool ta, bool tb, int M, int N, int K, float alpha,
                       const float *A, int lda, const float *B, int ldb,
                       float beta, float *C, int ldc, float *pack) {
   mr__sgemm_pack_b(tb, K, N, B, ldb, pack, 0, (N + NR - 1) / NR);
-  mr__sgemm_block(ta, K, alpha, A, lda, pack, beta, C, ldc, NULL, 0, M, 0, N);
+  mr__sgemm_block(ta, K, alpha, A, lda, pack, K, beta, C, ldc, NULL, 0, M, 0, N);
 }

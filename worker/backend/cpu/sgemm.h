@@ -36,12 +36,14 @@ void mr__sgemm_pack_b(bool tb, int K, int N, const float *B, int ldb,
                       float *bp, int p0, int p1);
 
 /* C[i, j] = alpha * sum_k op(A)[i, k] op(B)[k, j] + beta * C[i, j]
- * (+ bias[j] when bias is not NULL) for i in [i0, i1), j in [j0, j1), from
- * op(B) packed by mr__sgemm_pack_b.  op(A) is A[M, K] (lda), or A[K, M]
- * transposed when ta.  j0 is a multiple of 64; K >= 1.  beta == 0 ignores
- * C's old contents (NaNs included). */
+ * (+ bias[j] when bias is not NULL) for i in [i0, i1), j in [j0, j1), with
+ * op(B) the first K rows of panels packed by mr__sgemm_pack_b with kp rows
+ * each (kp >= K; bp may point at row r of the panels to start there).
+ * op(A) is A[M, K] (lda), or A[K, M] transposed when ta.  j0 is a multiple
+ * of 64; K >= 1.  beta == 0 ignores C's old contents (NaNs included).
+ * Columns of one panel at most 32 wide take a 12 x 32 micro-kernel. */
 void mr__sgemm_block(bool ta, int K, float alpha, const float *A, int lda,
-                     const float *bp, float beta, float *C, int ldc,
+                     const float *bp, int kp, float beta, float *C, int ldc,
                      const float *bias, int i0, int i1, int j0, int j1);
 
 /* The whole product C = alpha op(A) op(B) + beta C on the calling thread
