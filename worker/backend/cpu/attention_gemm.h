@@ -1,7 +1,8 @@
-/* attention_gemm.h - private to the CPU kernels: causal attention through
- * the AVX-512 matmul (sgemm.h).  mr_cpu_attention_fwd/bwd call these where
- * mr__cpu_has_avx512(); same contracts as theirs (kernels.h), with the
- * shape already checked and its strides and scale filled in. */
+/* attention_gemm.h - private to the CPU kernels: causal attention as
+ * matmuls (our AVX-512 sgemm, else OpenBLAS).  mr_cpu_attention_fwd/bwd
+ * call these where mr__cpu_has_avx2(); same contracts as theirs
+ * (kernels.h), with the shape already checked and its strides and scale
+ * filled in. */
 #ifndef MR_CPU_ATTENTION_GEMM_H
 #define MR_CPU_ATTENTION_GEMM_H
 

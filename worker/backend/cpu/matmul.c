@@ -1,7 +1,13 @@
-/* matmul.c - sgemm split across the pool: each thread runs one
- * single-threaded OpenBLAS call on its block of C.  At this project's shapes
- * (thousands of rows, a few hundred columns) two such calls side by side are
- * about twice as fast as OpenBLAS's own 2-thread mode. */
+/* matmul.c - sgemm across the pool, two ways.
+ *
+ * With AVX-512 (sgemm.h): op(B) is packed once, by the pool, then C is cut
+ * into rectangles, about 8 per thread, handed out as threads come free, so
+ * a thread the host slows down hands its share to the other.
+ *
+ * Otherwise each thread runs one single-threaded OpenBLAS call on its block
+ * of rows of C.  At this project's shapes (thousands of rows, a few hundred
+ * columns) two such calls side by side are about twice as fast as
+ * OpenBLAS's own 2-thread mode. */
 #include <cblas.h>
 
 #include "common/error.h"
