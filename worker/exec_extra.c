@@ -222,11 +222,25 @@ static int k_rope(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                   void *const *b) {
   int n = ROWS(g, op->in[0]), hd = COLS(g, op->in[0]);
   int t = (int)op->attr[0], h = (int)op->attr[1], d = hd / h;
-  float *tab = scratch(ctx, (size_t)t * (size_t)d);
+  /* the table depends on (t, d, theta) only: every layer, forward and
+   * backward, reuses it */
+  struct {
+    int64_t t, d;
+    double theta;
+  } key = {t, d, op->attr[2]};
+  int fresh;
+  float *tab = mr__pool_keyed_scratch(POOL(ctx), &key, sizeof key,
+                                      sizeof(float) * (size_t)t * (size_t)d, &fresh);
   if (!tab)
     return MR_ENOMEM;
   float *cs = tab, *sn = tab + (size_t)t * (size_t)(d / 2);
-  MR_TRY(mr_cpu_rope_table(cs, sn, t, d, op->attr[2]));
+  if (fresh) {
+    int rc = mr_cpu_rope_table(cs, sn, t, d, op->attr[2]);
+    if (rc < 0) {
+      mr__pool_keyed_scratch(POOL(ctx), NULL, 0, 0, NULL);
+      return rc;
+    }
+  }
   memcpy(b[1], b[0], (size_t)n * (size_t)hd * sizeof(float));
   if (op->attr[3] < 0)
     return mr_cpu_rope_bwd(POOL(ctx), b[1], cs, sn, NULL, n / t, t, h, d, t, 0);

@@ -4,7 +4,7 @@
  *   bench_kernels [threads [repetitions]]   (default: MESHRUN_THREADS, else
  *                                            2; 7 repetitions)
  *
- * Prints, per matmul shape, GFLOP/s of our row-split sgemm on the pool next
+ * Prints, per matmul shape, GFLOP/s of our sgemm on the pool next
  * to OpenBLAS's own multi-threaded sgemm with the same thread count and
  * single-threaded OpenBLAS, all in the same run (best of several
  * repetitions, alternating); then attention forward/backward GFLOP/s and
@@ -18,6 +18,7 @@
 
 #include "common/error.h"
 #include "worker/backend/cpu/kernels.h"
+#include "worker/backend/cpu/sgemm.h"
 
 static double now(void) {
   struct timespec ts;
@@ -385,7 +386,9 @@ int main(int argc, char **argv) {
     fprintf(stderr, "pool: %s\n", mr_error_message());
     return 1;
   }
-  printf("threads: %d\n", threads);
+  printf("threads: %d; matmul: %s\n", threads,
+         mr__cpu_has_avx512() ? "own AVX-512 sgemm, rectangles of C over the pool"
+                              : "single-threaded OpenBLAS per block of rows");
   bench_pool(pool);
   bench_matmul(pool, threads);
   printf("attention (causal; FLOPs: 4*D per query-key pair forward, 10*D backward)\n");
