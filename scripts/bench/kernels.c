@@ -72,6 +72,15 @@ static double time_blas(int threads, const struct mm *m, const float *A,
   return t;
 }
 
+/* After a multi-threaded call OpenBLAS's idle threads spin for 2^28
+ * cycles (OPENBLAS_THREAD_TIMEOUT) before they sleep, about 70 ms here:
+ * measured right after one, our pool shares the cores with them and runs
+ * at one thread's speed.  Wait them out. */
+static void blas_settle(void) {
+  struct timespec ts = {0, 150 * 1000 * 1000};
+  nanosleep(&ts, NULL);
+}
+
 static void bench_matmul(struct mr_pool *pool, int threads) {
   /* y = x W^T (forward), dx = dy W, dW = dy^T x; B*T = 2048 tokens */
   static const struct mm shapes[] = {
@@ -96,10 +105,16 @@ static void bench_matmul(struct mr_pool *pool, int threads) {
     double to = 1e9, tb = 1e9, t1 = 1e9;
     time_ours(pool, m, A, B, C); /* warm up: pack buffers, page faults */
     time_blas(threads, m, A, B, C);
+    blas_settle();
+    /* each timed call follows an untimed one, so both pools' threads are
+     * awake (as they are within a training step) */
     for (int r = 0; r < REPS; r++) {
+      time_ours(pool, m, A, B, C);
       to = fmin(to, time_ours(pool, m, A, B, C));
-      tb = fmin(tb, time_blas(threads, m, A, B, C));
       t1 = fmin(t1, time_blas(1, m, A, B, C));
+      time_blas(threads, m, A, B, C);
+      tb = fmin(tb, time_blas(threads, m, A, B, C));
+      blas_settle();
     }
     double fl = 2.0 * m->M * m->N * m->K * 1e-9;
     sum_ours += to;

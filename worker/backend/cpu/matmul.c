@@ -171,7 +171,12 @@ static int gemm_bias(struct mr_pool *pool, bool ta, bool tb, int M, int N,
   /* Below ~1 MFLOP a second thread costs more than it saves. */
   if ((double)M * N * K < 1e6)
     nt = 1;
-  j.ntasks = nt < units ? nt : units;
+  /* Tall products get up to 4 blocks per thread, handed out as threads
+   * come free, so a thread the host slows down does not hold up the rest;
+   * every block packs op(B) again, so each keeps at least 256 rows. */
+  int want = M / 256 < 4 * nt ? M / 256 : 4 * nt;
+  want = want > nt ? want : nt;
+  j.ntasks = want < units ? want : units;
   if (j.ntasks < 1)
     j.ntasks = 1;
   return mr_pool_run(pool, j.ntasks, gemm_task, &j);
