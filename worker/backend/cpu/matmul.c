@@ -113,37 +113,55 @@ static int tile_task(void *arg, int task, int thread) {
  * in L2; rows cut so that there are about 8 tiles per thread (a thread the
  * host slows down hands its share to the other), but at least 48 rows.
  * The cut changes no result (sgemm.h). */
+static int gemm_tiled_cols(struct mr_pool *pool, struct tiled_job *j, float *bp) {
+  int M = j->M, N = j->N, K = j->K;
+  j->bp = bp;
+  int nt = mr_pool_threads(pool);
+  j->panels = (N + MR__SGEMM_NR - 1) / MR__SGEMM_NR;
+  j->col_tiles = (j->panels + 7) / 8;
+  j->nb = (j->panels + j->col_tiles - 1) / j->col_tiles * MR__SGEMM_NR;
+  int want_rows = (8 * nt + j->col_tiles - 1) / j->col_tiles;
+  int mb = (M + want_rows - 1) / want_rows;
+  mb = mb < 48 ? 48 : mb;
+  j->mb = (mb + MR__SGEMM_MR - 1) / MR__SGEMM_MR * MR__SGEMM_MR;
+  j->row_tiles = (M + j->mb - 1) / j->mb;
+  int tiles = j->row_tiles * j->col_tiles;
+  /* Below ~1 MFLOP a second thread costs more than it saves. */
+  if (nt == 1 || (double)M * N * K < 1e6) {
+    mr__sgemm_pack_b(j->tb, K, N, j->B, j->ldb, j->bp, 0, j->panels);
+    for (int t = 0; t < tiles; t++)
+      tile_task(j, t, 0);
+    return 0;
+  }
+  /* packing is ~1/M of the work: two panels per task */
+  j->pack_per = 2;
+  MR_TRY(mr_pool_run(pool, (j->panels + 1) / 2, pack_task, j));
+  return mr_pool_run(pool, tiles, tile_task, j);
+}
+
+/* The packed op(B) is kept under about 8 MiB: wider products (a large
+ * vocabulary's head) go in column slices, each packed in turn. */
+#define PACK_FLOATS_MAX (2 << 20)
+
 static int gemm_tiled(struct mr_pool *pool, bool ta, bool tb, int M, int N,
                       int K, float alpha, const float *A, int lda,
                       const float *B, int ldb, float beta, float *C, int ldc,
                       const float *bias) {
-  struct tiled_job j = {
-      .ta = ta, .tb = tb, .M = M, .N = N, .K = K, .alpha = alpha, .beta = beta,
-      .A = A, .B = B, .lda = lda, .ldb = ldb, .ldc = ldc, .C = C, .bias = bias};
-  j.bp = mr__pool_shared_scratch(pool, mr__sgemm_packed_floats(K, N) * sizeof(float));
-  if (!j.bp)
-    return mr_error_set(MR_ENOMEM, "gemm: %dx%d packing buffer", K, N);
-  int nt = mr_pool_threads(pool);
-  j.panels = (N + MR__SGEMM_NR - 1) / MR__SGEMM_NR;
-  j.col_tiles = (j.panels + 7) / 8;
-  j.nb = (j.panels + j.col_tiles - 1) / j.col_tiles * MR__SGEMM_NR;
-  int want_rows = (8 * nt + j.col_tiles - 1) / j.col_tiles;
-  int mb = (M + want_rows - 1) / want_rows;
-  mb = mb < 48 ? 48 : mb;
-  j.mb = (mb + MR__SGEMM_MR - 1) / MR__SGEMM_MR * MR__SGEMM_MR;
-  j.row_tiles = (M + j.mb - 1) / j.mb;
-  int tiles = j.row_tiles * j.col_tiles;
-  /* Below ~1 MFLOP a second thread costs more than it saves. */
-  if (nt == 1 || (double)M * N * K < 1e6) {
-    mr__sgemm_pack_b(tb, K, N, B, ldb, j.bp, 0, j.panels);
-    for (int t = 0; t < tiles; t++)
-      tile_task(&j, t, 0);
-    return 0;
+  int slice = PACK_FLOATS_MAX / K / MR__SGEMM_NR * MR__SGEMM_NR;
+  slice = slice < MR__SGEMM_NR ? MR__SGEMM_NR : slice;
+  slice = slice < N ? slice : N;
+  float *bp = mr__pool_shared_scratch(pool, mr__sgemm_packed_floats(K, slice) * sizeof(float));
+  if (!bp)
+    return mr_error_set(MR_ENOMEM, "gemm: %dx%d packing buffer", K, slice);
+  for (int c0 = 0; c0 < N; c0 += slice) {
+    struct tiled_job j = {
+        .ta = ta, .tb = tb, .M = M, .N = N - c0 < slice ? N - c0 : slice, .K = K,
+        .alpha = alpha, .beta = beta, .A = A, .lda = lda, .ldb = ldb,
+        .B = B + (tb ? (size_t)c0 * (size_t)ldb : (size_t)c0), .ldc = ldc,
+        .C = C + c0, .bias = bias ? bias + c0 : NULL};
+    MR_TRY(gemm_tiled_cols(pool, &j, bp));
   }
-  /* packing is ~1/M of the work: two panels per task */
-  j.pack_per = 2;
-  MR_TRY(mr_pool_run(pool, (j.panels + 1) / 2, pack_task, &j));
-  return mr_pool_run(pool, tiles, tile_task, &j);
+  return 0;
 }
 
 static int gemm_bias(struct mr_pool *pool, bool ta, bool tb, int M, int N,
