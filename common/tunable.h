@@ -19,7 +19,8 @@
   XX(DEVICE, "MESHRUN_DEVICE", "",                                          \
      "what ranks compute on: cpu or cuda (set by launch --device)")         \
   XX(CPU_SIMD, "MESHRUN_CPU_SIMD", "auto",                                   \
-     "CPU kernels' vector path: auto (AVX2+FMA where present) or portable")  \
+     "CPU kernels' vector path: auto (AVX-512 matmul, AVX2+FMA kernels "     \
+     "where present), avx2 (no AVX-512) or portable")                        \
   XX(HEARTBEAT_MS, "MESHRUN_HEARTBEAT_MS", "100",                            \
      "interval between a worker's heartbeats, ms")                           \
   XX(MAX_FRAME_BYTES, "MESHRUN_MAX_FRAME_BYTES", "268435456",                \

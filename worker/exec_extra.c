@@ -1,7 +1,6 @@
 /* exec_extra.c - registry ops on the CPU backend's kernels. */
 #include "worker/exec_extra.h"
 
-#include <cblas.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -224,11 +223,25 @@ static int k_rope(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                   void *const *b) {
   int n = ROWS(g, op->in[0]), hd = COLS(g, op->in[0]);
   int t = (int)op->attr[0], h = (int)op->attr[1], d = hd / h;
-  float *tab = scratch(ctx, (size_t)t * (size_t)d);
+  /* the table depends on (t, d, theta) only: every layer, forward and
+   * backward, reuses it */
+  struct {
+    int64_t t, d;
+    double theta;
+  } key = {t, d, op->attr[2]};
+  int fresh;
+  float *tab = mr__pool_keyed_scratch(POOL(ctx), &key, sizeof key,
+                                      sizeof(float) * (size_t)t * (size_t)d, &fresh);
   if (!tab)
     return MR_ENOMEM;
   float *cs = tab, *sn = tab + (size_t)t * (size_t)(d / 2);
-  MR_TRY(mr_cpu_rope_table(cs, sn, t, d, op->attr[2]));
+  if (fresh) {
+    int rc = mr_cpu_rope_table(cs, sn, t, d, op->attr[2]);
+    if (rc < 0) {
+      mr__pool_keyed_scratch(POOL(ctx), NULL, 0, 0, NULL);
+      return rc;
+    }
+  }
   memcpy(b[1], b[0], (size_t)n * (size_t)hd * sizeof(float));
   if (op->attr[3] < 0)
     return mr_cpu_rope_bwd(POOL(ctx), b[1], cs, sn, NULL, n / t, t, h, d, t, 0);
@@ -277,81 +290,14 @@ static int k_attention(void *ctx, const struct mr_graph *g,
   return mr_cpu_attention_fwd(POOL(ctx), b[3], b[4], src[0], src[1], src[2], &s);
 }
 
-/* Attention backward by BLAS: for one (batch, kv head) task and each of
- * its query heads, rebuild P = exp(scale Q K^T - lse) (T x T, causal),
- * then dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO o O)),
- * dQ = scale dS K, dK += scale dS^T Q.  At T = 256, D = 32 the T x T
- * products run through sgemm several times faster than the backend's
- * blockwise loop (see docs/PERFORMANCE.md); the forward stays the
- * backend's.  lse is the backend's layout, [B, H, T]. */
-struct attn_bwd_job {
-  struct mr_attn_shape s;
-  const float *q, *k, *v, *o, *dout, *lse;
-  float *dq, *dk, *dv;
-  struct mr_pool *pool;
-};
-
-static int attn_bwd_task(void *arg, int task, int thread) {
-  const struct attn_bwd_job *j = arg;
-  int T = j->s.T, D = j->s.D, H = j->s.H, KH = j->s.Hkv;
-  int hd = H * D, khd = KH * D, rep = H / KH, bi = task / KH, kv = task % KH;
-  float scale = 1.0f / sqrtf((float)D);
-  float *p = mr_pool_scratch(j->pool, thread, 2 * sizeof(float) * (size_t)T * (size_t)T);
-  if (!p)
-    return MR_ENOMEM;
-  float *dp = p + (size_t)T * (size_t)T;
-  size_t base_kv = (size_t)bi * (size_t)T * (size_t)khd + (size_t)kv * (size_t)D;
-  const float *k = j->k + base_kv, *v = j->v + base_kv;
-  float *dk = j->dk + base_kv, *dv = j->dv + base_kv;
-  for (int i = 0; i < T; i++) {
-    memset(dk + (size_t)i * (size_t)khd, 0, (size_t)D * sizeof *dk);
-    memset(dv + (size_t)i * (size_t)khd, 0, (size_t)D * sizeof *dv);
-  }
-  for (int h = kv * rep; h < (kv + 1) * rep; h++) {
-    size_t base_q = (size_t)bi * (size_t)T * (size_t)hd + (size_t)h * (size_t)D;
-    const float *q = j->q + base_q, *o = j->o + base_q, *dout = j->dout + base_q;
-    const float *lse = j->lse + ((size_t)bi * (size_t)H + (size_t)h) * (size_t)T;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, D, scale, q, hd,
-                k, khd, 0.0f, p, T);
-    for (int i = 0; i < T; i++) {
-      float *row = p + (size_t)i * (size_t)T;
-      for (int c = 0; c <= i; c++)
-        row[c] = expf(row[c] - lse[i]);
-      for (int c = i + 1; c < T; c++)
-        row[c] = 0;
-    }
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, D, T, 1.0f, p, T,
-                dout, hd, 1.0f, dv, khd);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, D, 1.0f, dout,
-                hd, v, khd, 0.0f, dp, T);
-    for (int i = 0; i < T; i++) {
-      float di = 0;
-      for (int x = 0; x < D; x++)
-        di += dout[(size_t)i * (size_t)hd + (size_t)x] * o[(size_t)i * (size_t)hd + (size_t)x];
-      float *pr = p + (size_t)i * (size_t)T, *dpr = dp + (size_t)i * (size_t)T;
-      for (int c = 0; c <= i; c++)
-        dpr[c] = pr[c] * (dpr[c] - di);
-      for (int c = i + 1; c < T; c++)
-        dpr[c] = 0;
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, D, T, scale, dp,
-                T, k, khd, 0.0f, j->dq + base_q, hd);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, D, T, scale, dp, T,
-                q, hd, 1.0f, dk, khd);
-  }
-  return 0;
-}
-
+/* The backward takes the rounded operands; lse is the forward's. */
 static int k_attention_bwd(void *ctx, const struct mr_graph *g,
                            const struct mr_op *op, void *const *b) {
-  struct attn_bwd_job j;
-  j.s = attn_shape(g, op, op->in[1]);
+  struct mr_attn_shape s = attn_shape(g, op, op->in[1]);
   const float *src[4] = {b[0], b[1], b[2], b[3]};
   MR_TRY(round_inputs(ctx, g, op->in, src, 4, 0, NULL));
-  j.dout = src[0], j.q = src[1], j.k = src[2], j.v = src[3];
-  j.o = b[4], j.lse = b[5], j.dq = b[6], j.dk = b[7], j.dv = b[8];
-  j.pool = POOL(ctx);
-  return mr_pool_run(j.pool, j.s.B * j.s.Hkv, attn_bwd_task, &j);
+  return mr_cpu_attention_bwd(POOL(ctx), b[6], b[7], b[8], src[0], src[1],
+                              src[2], src[3], b[4], b[5], &s);
 }
 
 static int k_split3(void *ctx, const struct mr_graph *g, const struct mr_op *op,

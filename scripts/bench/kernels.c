@@ -4,7 +4,7 @@
  *   bench_kernels [threads [repetitions]]   (default: MESHRUN_THREADS, else
  *                                            2; 7 repetitions)
  *
- * Prints, per matmul shape, GFLOP/s of our row-split sgemm on the pool next
+ * Prints, per matmul shape, GFLOP/s of our sgemm on the pool next
  * to OpenBLAS's own multi-threaded sgemm with the same thread count and
  * single-threaded OpenBLAS, all in the same run (best of several
  * repetitions, alternating); then attention forward/backward GFLOP/s and
@@ -18,6 +18,7 @@
 
 #include "common/error.h"
 #include "worker/backend/cpu/kernels.h"
+#include "worker/backend/cpu/sgemm.h"
 
 static double now(void) {
   struct timespec ts;
@@ -71,6 +72,15 @@ static double time_blas(int threads, const struct mm *m, const float *A,
   return t;
 }
 
+/* After a multi-threaded call OpenBLAS's idle threads spin for 2^28
+ * cycles (OPENBLAS_THREAD_TIMEOUT) before they sleep, about 70 ms here:
+ * measured right after one, our pool shares the cores with them and runs
+ * at one thread's speed.  Wait them out. */
+static void blas_settle(void) {
+  struct timespec ts = {0, 150 * 1000 * 1000};
+  nanosleep(&ts, NULL);
+}
+
 static void bench_matmul(struct mr_pool *pool, int threads) {
   /* y = x W^T (forward), dx = dy W, dW = dy^T x; B*T = 2048 tokens */
   static const struct mm shapes[] = {
@@ -95,10 +105,16 @@ static void bench_matmul(struct mr_pool *pool, int threads) {
     double to = 1e9, tb = 1e9, t1 = 1e9;
     time_ours(pool, m, A, B, C); /* warm up: pack buffers, page faults */
     time_blas(threads, m, A, B, C);
+    blas_settle();
+    /* each timed call follows an untimed one, so both pools' threads are
+     * awake (as they are within a training step) */
     for (int r = 0; r < REPS; r++) {
+      time_ours(pool, m, A, B, C);
       to = fmin(to, time_ours(pool, m, A, B, C));
-      tb = fmin(tb, time_blas(threads, m, A, B, C));
       t1 = fmin(t1, time_blas(1, m, A, B, C));
+      time_blas(threads, m, A, B, C);
+      tb = fmin(tb, time_blas(threads, m, A, B, C));
+      blas_settle();
     }
     double fl = 2.0 * m->M * m->N * m->K * 1e-9;
     sum_ours += to;
@@ -385,7 +401,9 @@ int main(int argc, char **argv) {
     fprintf(stderr, "pool: %s\n", mr_error_message());
     return 1;
   }
-  printf("threads: %d\n", threads);
+  printf("threads: %d; matmul: %s\n", threads,
+         mr__cpu_has_avx512() ? "own AVX-512 sgemm, rectangles of C over the pool"
+                              : "single-threaded OpenBLAS per block of rows");
   bench_pool(pool);
   bench_matmul(pool, threads);
   printf("attention (causal; FLOPs: 4*D per query-key pair forward, 10*D backward)\n");

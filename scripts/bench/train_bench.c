@@ -162,6 +162,17 @@ int main(int argc, char **argv) {
       if (by_kind[k] > 0)
         printf("profile %-18s %7.3f s  %5.1f%%\n", mr_op_def(k)->name,
                by_kind[k] / (double)t->steps, 100 * by_kind[k] / total);
+    if (getenv("MESHRUN_BENCH_PROFILE_OPS"))
+      for (int i = 0; i < x->g->n_ops; i++) {
+        const struct mr_op *op = &x->g->ops[i];
+        const struct mr_tensor *a = &x->g->tensors[op->in[0]];
+        const struct mr_tensor *o = &x->g->tensors[op->out[0]];
+        printf("op %4d %-18s %8.3f ms  in0 %lldx%lld  out0 %lldx%lld %s a=%g,%g\n", i,
+               mr_op_def(op->kind)->name, 1e3 * x->op_seconds[i] / (double)t->steps,
+               (long long)a->shape[0], (long long)(a->ndim > 1 ? a->shape[1] : 1),
+               (long long)o->shape[0], (long long)(o->ndim > 1 ? o->shape[1] : 1),
+               o->name, op->attr[0], op->attr[1]);
+      }
   }
   if (mf)
     fclose(mf);

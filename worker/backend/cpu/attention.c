@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include "common/error.h"
+#include "worker/backend/cpu/attention_gemm.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/backend/cpu/simd.h"
 
@@ -285,6 +286,8 @@ int mr_cpu_attention_fwd(struct mr_pool *pool, float *o, float *lse,
   struct attn_job j = {.s = *s, .o = o, .lse = lse, .q = q, .k = k, .v = v,
                        .pool = pool};
   MR_TRY(check_shape("attention_fwd", &j.s));
+  if (mr__cpu_has_avx2())
+    return mr__attention_fwd_gemm(pool, o, lse, q, k, v, &j.s);
   j.nqb = (j.s.T + BQ - 1) / BQ;
   long ntasks = (long)j.s.B * j.s.H * j.nqb;
   if (ntasks > 1 << 30)
@@ -392,6 +395,8 @@ int mr_cpu_attention_bwd(struct mr_pool *pool, float *dq, float *dk, float *dv,
                        .q = q, .k = k, .v = v, .co = o, .lse = (float *)lse,
                        .pool = pool};
   MR_TRY(check_shape("attention_bwd", &j.s));
+  if (mr__cpu_has_avx2())
+    return mr__attention_bwd_gemm(pool, dq, dk, dv, dout, q, k, v, o, lse, &j.s);
   long ntasks = (long)j.s.B * j.s.Hkv;
   if (ntasks > 1 << 30)
     return mr_error_set(MR_EINVAL, "attention_bwd: too many tasks (%ld)", ntasks);

@@ -15,8 +15,9 @@
  *    Activation gradients (dx, ...) take `accum`: 0 overwrites, 1 adds.
  *  - Results do not depend on the number of threads: every reduction uses a
  *    partition fixed by the shape, never by the thread count, so 1 and N
- *    threads give bitwise equal output (tested).  The matmuls split C into
- *    row blocks; each block is one single-threaded OpenBLAS sgemm.
+ *    threads give bitwise equal output (tested).  The matmuls use our own
+ *    AVX-512 sgemm where the CPU has it (sgemm.h), else split C into row
+ *    blocks, each one single-threaded OpenBLAS sgemm.
  *  - Sizes are int (elements), shapes are validated: a negative size, a
  *    token id or target out of range, or D odd for RoPE returns MR_EINVAL or
  *    MR_ERANGE with a message (mr_error_message()); 0 on success.
@@ -24,7 +25,9 @@
  *  - Workspace: none to plan.  Kernels that need tiles or partial sums take
  *    them from the pool's per-thread scratch (grown on first use, kept for
  *    the pool's life: attention needs about 4*D*64 + 2*64*64 + (H/Hkv)*T
- *    floats per thread).  What the caller keeps between forward and
+ *    floats per thread, or with AVX-512 2*D*T + 3*T*max(D, 64) + 2*64*T;
+ *    the AVX-512 matmul packs op(B), K*N floats, into the pool's shared
+ *    scratch).  What the caller keeps between forward and
  *    backward is explicit: rmsnorm rstd[N]; layernorm mean[N], rstd[N];
  *    attention lse[B*H*T] plus its output o; xent lse[N]; RoPE tables
  *    cos/sin[P*D/2] (shared by all layers).
@@ -48,10 +51,10 @@
 
 /* Row-major C = alpha * op(A) op(B) + beta * C, op(X) = X or X^T (ta, tb).
  * op(A) is [M, K], op(B) is [K, N], C is [M, N] with leading dimensions lda,
- * ldb, ldc (elements).  beta == 0 overwrites C (NaNs in C are ignored).  Split
- * across the pool in blocks of rows of C at multiples of 24 rows (fewer than
- * 48 rows: one thread), which keeps the result bitwise independent of the
- * thread count. */
+ * ldb, ldc (elements).  beta == 0 overwrites C (NaNs in C are ignored).  With
+ * AVX-512: rectangles of C from op(B) packed once (sgemm.h); otherwise blocks
+ * of rows of C at multiples of 24 rows (fewer than 48 rows: one thread).
+ * Either way the result is bitwise independent of the thread count. */
 int mr_cpu_gemm(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K,
                 float alpha, const float *A, int lda, const float *B, int ldb,
                 float beta, float *C, int ldc);
@@ -159,7 +162,8 @@ struct mr_attn_shape {
 
 /* o = softmax(scale * q k^T, causal) v per (batch, head), query head h reading
  * kv head h / (H/Hkv).  Keys are visited in blocks with an online softmax,
- * so no T x T matrix exists.  Saves lse[B, H, T] (natural log-sum-exp of
+ * so no T x T matrix exists (with AVX-512: the scores of 64 queries at a
+ * time, one matmul each, attention_gemm.c).  Saves lse[B, H, T] (natural log-sum-exp of
  * the scaled scores of each query row) for the backward; lse may be NULL
  * when no backward follows.  Overwrites o.  Threads over (b, h, query
  * block). */

@@ -1,11 +1,18 @@
-/* matmul.c - sgemm split across the pool: each thread runs one
- * single-threaded OpenBLAS call on its block of C.  At this project's shapes
- * (thousands of rows, a few hundred columns) two such calls side by side are
- * about twice as fast as OpenBLAS's own 2-thread mode. */
+/* matmul.c - sgemm across the pool, two ways.
+ *
+ * With AVX-512 (sgemm.h): op(B) is packed once, by the pool, then C is cut
+ * into rectangles, about 8 per thread, handed out as threads come free, so
+ * a thread the host slows down hands its share to the other.
+ *
+ * Otherwise each thread runs one single-threaded OpenBLAS call on its block
+ * of rows of C.  At this project's shapes (thousands of rows, a few hundred
+ * columns) two such calls side by side are about twice as fast as
+ * OpenBLAS's own 2-thread mode. */
 #include <cblas.h>
 
 #include "common/error.h"
 #include "worker/backend/cpu/kernels.h"
+#include "worker/backend/cpu/sgemm.h"
 
 /* Row blocks start at multiples of 24 rows: OpenBLAS (Haswell/Zen kernels)
  * walks the rows of a row-major C in panels of 24, so a block boundary on a
@@ -65,6 +72,98 @@ static int gemm_task(void *arg, int task, int thread) {
   return 0;
 }
 
+/* ---- AVX-512: pack op(B) once across the pool, then rectangles of C ---- */
+
+struct tiled_job {
+  bool ta, tb;
+  int M, N, K;
+  float alpha, beta;
+  const float *A, *B;
+  int lda, ldb, ldc;
+  float *C;
+  const float *bias;
+  float *bp;       // packed op(B)
+  int panels;      // ceil(N / 64)
+  int pack_per;    // panels per packing task
+  int mb, nb;      // rows, columns per tile (multiples of 6 and 64)
+  int row_tiles, col_tiles;
+};
+
+static int pack_task(void *arg, int task, int thread) {
+  (void)thread;
+  const struct tiled_job *j = arg;
+  int p0 = task * j->pack_per, p1 = p0 + j->pack_per;
+  mr__sgemm_pack_b(j->tb, j->K, j->N, j->B, j->ldb, j->bp, p0,
+                   p1 < j->panels ? p1 : j->panels);
+  return 0;
+}
+
+static int tile_task(void *arg, int task, int thread) {
+  (void)thread;
+  const struct tiled_job *j = arg;
+  int i0 = task / j->col_tiles * j->mb, j0 = task % j->col_tiles * j->nb;
+  int i1 = i0 + j->mb < j->M ? i0 + j->mb : j->M;
+  int j1 = j0 + j->nb < j->N ? j0 + j->nb : j->N;
+  mr__sgemm_block(j->ta, j->K, j->alpha, j->A, j->lda, j->bp, j->K, j->beta, j->C,
+                  j->ldc, j->bias, i0, i1, j0, j1);
+  return 0;
+}
+
+/* Tiles: at most 8 panels (512 columns) wide, so a K block of them stays
+ * in L2; rows cut so that there are about 8 tiles per thread (a thread the
+ * host slows down hands its share to the other), but at least 48 rows.
+ * The cut changes no result (sgemm.h). */
+static int gemm_tiled_cols(struct mr_pool *pool, struct tiled_job *j, float *bp) {
+  int M = j->M, N = j->N, K = j->K;
+  j->bp = bp;
+  int nt = mr_pool_threads(pool);
+  j->panels = (N + MR__SGEMM_NR - 1) / MR__SGEMM_NR;
+  j->col_tiles = (j->panels + 7) / 8;
+  j->nb = (j->panels + j->col_tiles - 1) / j->col_tiles * MR__SGEMM_NR;
+  int want_rows = (8 * nt + j->col_tiles - 1) / j->col_tiles;
+  int mb = (M + want_rows - 1) / want_rows;
+  mb = mb < 48 ? 48 : mb;
+  j->mb = (mb + MR__SGEMM_MR - 1) / MR__SGEMM_MR * MR__SGEMM_MR;
+  j->row_tiles = (M + j->mb - 1) / j->mb;
+  int tiles = j->row_tiles * j->col_tiles;
+  /* Below ~1 MFLOP a second thread costs more than it saves. */
+  if (nt == 1 || (double)M * N * K < 1e6) {
+    mr__sgemm_pack_b(j->tb, K, N, j->B, j->ldb, j->bp, 0, j->panels);
+    for (int t = 0; t < tiles; t++)
+      tile_task(j, t, 0);
+    return 0;
+  }
+  /* packing is ~1/M of the work: two panels per task */
+  j->pack_per = 2;
+  MR_TRY(mr_pool_run(pool, (j->panels + 1) / 2, pack_task, j));
+  return mr_pool_run(pool, tiles, tile_task, j);
+}
+
+/* The packed op(B) is kept under about 8 MiB: wider products (a large
+ * vocabulary's head) go in column slices, each packed in turn. */
+#define PACK_FLOATS_MAX (2 << 20)
+
+static int gemm_tiled(struct mr_pool *pool, bool ta, bool tb, int M, int N,
+                      int K, float alpha, const float *A, int lda,
+                      const float *B, int ldb, float beta, float *C, int ldc,
+                      const float *bias) {
+  int slice = PACK_FLOATS_MAX / K / MR__SGEMM_NR * MR__SGEMM_NR;
+  slice = slice < MR__SGEMM_NR ? MR__SGEMM_NR : slice;
+  slice = slice < N ? slice : N;
+  float *bp = mr__pool_shared_scratch(pool, mr__sgemm_packed_floats(K, slice) * sizeof(float));
+  if (!bp)
+    return mr_error_set(MR_ENOMEM, "gemm: %dx%d packing buffer", K, slice);
+  for (int c0 = 0; c0 < N; c0 += slice) {
+    struct tiled_job j = {
+        .ta = ta, .tb = tb, .M = M, .N = N - c0 < slice ? N - c0 : slice, .K = K,
+        .alpha = alpha, .beta = beta, .A = A, .lda = lda, .ldb = ldb,
+        .B = B + (tb ? (size_t)c0 * (size_t)ldb : (size_t)c0), .ldc = ldc,
+        .C = C + c0, .bias = bias ? bias + c0 : NULL};
+    MR_TRY(gemm_tiled_cols(pool, &j, bp));
+  }
+  return 0;
+}
+
 static int gemm_bias(struct mr_pool *pool, bool ta, bool tb, int M, int N,
                      int K, float alpha, const float *A, int lda,
                      const float *B, int ldb, float beta, float *C, int ldc,
@@ -78,6 +177,9 @@ static int gemm_bias(struct mr_pool *pool, bool ta, bool tb, int M, int N,
                           "for M=%d N=%d K=%d)", lda, ldb, ldc, M, N, K);
   if (M == 0 || N == 0)
     return 0;
+  if (K > 0 && mr__cpu_has_avx512())
+    return gemm_tiled(pool, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C,
+                      ldc, bias);
   struct gemm_job j = {
       .ta = ta, .tb = tb, .M = M, .N = N, .K = K,
       .alpha = alpha, .beta = beta, .A = A, .B = B, .lda = lda, .ldb = ldb,
@@ -87,7 +189,12 @@ static int gemm_bias(struct mr_pool *pool, bool ta, bool tb, int M, int N,
   /* Below ~1 MFLOP a second thread costs more than it saves. */
   if ((double)M * N * K < 1e6)
     nt = 1;
-  j.ntasks = nt < units ? nt : units;
+  /* Tall products get up to 4 blocks per thread, handed out as threads
+   * come free, so a thread the host slows down does not hold up the rest;
+   * every block packs op(B) again, so each keeps at least 256 rows. */
+  int want = M / 256 < 4 * nt ? M / 256 : 4 * nt;
+  want = want > nt ? want : nt;
+  j.ntasks = want < units ? want : units;
   if (j.ntasks < 1)
     j.ntasks = 1;
   return mr_pool_run(pool, j.ntasks, gemm_task, &j);

@@ -39,6 +39,10 @@ struct mr_pool {
   atomic_int rc;          // first failure
   struct scratch *scratch; // [n]
   struct scratch shared;
+  struct scratch keyed;
+  unsigned char key[64];  // the keyed buffer's key, key_bytes long
+  size_t key_bytes;       // 0: no key held
+  size_t keyed_bytes;     // size asked with the key
 };
 
 struct worker_arg {
@@ -146,6 +150,7 @@ void mr_pool_free(struct mr_pool *pool) {
   for (int i = 0; i < pool->n; i++)
     free(pool->scratch[i].ptr);
   free(pool->shared.ptr);
+  free(pool->keyed.ptr);
   pthread_cond_destroy(&pool->done);
   pthread_cond_destroy(&pool->wake);
   pthread_mutex_destroy(&pool->mu);
@@ -212,6 +217,28 @@ void *mr_pool_scratch(struct mr_pool *pool, int thread, size_t bytes) {
 
 void *mr__pool_shared_scratch(struct mr_pool *pool, size_t bytes) {
   return grow(&pool->shared, bytes);
+}
+
+void *mr__pool_keyed_scratch(struct mr_pool *pool, const void *key,
+                             size_t key_bytes, size_t bytes, int *fresh) {
+  if (!key || key_bytes == 0 || key_bytes > sizeof pool->key) {
+    pool->key_bytes = 0;
+    return NULL;
+  }
+  int same = pool->key_bytes == key_bytes && pool->keyed_bytes == bytes &&
+             memcmp(pool->key, key, key_bytes) == 0;
+  void *p = grow(&pool->keyed, bytes);
+  if (!p) {
+    pool->key_bytes = 0;
+    return NULL;
+  }
+  if (!same) {
+    memcpy(pool->key, key, key_bytes);
+    pool->key_bytes = key_bytes;
+    pool->keyed_bytes = bytes;
+  }
+  *fresh = !same;
+  return p;
 }
 
 int mr__cpu_has_avx2(void) {

@@ -49,4 +49,14 @@ void *mr_pool_scratch(struct mr_pool *pool, int thread, size_t bytes);
  * mr_pool_run(); valid until the next call.  Borrowed. */
 void *mr__pool_shared_scratch(struct mr_pool *pool, size_t bytes);
 
+/* A buffer kept for the pool's life under a key (up to 64 bytes, compared
+ * bytewise), for tables that depend only on a few parameters (RoPE's cos
+ * and sin): returns at least `bytes`, 64-byte aligned, with *fresh = 1 when
+ * the key or the size changed, so the caller must fill it, else 0 and the
+ * contents left by the last caller with this key.  One slot: a new key
+ * replaces the old.  A NULL key forgets the slot (call it when filling
+ * failed).  NULL when out of memory or the key is too long.  Borrowed. */
+void *mr__pool_keyed_scratch(struct mr_pool *pool, const void *key,
+                             size_t key_bytes, size_t bytes, int *fresh);
+
 #endif

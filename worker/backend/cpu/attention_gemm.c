@@ -1,0 +1,295 @@
+/* attention_gemm.c - causal attention as matmuls: our AVX-512 sgemm
+ * (sgemm.h) where the CPU has it, else single-threaded OpenBLAS calls;
+ * attention.c's blockwise loops remain for the portable path.
+ *
+ * Per (batch, head), query rows are taken QB at a time; block [r0, r1)
+ * sees keys [0, r1) only, so the masked upper triangle is mostly skipped.
+ * Forward: S = scale Q K^T as one matmul into a QB x r1 buffer, a row
+ * softmax in place (lse saved), O = P V / l.  Backward, per (batch, kv
+ * head) over the query heads reading it: P = exp(S - lse) rebuilt,
+ * dP = dO V^T, dS = P (dP - rowsum(dO o O)), dQ = scale dS K,
+ * dK += scale dS^T Q, dV += P^T dO.  With AVX-512, K, V, Q and dO are
+ * packed once per task.  A task owns everything it writes, and every sum
+ * has a fixed order, so the result is the same for any number of
+ * threads. */
+#include "worker/backend/cpu/attention_gemm.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <string.h>
+
+#include <immintrin.h>
+
+#include "common/error.h"
+#include "worker/backend/cpu/sgemm.h"
+#include "worker/backend/cpu/simd.h"
+
+#define QB 64 // query rows per block
+#define NR MR__SGEMM_NR
+#define AVX512 __attribute__((target("avx512f")))
+#define AVX2 __attribute__((target("avx2,fma")))
+
+struct gjob {
+  struct mr_attn_shape s;
+  float *o, *lse, *dq, *dk, *dv;
+  const float *q, *k, *v, *dout, *co;
+  struct mr_pool *pool;
+  int lds;   // row stride of the score buffers (T rounded up to 16)
+  size_t kt; // floats of K^T packed (D x T), also V^T; 0 without AVX-512
+  size_t kd; // floats of a T x D operand packed; 0 without AVX-512
+  int avx512;
+};
+
+/* The right-hand operand of a product: op(B) = raw (ld) or its transpose
+ * (t), and, with AVX-512, the same packed (kp rows per panel). */
+struct opnd {
+  const float *raw;
+  int ld;
+  bool t;
+  float *packed;
+  int kp;
+};
+
+/* Packs op(B), K x N, when the packed form is used. */
+static void opnd_init(struct opnd *o, const struct gjob *j, const float *raw,
+                      int ld, bool t, float *packed, int K, int N) {
+  o->raw = raw, o->ld = ld, o->t = t, o->packed = packed, o->kp = K;
+  if (j->avx512)
+    mr__sgemm_pack_b(t, K, N, raw, ld, packed, 0, (N + NR - 1) / NR);
+}
+
+/* C[M, N] = alpha op(A) op(B)[k0 : k0 + K, :] + beta C, on this thread. */
+static void mm(const struct gjob *j, bool ta, int M, int N, int K, float alpha,
+               const float *A, int lda, const struct opnd *b, int k0,
+               float beta, float *C, int ldc) {
+  if (j->avx512) {
+    mr__sgemm_block(ta, K, alpha, A, lda, b->packed + (size_t)k0 * NR, b->kp,
+                    beta, C, ldc, NULL, 0, M, 0, N);
+    return;
+  }
+  const float *B = b->raw + (b->t ? (size_t)k0 : (size_t)k0 * (size_t)b->ld);
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
+              b->t ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B,
+              b->ld, beta, C, ldc);
+}
+
+static const float *at(const float *x, const struct mr_attn_shape *s, int b,
+                       int t, int ld, int head) {
+  return x + ((size_t)b * (size_t)s->T + (size_t)t) * (size_t)ld +
+         (size_t)head * (size_t)s->D;
+}
+
+/* Max and sum of x[0, n) over 16 lanes, then the lanes in a fixed order,
+ * so the bits do not depend on the thread count. */
+MR_CPU_BODY float lanes_max(const float *x, int n) {
+  float m[16];
+  for (int l = 0; l < 16; l++)
+    m[l] = -INFINITY;
+  int c = 0;
+  for (; c + 16 <= n; c += 16)
+    for (int l = 0; l < 16; l++)
+      m[l] = x[c + l] > m[l] ? x[c + l] : m[l];
+  for (int l = 0; c + l < n; l++)
+    m[l] = x[c + l] > m[l] ? x[c + l] : m[l];
+  for (int w = 8; w > 0; w /= 2)
+    for (int l = 0; l < w; l++)
+      m[l] = m[l + w] > m[l] ? m[l + w] : m[l];
+  return m[0];
+}
+
+MR_CPU_BODY float lanes_sum(const float *x, int n) {
+  float a[16] = {0};
+  int c = 0;
+  for (; c + 16 <= n; c += 16)
+    for (int l = 0; l < 16; l++)
+      a[l] += x[c + l];
+  for (int l = 0; c + l < n; l++)
+    a[l] += x[c + l];
+  for (int w = 8; w > 0; w /= 2)
+    for (int l = 0; l < w; l++)
+      a[l] += a[l + w];
+  return a[0];
+}
+
+/* Forward softmax of rows r0 + i (i < nr) of S in place: row t keeps
+ * p[c] = exp(s[c] - max) for c <= t, 0 up to r1; inv[i] = 1 / sum p. */
+MR_CPU_BODY void fwd_rows_body(float *S, int lds, int nr, int r0, int r1,
+                               float *lse, float *inv) {
+  for (int i = 0; i < nr; i++) {
+    float *p = S + (size_t)i * (size_t)lds;
+    int n = r0 + i + 1;
+    float m = lanes_max(p, n);
+    for (int c = 0; c < n; c++)
+      p[c] = mr__expf(p[c] - m);
+    for (int c = n; c < r1; c++)
+      p[c] = 0;
+    float l = lanes_sum(p, n);
+    inv[i] = 1.0f / l;
+    if (lse)
+      lse[r0 + i] = m + logf(l);
+  }
+}
+
+/* Backward, rows r0 + i: P = exp(S - lse) in place of S and
+ * dS = P (dP - D_t), D_t = dO_t . O_t, in place of dP; 0 past the
+ * diagonal up to r1. */
+MR_CPU_BODY void bwd_rows_body(float *S, float *dP, int lds, int nr, int r0,
+                               int r1, const float *lse, const float *dout,
+                               const float *o, int ldo, int D) {
+  for (int i = 0; i < nr; i++) {
+    int t = r0 + i;
+    const float *dor = dout + (size_t)t * (size_t)ldo, *orow = o + (size_t)t * (size_t)ldo;
+    float di = 0;
+    for (int d = 0; d < D; d++)
+      di += dor[d] * orow[d];
+    float *p = S + (size_t)i * (size_t)lds, *dp = dP + (size_t)i * (size_t)lds;
+    float sub = lse[t];
+    for (int c = 0; c <= t; c++) {
+      float e = mr__expf(p[c] - sub);
+      p[c] = e;
+      dp[c] = e * (dp[c] - di);
+    }
+    for (int c = t + 1; c < r1; c++) {
+      p[c] = 0;
+      dp[c] = 0;
+    }
+  }
+}
+
+AVX512 static void fwd_rows_512(float *S, int lds, int nr, int r0, int r1,
+                                float *lse, float *inv) {
+  fwd_rows_body(S, lds, nr, r0, r1, lse, inv);
+}
+AVX2 static void fwd_rows_256(float *S, int lds, int nr, int r0, int r1,
+                              float *lse, float *inv) {
+  fwd_rows_body(S, lds, nr, r0, r1, lse, inv);
+}
+AVX512 static void bwd_rows_512(float *S, float *dP, int lds, int nr, int r0,
+                                int r1, const float *lse, const float *dout,
+                                const float *o, int ldo, int D) {
+  bwd_rows_body(S, dP, lds, nr, r0, r1, lse, dout, o, ldo, D);
+}
+AVX2 static void bwd_rows_256(float *S, float *dP, int lds, int nr, int r0,
+                              int r1, const float *lse, const float *dout,
+                              const float *o, int ldo, int D) {
+  bwd_rows_body(S, dP, lds, nr, r0, r1, lse, dout, o, ldo, D);
+}
+
+/* ---- forward ---- */
+
+static int fwd_task(void *arg, int task, int thread) {
+  const struct gjob *j = arg;
+  const struct mr_attn_shape *s = &j->s;
+  int b = task / s->H, h = task % s->H, kvh = h / (s->H / s->Hkv);
+  int T = s->T, D = s->D;
+  size_t need = j->kt + j->kd + (size_t)QB * (size_t)j->lds;
+  float *kt = mr_pool_scratch(j->pool, thread, need * sizeof(float));
+  if (!kt)
+    return mr_error_set(MR_ENOMEM, "attention: no memory for %zu floats of tiles", need);
+  float *vp = kt + j->kt, *S = vp + j->kd;
+  struct opnd K, V;
+  opnd_init(&K, j, at(j->k, s, b, 0, s->ldk, kvh), s->ldk, true, kt, D, T);
+  opnd_init(&V, j, at(j->v, s, b, 0, s->ldv, kvh), s->ldv, false, vp, T, D);
+  float *lse = j->lse ? j->lse + ((size_t)b * (size_t)s->H + (size_t)h) * (size_t)T : NULL;
+  for (int r0 = 0; r0 < T; r0 += QB) {
+    int r1 = T - r0 < QB ? T : r0 + QB, nr = r1 - r0;
+    mm(j, false, nr, r1, D, s->scale, at(j->q, s, b, r0, s->ldq, h), s->ldq, &K,
+       0, 0.0f, S, j->lds);
+    float inv[QB];
+    if (j->avx512)
+      fwd_rows_512(S, j->lds, nr, r0, r1, lse, inv);
+    else
+      fwd_rows_256(S, j->lds, nr, r0, r1, lse, inv);
+    float *o = (float *)at(j->o, s, b, r0, s->ldo, h);
+    mm(j, false, nr, D, r1, 1.0f, S, j->lds, &V, 0, 0.0f, o, s->ldo);
+    for (int i = 0; i < nr; i++) {
+      float *orow = o + (size_t)i * (size_t)s->ldo;
+      for (int d = 0; d < D; d++)
+        orow[d] *= inv[i];
+    }
+  }
+  return 0;
+}
+
+static void sizes(struct gjob *j) {
+  j->avx512 = mr__cpu_has_avx512();
+  j->lds = (j->s.T + 15) / 16 * 16;
+  j->kt = j->avx512 ? mr__sgemm_packed_floats(j->s.D, j->s.T) : 0;
+  j->kd = j->avx512 ? mr__sgemm_packed_floats(j->s.T, j->s.D) : 0;
+}
+
+int mr__attention_fwd_gemm(struct mr_pool *pool, float *o, float *lse,
+                           const float *q, const float *k, const float *v,
+                           const struct mr_attn_shape *s) {
+  struct gjob j = {.s = *s, .o = o, .lse = lse, .q = q, .k = k, .v = v,
+                   .pool = pool};
+  sizes(&j);
+  long ntasks = (long)s->B * s->H;
+  if (ntasks > 1 << 30)
+    return mr_error_set(MR_EINVAL, "attention_fwd: too many tasks (%ld)", ntasks);
+  return mr_pool_run(pool, (int)ntasks, fwd_task, &j);
+}
+
+/* ---- backward ---- */
+
+static int bwd_task(void *arg, int task, int thread) {
+  const struct gjob *j = arg;
+  const struct mr_attn_shape *s = &j->s;
+  int b = task / s->Hkv, kvh = task % s->Hkv, g = s->H / s->Hkv;
+  int T = s->T, D = s->D;
+  size_t sb = (size_t)QB * (size_t)j->lds;
+  size_t need = 2 * j->kt + 3 * j->kd + 2 * sb;
+  float *S = mr_pool_scratch(j->pool, thread, need * sizeof(float));
+  if (!S)
+    return mr_error_set(MR_ENOMEM, "attention: no memory for %zu floats of tiles", need);
+  float *dP = S + sb, *kt = dP + sb, *vt = kt + j->kt, *kp = vt + j->kt,
+        *qp = kp + j->kd, *dop = qp + j->kd;
+  const float *k = at(j->k, s, b, 0, s->ldk, kvh), *v = at(j->v, s, b, 0, s->ldv, kvh);
+  float *dk = (float *)at(j->dk, s, b, 0, s->ldk, kvh);
+  float *dv = (float *)at(j->dv, s, b, 0, s->ldv, kvh);
+  struct opnd Kt, Vt, Kn, Q, dO;
+  opnd_init(&Kt, j, k, s->ldk, true, kt, D, T);
+  opnd_init(&Vt, j, v, s->ldv, true, vt, D, T);
+  opnd_init(&Kn, j, k, s->ldk, false, kp, T, D);
+  for (int t = 0; t < T; t++) {
+    memset(dk + (size_t)t * (size_t)s->ldk, 0, sizeof(float) * (size_t)D);
+    memset(dv + (size_t)t * (size_t)s->ldv, 0, sizeof(float) * (size_t)D);
+  }
+  for (int h = kvh * g; h < (kvh + 1) * g; h++) {
+    const float *q = at(j->q, s, b, 0, s->ldq, h), *dout = at(j->dout, s, b, 0, s->ldo, h);
+    const float *o = at(j->co, s, b, 0, s->ldo, h);
+    const float *lse = j->lse + ((size_t)b * (size_t)s->H + (size_t)h) * (size_t)T;
+    opnd_init(&Q, j, q, s->ldq, false, qp, T, D);
+    opnd_init(&dO, j, dout, s->ldo, false, dop, T, D);
+    for (int r0 = 0; r0 < T; r0 += QB) {
+      int r1 = T - r0 < QB ? T : r0 + QB, nr = r1 - r0;
+      mm(j, false, nr, r1, D, s->scale, q + (size_t)r0 * (size_t)s->ldq, s->ldq,
+         &Kt, 0, 0.0f, S, j->lds);
+      mm(j, false, nr, r1, D, 1.0f, dout + (size_t)r0 * (size_t)s->ldo, s->ldo,
+         &Vt, 0, 0.0f, dP, j->lds);
+      if (j->avx512)
+        bwd_rows_512(S, dP, j->lds, nr, r0, r1, lse, dout, o, s->ldo, D);
+      else
+        bwd_rows_256(S, dP, j->lds, nr, r0, r1, lse, dout, o, s->ldo, D);
+      mm(j, false, nr, D, r1, s->scale, dP, j->lds, &Kn, 0, 0.0f,
+         (float *)at(j->dq, s, b, r0, s->ldq, h), s->ldq);
+      mm(j, true, r1, D, nr, s->scale, dP, j->lds, &Q, r0, 1.0f, dk, s->ldk);
+      mm(j, true, r1, D, nr, 1.0f, S, j->lds, &dO, r0, 1.0f, dv, s->ldv);
+    }
+  }
+  return 0;
+}
+
+int mr__attention_bwd_gemm(struct mr_pool *pool, float *dq, float *dk,
+                           float *dv, const float *dout, const float *q,
+                           const float *k, const float *v, const float *o,
+                           const float *lse, const struct mr_attn_shape *s) {
+  struct gjob j = {.s = *s, .dq = dq, .dk = dk, .dv = dv, .dout = dout,
+                   .q = q, .k = k, .v = v, .co = o, .lse = (float *)lse,
+                   .pool = pool};
+  sizes(&j);
+  long ntasks = (long)s->B * s->Hkv;
+  if (ntasks > 1 << 30)
+    return mr_error_set(MR_EINVAL, "attention_bwd: too many tasks (%ld)", ntasks);
+  return mr_pool_run(pool, (int)ntasks, bwd_task, &j);
+}

@@ -1,0 +1,345 @@
+/* sgemm.c - the AVX-512 matmul (see sgemm.h): op(B) packed into 64-column
+ * panels, a 6 x 64 micro-kernel (24 zmm accumulators, four panel loads and
+ * six broadcasts of op(A) per k), K in blocks of at most 384 so that a
+ * block of panels stays in L2 while six rows of op(A) stay in L1. */
+#include "worker/backend/cpu/sgemm.h"
+
+#include <stdint.h>
+#include <string.h>
+
+#include <immintrin.h>
+
+#include "common/tunable.h"
+#include "worker/backend/cpu/simd.h"
+
+#define MR MR__SGEMM_MR
+#define NR MR__SGEMM_NR
+#define KC 384 // most k per block
+
+#define AVX512 __attribute__((target("avx512f")))
+
+int mr__cpu_has_avx512(void) {
+  static int cached = -1;
+  int c = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+  if (c < 0) {
+    c = __builtin_cpu_supports("avx512f") && mr__cpu_has_avx2() &&
+        strcmp(mr_tunable_str(MR_TUNABLE_CPU_SIMD), "auto") == 0;
+    __atomic_store_n(&cached, c, __ATOMIC_RELAXED);
+  }
+  return c;
+}
+
+size_t mr__sgemm_packed_floats(int K, int N) {
+  return (size_t)((N + NR - 1) / NR) * (size_t)K * NR;
+}
+
+/* The K blocks: nkb of them, block b is [K b / nkb, K (b + 1) / nkb). */
+static int k_blocks(int K) { return (K + KC - 1) / KC; }
+
+/* Transposes a 16 x 16 tile: out row k (at out + k * NR) gets column k of
+ * the 16 rows at in + r * ld. */
+AVX512 static void transpose16(float *out, const float *in, size_t ld) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; i++)
+    r[i] = _mm512_loadu_ps(in + (size_t)i * ld);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  /* t[2i]: r2i[0] r2i+1[0] r2i[1] r2i+1[1] per 128-bit lane (elements
+   * 4l, 4l+1); t[2i+1]: elements 4l+2, 4l+3 */
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  /* r[4g + e], lane l: rows 4g..4g+3 at element 4l + e */
+  for (int e = 0; e < 4; e++) {
+    t[e] = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
+    t[4 + e] = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xdd);
+    t[8 + e] = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+    t[12 + e] = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xdd);
+  }
+  /* t[e] lanes: (rows 0-3, el e), (rows 4-7, el e), (rows 0-3, el 8+e),
+   * (rows 4-7, el 8+e); t[4+e]: the same for elements 4+e, 12+e; t[8+e],
+   * t[12+e]: rows 8-15 */
+  for (int e = 0; e < 4; e++) {
+    _mm512_store_ps(out + (size_t)e * NR, _mm512_shuffle_f32x4(t[e], t[8 + e], 0x88));
+    _mm512_store_ps(out + (size_t)(8 + e) * NR, _mm512_shuffle_f32x4(t[e], t[8 + e], 0xdd));
+    _mm512_store_ps(out + (size_t)(4 + e) * NR, _mm512_shuffle_f32x4(t[4 + e], t[12 + e], 0x88));
+    _mm512_store_ps(out + (size_t)(12 + e) * NR, _mm512_shuffle_f32x4(t[4 + e], t[12 + e], 0xdd));
+  }
+}
+
+AVX512 void mr__sgemm_pack_b(bool tb, int K, int N, const float *B, int ldb,
+                             float *bp, int p0, int p1) {
+  for (int p = p0; p < p1; p++) {
+    int j = p * NR, nv = N - j < NR ? N - j : NR;
+    float *dst = bp + (size_t)p * (size_t)K * NR;
+    if (!tb) {
+      __mmask16 m[4];
+      for (int q = 0; q < 4; q++) {
+        int n = nv - 16 * q;
+        m[q] = n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+      }
+      for (int k = 0; k < K; k++) {
+        const float *s = B + (size_t)k * (size_t)ldb + j;
+        float *d = dst + (size_t)k * NR;
+        for (int q = 0; q < 4; q++)
+          _mm512_store_ps(d + 16 * q, _mm512_maskz_loadu_ps(m[q], s + 16 * q));
+      }
+      continue;
+    }
+    /* op(B)[k, j + c] = B[(j + c) ldb + k]: whole 16 x 16 tiles first */
+    int c16 = nv / 16 * 16, k16 = K / 16 * 16;
+    for (int c = 0; c < c16; c += 16)
+      for (int k = 0; k < k16; k += 16)
+        transpose16(dst + (size_t)k * NR + c, B + (size_t)(j + c) * (size_t)ldb + k,
+                    (size_t)ldb);
+    for (int c = 0; c < NR; c++) {
+      const float *s = B + (size_t)(j + c) * (size_t)ldb;
+      int k = c < c16 ? k16 : 0;
+      if (c >= nv)
+        for (; k < K; k++)
+          dst[(size_t)k * NR + c] = 0;
+      else
+        for (; k < K; k++)
+          dst[(size_t)k * NR + c] = s[k];
+    }
+  }
+}
+
+/* One 6 x 64 block of C: row r of op(A) is a[r][k * as] for k < kc, the
+ * panel rows are b[k * 64 .. k * 64 + 63].  Rows r >= mr and columns
+ * outside the masks are computed but not stored.  first: this is the
+ * first K block (C = alpha acc + beta C), else C += alpha acc; bias (only
+ * with the last K block) is added on top. */
+#define ACC_ROW(r)                                                             \
+  __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0, c##r##2 = c##r##0, \
+         c##r##3 = c##r##0
+#define FMA_ROW(r)                                                             \
+  do {                                                                         \
+    __m512 x = _mm512_set1_ps(a##r[ka]);                                       \
+    c##r##0 = _mm512_fmadd_ps(x, b0, c##r##0);                                 \
+    c##r##1 = _mm512_fmadd_ps(x, b1, c##r##1);                                 \
+    c##r##2 = _mm512_fmadd_ps(x, b2, c##r##2);                                 \
+    c##r##3 = _mm512_fmadd_ps(x, b3, c##r##3);                                 \
+  } while (0)
+#define STORE1(r, q)                                                           \
+  do {                                                                         \
+    float *p = c + (size_t)(r) * (size_t)ldc + 16 * (q);                       \
+    __m512 v = _mm512_mul_ps(va, c##r##q);                                     \
+    if (!first)                                                                \
+      v = _mm512_add_ps(_mm512_maskz_loadu_ps(m[q], p), v);                    \
+    else if (beta != 0.0f)                                                     \
+      v = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m[q], p), v);              \
+    if (bias)                                                                  \
+      v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m[q], bias + 16 * (q)));      \
+    _mm512_mask_storeu_ps(p, m[q], v);                                         \
+  } while (0)
+#define STORE_ROW(r)                                                           \
+  do {                                                                         \
+    if ((r) < mr) {                                                            \
+      STORE1(r, 0);                                                            \
+      STORE1(r, 1);                                                            \
+      STORE1(r, 2);                                                            \
+      STORE1(r, 3);                                                            \
+    }                                                                          \
+  } while (0)
+
+AVX512 static void kernel_6x64(int kc, const float *a0, const float *a1,
+                               const float *a2, const float *a3,
+                               const float *a4, const float *a5, ptrdiff_t as,
+                               const float *b, float *c, int ldc, int mr,
+                               const __mmask16 *m, float alpha, float beta,
+                               int first, const float *bias) {
+  ACC_ROW(0);
+  ACC_ROW(1);
+  ACC_ROW(2);
+  ACC_ROW(3);
+  ACC_ROW(4);
+  ACC_ROW(5);
+  ptrdiff_t ka = 0;
+  for (int k = 0; k < kc; k++, ka += as, b += NR) {
+    __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16),
+           b2 = _mm512_load_ps(b + 32), b3 = _mm512_load_ps(b + 48);
+    FMA_ROW(0);
+    FMA_ROW(1);
+    FMA_ROW(2);
+    FMA_ROW(3);
+    FMA_ROW(4);
+    FMA_ROW(5);
+  }
+  __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  STORE_ROW(0);
+  STORE_ROW(1);
+  STORE_ROW(2);
+  STORE_ROW(3);
+  STORE_ROW(4);
+  STORE_ROW(5);
+}
+
+/* The same for a panel with at most 32 valid columns (attention's head
+ * dimension): 12 rows x 32 columns, two panel loads and twelve broadcasts
+ * per k. */
+#define ACC2_ROW(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0
+#define FMA2_ROW(r)                                                            \
+  do {                                                                         \
+    __m512 x = _mm512_set1_ps(a##r[ka]);                                       \
+    c##r##0 = _mm512_fmadd_ps(x, b0, c##r##0);                                 \
+    c##r##1 = _mm512_fmadd_ps(x, b1, c##r##1);                                 \
+  } while (0)
+#define STORE2_ROW(r)                                                          \
+  do {                                                                         \
+    if ((r) < mr) {                                                            \
+      STORE1(r, 0);                                                            \
+      STORE1(r, 1);                                                            \
+    }                                                                          \
+  } while (0)
+
+AVX512 static void kernel_12x32(int kc, const float *const *a, ptrdiff_t as,
+                                const float *b, float *c, int ldc, int mr,
+                                const __mmask16 *m, float alpha, float beta,
+                                int first, const float *bias) {
+  const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4],
+              *a5 = a[5], *a6 = a[6], *a7 = a[7], *a8 = a[8], *a9 = a[9],
+              *a10 = a[10], *a11 = a[11];
+  ACC2_ROW(0);
+  ACC2_ROW(1);
+  ACC2_ROW(2);
+  ACC2_ROW(3);
+  ACC2_ROW(4);
+  ACC2_ROW(5);
+  ACC2_ROW(6);
+  ACC2_ROW(7);
+  ACC2_ROW(8);
+  ACC2_ROW(9);
+  ACC2_ROW(10);
+  ACC2_ROW(11);
+  ptrdiff_t ka = 0;
+  for (int k = 0; k < kc; k++, ka += as, b += NR) {
+    __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
+    FMA2_ROW(0);
+    FMA2_ROW(1);
+    FMA2_ROW(2);
+    FMA2_ROW(3);
+    FMA2_ROW(4);
+    FMA2_ROW(5);
+    FMA2_ROW(6);
+    FMA2_ROW(7);
+    FMA2_ROW(8);
+    FMA2_ROW(9);
+    FMA2_ROW(10);
+    FMA2_ROW(11);
+  }
+  __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  STORE2_ROW(0);
+  STORE2_ROW(1);
+  STORE2_ROW(2);
+  STORE2_ROW(3);
+  STORE2_ROW(4);
+  STORE2_ROW(5);
+  STORE2_ROW(6);
+  STORE2_ROW(7);
+  STORE2_ROW(8);
+  STORE2_ROW(9);
+  STORE2_ROW(10);
+  STORE2_ROW(11);
+}
+
+/* Columns [j0, j1) within one panel, at most 32 wide. */
+AVX512 static void block_narrow(bool ta, int K, float alpha, const float *A,
+                                int lda, const float *b, size_t kp, float beta,
+                                float *C, int ldc, const float *bias, int i0,
+                                int i1, int j0, int j1, float *apack) {
+  __mmask16 m[2];
+  for (int q = 0; q < 2; q++) {
+    int n = j1 - j0 - 16 * q;
+    m[q] = n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+  }
+  int nkb = k_blocks(K);
+  b += (size_t)(j0 / NR) * kp * NR;
+  for (int kb = 0; kb < nkb; kb++) {
+    int k0 = (int)((int64_t)K * kb / nkb), k1 = (int)((int64_t)K * (kb + 1) / nkb);
+    int kc = k1 - k0, first = kb == 0;
+    const float *bs = kb == nkb - 1 ? bias : NULL;
+    for (int i = i0; i < i1; i += 12) {
+      int mr = i1 - i < 12 ? i1 - i : 12;
+      const float *a[12];
+      ptrdiff_t as;
+      if (!ta) {
+        for (int r = 0; r < 12; r++)
+          a[r] = A + (size_t)(i + (r < mr ? r : mr - 1)) * (size_t)lda + k0;
+        as = 1;
+      } else {
+        __mmask16 am = (__mmask16)((1u << mr) - 1);
+        for (int k = 0; k < kc; k++)
+          _mm512_mask_storeu_ps(apack + (size_t)k * 12, 0xfff,
+                                _mm512_maskz_loadu_ps(am, A + (size_t)(k0 + k) * (size_t)lda + i));
+        for (int r = 0; r < 12; r++)
+          a[r] = apack + r;
+        as = 12;
+      }
+      kernel_12x32(kc, a, as, b + (size_t)k0 * NR, C + (size_t)i * (size_t)ldc + j0,
+                   ldc, mr, m, alpha, beta, first, bs ? bs + j0 : NULL);
+    }
+  }
+}
+
+AVX512 void mr__sgemm_block(bool ta, int K, float alpha, const float *A,
+                            int lda, const float *bp, int kp, float beta,
+                            float *C, int ldc, const float *bias, int i0,
+                            int i1, int j0, int j1) {
+  _Alignas(64) float apack[12 * KC];
+  if (j1 - j0 <= 32) {
+    block_narrow(ta, K, alpha, A, lda, bp, (size_t)kp, beta, C, ldc, bias, i0,
+                 i1, j0, j1, apack);
+    return;
+  }
+  int nkb = k_blocks(K);
+  for (int kb = 0; kb < nkb; kb++) {
+    int k0 = (int)((int64_t)K * kb / nkb), k1 = (int)((int64_t)K * (kb + 1) / nkb);
+    int kc = k1 - k0, first = kb == 0;
+    const float *bs = kb == nkb - 1 ? bias : NULL;
+    for (int i = i0; i < i1; i += MR) {
+      int mr = i1 - i < MR ? i1 - i : MR;
+      const float *a[MR];
+      ptrdiff_t as;
+      if (!ta) {
+        for (int r = 0; r < MR; r++)
+          a[r] = A + (size_t)(i + (r < mr ? r : mr - 1)) * (size_t)lda + k0;
+        as = 1;
+      } else {
+        /* op(A)[i + r, k] = A[k lda + i + r]: six contiguous floats per k */
+        __mmask16 am = (__mmask16)((1u << mr) - 1);
+        for (int k = 0; k < kc; k++) {
+          __m512 v = _mm512_maskz_loadu_ps(am, A + (size_t)(k0 + k) * (size_t)lda + i);
+          _mm512_mask_storeu_ps(apack + (size_t)k * MR, 0x3f, v);
+        }
+        for (int r = 0; r < MR; r++)
+          a[r] = apack + r;
+        as = MR;
+      }
+      for (int j = j0; j < j1; j += NR) {
+        int nv = j1 - j < NR ? j1 - j : NR;
+        __mmask16 m[4];
+        for (int q = 0; q < 4; q++) {
+          int n = nv - 16 * q;
+          m[q] = n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+        }
+        const float *b = bp + (size_t)(j / NR) * (size_t)kp * NR + (size_t)k0 * NR;
+        kernel_6x64(kc, a[0], a[1], a[2], a[3], a[4], a[5], as, b,
+                    C + (size_t)i * (size_t)ldc + j, ldc, mr, m, alpha, beta,
+                    first, bs ? bs + j : NULL);
+      }
+    }
+  }
+}
+
+void mr__sgemm_serial(bool ta, bool tb, int M, int N, int K, float alpha,
+                      const float *A, int lda, const float *B, int ldb,
+                      float beta, float *C, int ldc, float *pack) {
+  mr__sgemm_pack_b(tb, K, N, B, ldb, pack, 0, (N + NR - 1) / NR);
+  mr__sgemm_block(ta, K, alpha, A, lda, pack, K, beta, C, ldc, NULL, 0, M, 0, N);
+}
