@@ -119,11 +119,15 @@ int main(int argc, char **argv) {
       printf("step %lld loss %.4f lr %.3g norm %.3f scale %g%s %.0f tok/s\n",
              (long long)s, r.loss, r.lr, r.grad_norm, r.loss_scale,
              r.skipped ? " skipped" : "", r.tokens_per_s);
-    if (mf)
-      fprintf(mf, "{\"step\":%lld,\"loss\":%.6f,\"grad_norm\":%.6g,"
-              "\"loss_scale\":%g,\"skipped\":%d,\"tokens_per_s\":%.1f}\n",
-              (long long)s, r.loss, r.grad_norm, r.loss_scale, r.skipped,
-              r.tokens_per_s);
+    if (mf) { /* JSON has no infinity: an overflowed norm is null */
+      fprintf(mf, "{\"step\":%lld,\"loss\":%.6f,", (long long)s, r.loss);
+      if (isfinite(r.grad_norm))
+        fprintf(mf, "\"grad_norm\":%.6g,", r.grad_norm);
+      else
+        fprintf(mf, "\"grad_norm\":null,");
+      fprintf(mf, "\"loss_scale\":%g,\"skipped\":%d,\"tokens_per_s\":%.1f}\n", r.loss_scale,
+              r.skipped, r.tokens_per_s);
+    }
   }
   double val = NAN;
   if (job.data_val)
