@@ -15,30 +15,10 @@
 #include "common/error.h"
 #include "common/jsonv.h"
 #include "common/log.h"
-#include "common/sha256.h"
+#include "common/checksum.h"
 
 void mr_ckpt_step_dir(const char *root, int64_t step, char *buf, size_t n) {
   snprintf(buf, n, "%s/step-%08" PRId64, root, step);
-}
-
-int mr_sha256_file(const char *path, char hex[65]) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return mr_error_set(mr_from_errno(errno), "%s: %s", path, strerror(errno));
-  (void)posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL); /* advice: may be ignored */
-  struct mr_sha256 st;
-  mr_sha256_init(&st);
-  static _Thread_local uint8_t buf[1 << 20];
-  ssize_t r;
-  while ((r = read(fd, buf, sizeof buf)) > 0 || (r < 0 && errno == EINTR))
-    if (r > 0)
-      mr_sha256_update(&st, buf, (size_t)r);
-  int err = r < 0 ? errno : 0;
-  close(fd);
-  if (err != 0)
-    return mr_error_set(MR_EIO, "%s: %s", path, strerror(err));
-  mr_sha256_final(&st, hex);
-  return 0;
 }
 
 static int fsync_path(const char *path, int flags) {
@@ -51,14 +31,15 @@ static int fsync_path(const char *path, int flags) {
 }
 
 int mr_ckpt_write_marker(const char *dir, int64_t step, const char *const *files,
-                         const char *const *sha256, int n) {
+                         const char *const *checksum, int n) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddNumberToObject(o, "step", (double)step);
+  cJSON_AddStringToObject(o, "checksum", MR_CHECKSUM_NAME);
   cJSON *arr = cJSON_AddArrayToObject(o, "files");
   for (int i = 0; i < n; i++) {
     cJSON *f = cJSON_CreateObject();
     cJSON_AddStringToObject(f, "name", files[i]);
-    cJSON_AddStringToObject(f, "sha256", sha256[i]);
+    cJSON_AddStringToObject(f, "checksum", checksum[i]);
     cJSON_AddItemToArray(arr, f);
   }
   char *text = cJSON_Print(o);
@@ -97,25 +78,28 @@ int mr_ckpt_verify(const char *dir, int64_t *step) {
   int rc = 0;
   const cJSON *st = cJSON_GetObjectItemCaseSensitive(o, "step");
   const cJSON *files = cJSON_GetObjectItemCaseSensitive(o, "files");
-  if (!cJSON_IsNumber(st) || !cJSON_IsArray(files)) {
-    rc = mr_error_set(MR_EFORMAT, "%s: expected {step, files}", path);
+  const cJSON *algo = cJSON_GetObjectItemCaseSensitive(o, "checksum");
+  if (!cJSON_IsNumber(st) || !cJSON_IsArray(files) || !cJSON_IsString(algo) ||
+      strcmp(algo->valuestring, MR_CHECKSUM_NAME) != 0) {
+    rc = mr_error_set(MR_EFORMAT, "%s: expected {step, checksum: \"%s\", files}", path,
+                      MR_CHECKSUM_NAME);
     goto out;
   }
   const cJSON *f;
   cJSON_ArrayForEach(f, files) {
     const cJSON *name = cJSON_GetObjectItemCaseSensitive(f, "name");
-    const cJSON *sha = cJSON_GetObjectItemCaseSensitive(f, "sha256");
-    if (!cJSON_IsString(name) || !cJSON_IsString(sha) || strchr(name->valuestring, '/')) {
-      rc = mr_error_set(MR_EFORMAT, "%s: a file entry lacks a plain name or sha256", path);
+    const cJSON *sum = cJSON_GetObjectItemCaseSensitive(f, "checksum");
+    if (!cJSON_IsString(name) || !cJSON_IsString(sum) || strchr(name->valuestring, '/')) {
+      rc = mr_error_set(MR_EFORMAT, "%s: a file entry lacks a plain name or checksum", path);
       goto out;
     }
-    char fp[4300], hex[65];
+    char fp[4300], hex[MR_CHECKSUM_HEX];
     snprintf(fp, sizeof fp, "%s/%s", dir, name->valuestring);
-    if (mr_sha256_file(fp, hex) < 0) {
+    if (mr_checksum_file(fp, hex) < 0) {
       rc = mr_error_set(MR_EFORMAT, "%s: missing or unreadable", fp);
       goto out;
     }
-    if (strcmp(hex, sha->valuestring) != 0) {
+    if (strcmp(hex, sum->valuestring) != 0) {
       rc = mr_error_set(MR_EFORMAT, "%s: checksum mismatch (the file is corrupt)", fp);
       goto out;
     }

@@ -5,7 +5,7 @@
  * rank's safetensors files and index.json (written by the workers, see
  * worker/checkpoint.h) and, written last by the coordinator once every rank
  * has reported its files, COMPLETE: JSON naming every file with its
- * SHA-256.  COMPLETE is written to a temporary name, fsynced, renamed and
+ * checksum (common/checksum.h).  COMPLETE is written to a temporary name, fsynced, renamed and
  * the folder fsynced, so it exists only when everything before it is on
  * disk.  A folder without COMPLETE, or whose files do not match their
  * checksums, is never loaded. */
@@ -21,13 +21,10 @@
 /* ROOT/step-SSSSSSSS into buf. */
 void mr_ckpt_step_dir(const char *root, int64_t step, char *buf, size_t n);
 
-/* SHA-256 of a file, as 64 hex characters + NUL.  Returns 0 or MR_EIO. */
-int mr_sha256_file(const char *path, char hex[65]);
-
 /* Writes dir/COMPLETE for step: the n files (names relative to dir) with
  * their checksums, atomically and durably.  Returns 0 or MR_EIO. */
 int mr_ckpt_write_marker(const char *dir, int64_t step, const char *const *files,
-                         const char *const *sha256, int n);
+                         const char *const *checksum, int n);
 
 /* Checks dir/COMPLETE and every file's checksum.  Returns 0 when the
  * checkpoint is complete and intact, MR_ENOENT when there is no marker,

@@ -111,7 +111,7 @@ int mr_st_read(const struct mr_st_file *f, const struct mr_st_tensor *t,
 struct mr_st_writer; /* opaque */
 
 #define MR_ST_WRITE_FSYNC 1  /* fsync the file before finish returns */
-#define MR_ST_WRITE_SHA256 2 /* hash the file while writing it */
+#define MR_ST_WRITE_CHECKSUM 2 /* checksum the file while writing it */
 #define MR_ST_WRITE_DIRECT 4 /* durable, bypassing the page cache */
 
 /* Starts a file at path (created or truncated only at finish).  flags: 0 or
@@ -123,8 +123,9 @@ struct mr_st_writer; /* opaque */
  *                       from aligned staging buffers while the caller's
  *                       thread fills the next, where the filesystem
  *                       supports it (else as MR_ST_WRITE_FSYNC);
- *   MR_ST_WRITE_SHA256  the file's SHA-256 is computed from the bytes as
- *                       they are written (see mr_st_writer_sha256).
+ *   MR_ST_WRITE_CHECKSUM  the file's checksum (common/checksum.h) is taken
+ *                       from the bytes as they are written (see
+ *                       mr_st_writer_checksum).
  * *out is freed by mr_st_writer_free. */
 int mr_st_writer_new(const char *path, int flags, struct mr_st_writer **out);
 
@@ -156,10 +157,10 @@ uint64_t mr_st_writer_data_bytes(const struct mr_st_writer *w);
  * The writer can only be freed afterwards. */
 int mr_st_writer_finish(struct mr_st_writer *w);
 
-/* After a successful finish of a writer made with MR_ST_WRITE_SHA256: the
- * file's SHA-256 as 64 hex characters + NUL into hex (caller-owned), with
- * no second read of the file.  MR_EINVAL otherwise. */
-int mr_st_writer_sha256(const struct mr_st_writer *w, char hex[65]);
+/* After a successful finish of a writer made with MR_ST_WRITE_CHECKSUM: the
+ * file's checksum (common/checksum.h: 32 hex digits + NUL) into hex
+ * (caller-owned), with no second read of the file.  MR_EINVAL otherwise. */
+int mr_st_writer_checksum(const struct mr_st_writer *w, char hex[33]);
 
 /* Frees the writer (NULL is a no-op); an unfinished writer writes nothing. */
 void mr_st_writer_free(struct mr_st_writer *w);

@@ -30,7 +30,7 @@ struct mr__st_direct {
   int stop;
   int err;                   // errno of the first failed write; 0: none
   int fd;                    // borrowed
-  struct mr_sha256 *sha;     // borrowed; only hash_thread touches it meanwhile
+  struct mr_checksum *sha;   // borrowed; only hash_thread touches it meanwhile
   const char *path;          // borrowed, for messages
 };
 
@@ -80,7 +80,7 @@ static void *hash_main(void *arg) {
       break;
     int i = (int)(d->hashed % RING);
     pthread_mutex_unlock(&d->mu);
-    mr_sha256_update(d->sha, d->ring[i], d->len[i]);
+    mr_checksum_update(d->sha, d->ring[i], d->len[i]);
     pthread_mutex_lock(&d->mu);
     d->hashed++;
     pthread_cond_broadcast(&d->cv);
@@ -121,7 +121,7 @@ void mr__st_direct_close(struct mr__st_direct *d) {
   free_ring(d);
 }
 
-int mr__st_direct_open(int fd, struct mr_sha256 *sha, const char *path,
+int mr__st_direct_open(int fd, struct mr_checksum *sha, const char *path,
                        struct mr__st_direct **out, uint8_t **first) {
   *out = NULL;
   struct mr__st_direct *d = calloc(1, sizeof *d);

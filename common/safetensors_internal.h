@@ -6,7 +6,7 @@
 #include <stdint.h>
 
 #include "common/dtype.h"
-#include "common/sha256.h"
+#include "common/checksum.h"
 
 /* Whether mr__st_convert handles src -> dst: identity for every dtype,
  * otherwise both among F32, BF16, F16, F64. */
@@ -40,7 +40,7 @@ int mr__st_direct_usable(int fd);
  * caller's again after mr__st_direct_drain.  *first is the buffer to fill
  * first (MR__ST_DIRECT_BYTES).  path (borrowed) names the file in messages.
  * Returns 0 or MR_ENOMEM / MR_ESYS; *out is freed by mr__st_direct_close. */
-int mr__st_direct_open(int fd, struct mr_sha256 *sha, const char *path,
+int mr__st_direct_open(int fd, struct mr_checksum *sha, const char *path,
                        struct mr__st_direct **out, uint8_t **first);
 
 /* Submits the first len bytes of the buffer last handed out; *next is the

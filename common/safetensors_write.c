@@ -14,7 +14,7 @@
 #include "common/error.h"
 #include "common/safetensors.h"
 #include "common/safetensors_internal.h"
-#include "common/sha256.h"
+#include "common/checksum.h"
 
 /* Writes of at least this much go straight from the caller's memory; smaller
  * pieces are gathered in a staging buffer of the same size, so every write
@@ -63,8 +63,8 @@ struct mr_st_writer {
   int behind;       /* written behind (MR_ST_WRITE_FSYNC; see write_behind) */
   uint64_t started; /* [0, started) handed to the disk */
   uint64_t settled; /* [0, settled) on the disk and out of the page cache */
-  struct mr_sha256 sha;  /* MR_ST_WRITE_SHA256: of the bytes written */
-  char sha_hex[65];      /* set by a successful finish */
+  struct mr_checksum sum; /* MR_ST_WRITE_CHECKSUM: of the bytes written */
+  char sum_hex[MR_CHECKSUM_HEX]; /* set by a successful finish */
 };
 
 int mr_st_writer_new(const char *path, int flags, struct mr_st_writer **out) {
@@ -92,6 +92,7 @@ void mr_st_writer_free(struct mr_st_writer *w) {
   }
   free(w->meta);
   mr__st_direct_close(w->dio);
+  mr_checksum_abandon(&w->sum); /* a writer that did not finish */
   free(w->stage_mem);
   if (w->fd >= 0)
     close(w->fd);
@@ -309,8 +310,8 @@ fail:
 static int write_all(struct mr_st_writer *w, const uint8_t *p, size_t n) {
   while (n > 0) {
     size_t part = n < WRITE_BYTES ? n : WRITE_BYTES;
-    if (w->flags & MR_ST_WRITE_SHA256)
-      mr_sha256_update(&w->sha, p, part);
+    if (w->flags & MR_ST_WRITE_CHECKSUM)
+      mr_checksum_update(&w->sum, p, part);
     for (size_t done = 0; done < part;) {
       ssize_t k = write(w->fd, p + done, part - done);
       if (k < 0 && errno == EINTR)
@@ -438,10 +439,10 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
     return mr_error_set(mr_from_errno(errno), "%s: cannot create: %s", p,
                         strerror(errno));
   }
-  if (w->flags & MR_ST_WRITE_SHA256)
-    mr_sha256_init(&w->sha);
+  if ((w->flags & MR_ST_WRITE_CHECKSUM) && (rc = mr_checksum_init(&w->sum)) < 0)
+    goto fail;
   if (direct) {
-    MR_TRY_GOTO(rc, mr__st_direct_open(w->fd, w->flags & MR_ST_WRITE_SHA256 ? &w->sha : NULL,
+    MR_TRY_GOTO(rc, mr__st_direct_open(w->fd, w->flags & MR_ST_WRITE_CHECKSUM ? &w->sum : NULL,
                                        p, &w->dio, &w->stage),
                 fail);
     w->stage_cap = MR__ST_DIRECT_BYTES;
@@ -490,8 +491,8 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
     unlink(p);
     return rc;
   }
-  if (w->flags & MR_ST_WRITE_SHA256)
-    mr_sha256_final(&w->sha, w->sha_hex);
+  if (w->flags & MR_ST_WRITE_CHECKSUM)
+    mr_checksum_final(&w->sum, w->sum_hex);
   return 0;
 fail:
   free(header);
@@ -503,11 +504,11 @@ fail:
   return rc;
 }
 
-int mr_st_writer_sha256(const struct mr_st_writer *w, char hex[65]) {
-  if (!(w->flags & MR_ST_WRITE_SHA256) || w->sha_hex[0] == '\0')
+int mr_st_writer_checksum(const struct mr_st_writer *w, char hex[33]) {
+  if (!(w->flags & MR_ST_WRITE_CHECKSUM) || w->sum_hex[0] == '\0')
     return mr_error_set(MR_EINVAL, "%s: no checksum: the writer was not made with "
-                        "MR_ST_WRITE_SHA256 or did not finish", w->path);
-  memcpy(hex, w->sha_hex, 65);
+                        "MR_ST_WRITE_CHECKSUM or did not finish", w->path);
+  memcpy(hex, w->sum_hex, MR_CHECKSUM_HEX);
   return 0;
 }
 

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "common/auth.h"
+#include "common/checksum.h"
 #include "common/ckpt.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -317,7 +318,7 @@ static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) 
 static void on_checkpoint_written(struct coordinator *co, int rank,
                                   const Meshrun__Report__CheckpointWritten *cw) {
   if (co->opts->job == NULL || co->opts->job->checkpoint.dir == NULL ||
-      cw->n_files != cw->n_sha256)
+      cw->n_files != cw->n_checksum)
     return;
   struct pending_ckpt *p;
   for (p = co->ckpts; p != NULL && p->step != cw->step; p = p->next)
@@ -343,10 +344,10 @@ static void on_checkpoint_written(struct coordinator *co, int rank,
   if (ns != NULL)
     p->sha = ns;
   for (size_t i = 0; nf != NULL && ns != NULL && i < cw->n_files; i++) {
-    if (strchr(cw->files[i], '/') != NULL || strlen(cw->sha256[i]) != 64)
+    if (strchr(cw->files[i], '/') != NULL || strlen(cw->checksum[i]) != MR_CHECKSUM_HEX - 1)
       continue; /* a file outside the step's folder is never trusted */
     p->files[p->n_files] = strdup(cw->files[i]);
-    p->sha[p->n_files] = strdup(cw->sha256[i]);
+    p->sha[p->n_files] = strdup(cw->checksum[i]);
     p->n_files++;
   }
   if (p->reported < co->opts->nproc)

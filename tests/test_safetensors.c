@@ -7,7 +7,6 @@
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <signal.h>
-#include <sodium.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,7 +18,8 @@
 #include "common/ckpt.h"
 #include "common/error.h"
 #include "common/safetensors.h"
-#include "common/sha256.h"
+#include "common/checksum.h"
+#include <xxhash.h>
 
 static char dir[] = "/tmp/mr-test-st-XXXXXX";
 
@@ -482,41 +482,35 @@ END_TEST
 
 /* ---- checksums taken while writing ---- */
 
-/* SHA-256 of n bytes by libsodium, the independent reference. */
-static void reference_sha256(const void *p, size_t n, char hex[65]) {
-  uint8_t d[crypto_hash_sha256_BYTES];
-  crypto_hash_sha256(d, p, n);
-  sodium_bin2hex(hex, 65, d, sizeof d);
+/* XXH3-128 of n bytes by libxxhash's one-shot function (the streaming
+ * checksum under test is fed piece by piece by the writer's threads), in
+ * XXH128's canonical big-endian hex. */
+static void reference_checksum(const void *p, size_t n, char hex[MR_CHECKSUM_HEX]) {
+  XXH128_canonical_t c;
+  XXH128_canonicalFromHash(&c, XXH3_128bits(p, n));
+  for (size_t i = 0; i < sizeof c.digest; i++)
+    snprintf(hex + 2 * i, 3, "%02x", c.digest[i]);
 }
 
-/* Both block functions (the CPU's SHA instructions where present, and the
- * portable one), fed in two pieces split anywhere, against libsodium; and
- * the FIPS 180-4 example "abc". */
-START_TEST(test_sha256_matches_reference_every_length_and_split) {
+/* The streaming checksum fed in two pieces split anywhere against the
+ * one-shot reference, every length up to 1100 bytes. */
+START_TEST(test_checksum_matches_reference_every_length_and_split) {
   enum { MAX = 1100 };
   uint8_t *b = malloc(MAX);
   ck_assert_ptr_nonnull(b);
   for (size_t i = 0; i < MAX; i++)
     b[i] = (uint8_t)(i * 131 + 7);
-  char got[65], want[65];
-  for (int fast = 0; fast <= mr_sha256_accelerated(); fast++)
-    for (size_t n = 0; n <= MAX; n += n < 300 ? 1 : 37)
-      for (size_t split = 0; split <= n; split += n / 5 + 1) {
-        struct mr_sha256 h;
-        mr_sha256_init(&h);
-        h.fast = fast;
-        mr_sha256_update(&h, b, split);
-        mr_sha256_update(&h, b + split, n - split);
-        mr_sha256_final(&h, got);
-        reference_sha256(b, n, want);
-        ck_assert_msg(strcmp(got, want) == 0, "fast %d, %zu bytes split at %zu", fast, n,
-                      split);
-      }
-  struct mr_sha256 h;
-  mr_sha256_init(&h);
-  mr_sha256_update(&h, "abc", 3);
-  mr_sha256_final(&h, got);
-  ck_assert_str_eq(got, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  char got[MR_CHECKSUM_HEX], want[MR_CHECKSUM_HEX];
+  for (size_t n = 0; n <= MAX; n += n < 300 ? 1 : 37)
+    for (size_t split = 0; split <= n; split += n / 5 + 1) {
+      struct mr_checksum h;
+      ck_assert_int_eq(mr_checksum_init(&h), 0);
+      mr_checksum_update(&h, b, split);
+      mr_checksum_update(&h, b + split, n - split);
+      mr_checksum_final(&h, got);
+      reference_checksum(b, n, want);
+      ck_assert_msg(strcmp(got, want) == 0, "%zu bytes split at %zu", n, split);
+    }
   free(b);
 }
 END_TEST
@@ -527,17 +521,17 @@ END_TEST
 static void check_hashed_write(const char *p, int flags, const float *a, int64_t rows) {
   float small[5] = {1, 2, 3, 4, 5};
   struct mr_st_writer *w;
-  char hex[65], want[65], again[65];
-  ck_assert_int_eq(mr_st_writer_new(p, flags | MR_ST_WRITE_SHA256, &w), 0);
+  char hex[MR_CHECKSUM_HEX], want[MR_CHECKSUM_HEX], again[MR_CHECKSUM_HEX];
+  ck_assert_int_eq(mr_st_writer_new(p, flags | MR_ST_WRITE_CHECKSUM, &w), 0);
   ck_assert_int_eq(mr_st_writer_add(w, "a", MR_F32, 2, (int64_t[]){rows, 1024}, a), 0);
   ck_assert_int_eq(mr_st_writer_add(w, "b", MR_F32, 1, (int64_t[]){5}, small), 0);
   ck_assert_int_eq(mr_st_writer_add_converted(w, "c", MR_BF16, 1, (int64_t[]){5}, MR_F32,
                                               small),
                    0);
   ck_assert_int_eq(mr_st_writer_add_metadata(w, "format", "pt"), 0);
-  ck_assert_int_eq(mr_st_writer_sha256(w, hex), MR_EINVAL); /* not finished */
+  ck_assert_int_eq(mr_st_writer_checksum(w, hex), MR_EINVAL); /* not finished */
   ck_assert_msg(mr_st_writer_finish(w) == 0, "%s", mr_error_message());
-  ck_assert_int_eq(mr_st_writer_sha256(w, hex), 0);
+  ck_assert_int_eq(mr_st_writer_checksum(w, hex), 0);
   mr_st_writer_free(w);
 
   FILE *f = fopen(p, "rb");
@@ -549,9 +543,9 @@ static void check_hashed_write(const char *p, int flags, const float *a, int64_t
   ck_assert_ptr_nonnull(bytes);
   ck_assert_uint_eq(fread(bytes, 1, size, f), size);
   fclose(f);
-  reference_sha256(bytes, size, want);
+  reference_checksum(bytes, size, want);
   ck_assert_str_eq(hex, want);
-  ck_assert_int_eq(mr_sha256_file(p, again), 0);
+  ck_assert_int_eq(mr_checksum_file(p, again), 0);
   ck_assert_str_eq(again, want);
   free(bytes);
 
@@ -593,11 +587,11 @@ START_TEST(test_safetensors_durable_write_hashes_what_it_wrote) {
 
   /* without the flag there is no checksum to give */
   struct mr_st_writer *w;
-  char hex[65];
+  char hex[MR_CHECKSUM_HEX];
   ck_assert_int_eq(mr_st_writer_new(path_of("plain.safetensors"), 0, &w), 0);
   ck_assert_int_eq(mr_st_writer_add(w, "b", MR_F32, 1, (int64_t[]){5}, a), 0);
   ck_assert_int_eq(mr_st_writer_finish(w), 0);
-  ck_assert_int_eq(mr_st_writer_sha256(w, hex), MR_EINVAL);
+  ck_assert_int_eq(mr_st_writer_checksum(w, hex), MR_EINVAL);
   mr_st_writer_free(w);
   free(a);
 }
@@ -612,18 +606,18 @@ START_TEST(test_safetensors_failed_write_leaves_no_file) {
   signal(SIGXFSZ, SIG_IGN); /* write(2) returns EFBIG instead */
   struct rlimit lim = {.rlim_cur = 5 << 20, .rlim_max = RLIM_INFINITY};
   ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &lim), 0); /* this test's process only */
-  const int flags[3] = {MR_ST_WRITE_FSYNC, MR_ST_WRITE_DIRECT | MR_ST_WRITE_SHA256,
+  const int flags[3] = {MR_ST_WRITE_FSYNC, MR_ST_WRITE_DIRECT | MR_ST_WRITE_CHECKSUM,
                         MR_ST_WRITE_DIRECT};
   for (int k = 0; k < 3; k++) {
     const char *p = path_of("full.safetensors");
     struct mr_st_writer *w;
-    char hex[65];
+    char hex[MR_CHECKSUM_HEX];
     ck_assert_int_eq(mr_st_writer_new(p, flags[k], &w), 0);
     ck_assert_int_eq(mr_st_writer_add(w, "a", MR_F32, 1, (int64_t[]){N}, a), 0);
     mr_error_clear();
     ck_assert_int_eq(mr_st_writer_finish(w), MR_EIO);
     ck_assert_ptr_nonnull(strstr(mr_error_message(), "full.safetensors"));
-    ck_assert_int_eq(mr_st_writer_sha256(w, hex), MR_EINVAL);
+    ck_assert_int_eq(mr_st_writer_checksum(w, hex), MR_EINVAL);
     mr_st_writer_free(w);
     ck_assert_int_eq(access(p, F_OK), -1);
   }
@@ -722,7 +716,7 @@ static Suite *safetensors_suite(void) {
   tcase_add_test(tc, test_safetensors_rejects_malformed_headers);
   tcase_add_test(tc, test_safetensors_accepts_padding_and_empty);
   tcase_add_test(tc, test_safetensors_writer_errors);
-  tcase_add_test(tc, test_sha256_matches_reference_every_length_and_split);
+  tcase_add_test(tc, test_checksum_matches_reference_every_length_and_split);
   tcase_add_test(tc, test_safetensors_durable_write_hashes_what_it_wrote);
   tcase_add_test(tc, test_safetensors_failed_write_leaves_no_file);
   tcase_add_test(tc, test_safetensors_index_round_trip);

@@ -18,7 +18,7 @@
 #include "common/jsonv.h"
 #include "common/log.h"
 #include "common/safetensors.h"
-#include "common/sha256.h"
+#include "common/checksum.h"
 #include "common/tunable.h"
 #include "launcher/spmd/lower.h"
 #include "worker/optim.h"
@@ -177,7 +177,7 @@ static void *write_main(void *arg) {
   if (rc == 0)
     rc = mkdir_one(dir);
   const char *names[2];
-  char shas[2][65];
+  char shas[2][MR_CHECKSUM_HEX];
   const char *sha_ptrs[2] = {shas[0], shas[1]};
   int nfiles = 0;
   char file[64];
@@ -187,7 +187,7 @@ static void *write_main(void *arg) {
     snprintf(path, sizeof path, "%s/%s", dir, file);
     struct mr_st_writer *w = NULL;
     cJSON *pieces = cJSON_CreateObject();
-    rc = pieces ? mr_st_writer_new(path, MR_ST_WRITE_DIRECT | MR_ST_WRITE_SHA256, &w)
+    rc = pieces ? mr_st_writer_new(path, MR_ST_WRITE_DIRECT | MR_ST_WRITE_CHECKSUM, &w)
                 : MR_ENOMEM;
     for (int i = 0; rc == 0 && i < s->n; i++) {
       const struct snapshot_piece *p = &s->pieces[i];
@@ -210,7 +210,7 @@ static void *write_main(void *arg) {
     if (rc == 0)
       rc = mr_st_writer_finish(w);
     if (rc == 0) /* hashed as it was written: no second read */
-      rc = mr_st_writer_sha256(w, shas[nfiles]);
+      rc = mr_st_writer_checksum(w, shas[nfiles]);
     free(ptext);
     cJSON_Delete(pieces);
     mr_st_writer_free(w);
@@ -225,10 +225,7 @@ static void *write_main(void *arg) {
     snprintf(ip, sizeof ip, "%s/%s", dir, MR_CKPT_INDEX);
     rc = write_text(ip, s->index);
     if (rc == 0) { /* hashed from its text */
-      struct mr_sha256 h;
-      mr_sha256_init(&h);
-      mr_sha256_update(&h, s->index, strlen(s->index));
-      mr_sha256_final(&h, shas[nfiles]);
+      mr_checksum_bytes(s->index, strlen(s->index), shas[nfiles]);
       names[nfiles++] = MR_CKPT_INDEX;
     }
   }

@@ -424,14 +424,14 @@ static int reporter_checkpoint(void *ctx) {
 }
 
 static void reporter_checkpoint_written(void *ctx, int64_t step, const char *const *files,
-                                        const char *const *sha256, int n) {
+                                        const char *const *checksum, int n) {
   struct mr_client *c = ctx;
   Meshrun__Report__CheckpointWritten cw = MESHRUN__REPORT__CHECKPOINT_WRITTEN__INIT;
   cw.step = step;
   cw.n_files = (size_t)n;
   cw.files = (char **)files;
-  cw.n_sha256 = (size_t)n;
-  cw.sha256 = (char **)sha256;
+  cw.n_checksum = (size_t)n;
+  cw.checksum = (char **)checksum;
   Meshrun__Report rep = MESHRUN__REPORT__INIT;
   rep.what_case = MESHRUN__REPORT__WHAT_CHECKPOINT;
   rep.checkpoint = &cw;

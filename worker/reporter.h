@@ -37,9 +37,10 @@ struct mr_reporter {
    * reading it clears it. */
   int (*checkpoint_requested)(void *ctx);
   /* This rank's files of the checkpoint of `step` are durable: n names
-   * (relative to the step's folder) with their SHA-256 in hex. */
+   * (relative to the step's folder) with their checksums in hex
+   * (common/checksum.h). */
   void (*checkpoint_written)(void *ctx, int64_t step, const char *const *files,
-                             const char *const *sha256, int n);
+                             const char *const *checksum, int n);
 };
 
 /* Where a job runs: given to the job by the worker runtime. */

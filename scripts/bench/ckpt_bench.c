@@ -41,7 +41,7 @@
 #include "common/ckpt.h"
 #include "common/error.h"
 #include "common/job.h"
-#include "common/sha256.h"
+#include "common/checksum.h"
 #include "launcher/spmd/lower.h"
 #include "worker/backend/backend.h"
 #include "worker/checkpoint.h"
@@ -87,11 +87,11 @@ struct coordinator {
 };
 
 static void on_written(void *ctx, int64_t step, const char *const *files,
-                       const char *const *sha256, int n) {
+                       const char *const *checksum, int n) {
   struct coordinator *co = ctx;
   char dir[4096];
   mr_ckpt_step_dir(co->root, step, dir, sizeof dir);
-  co->rc = mr_ckpt_write_marker(dir, step, files, sha256, n);
+  co->rc = mr_ckpt_write_marker(dir, step, files, checksum, n);
   if (co->rc < 0)
     fprintf(stderr, "ckpt_bench: marker of step %lld: %s\n", (long long)step,
             mr_error_message());
@@ -270,11 +270,11 @@ int main(int argc, char **argv) {
   for (int i = 0, n = mr_runtime_params(tr, &slots); i < n; i++)
     state_bytes += 4.0 * (double)(slots[i].plen + 2 * slots[i].len);
   printf("model: LLaMA hidden %lld, %lld layers, intermediate %lld, vocab %lld; state %.0f MiB "
-         "(parameters and AdamW moments); batch %lld x seq %lld; %d threads; SHA-256 %s\n",
+         "(parameters and AdamW moments); batch %lld x seq %lld; %d threads; checksum %s\n",
          (long long)c->hidden_size, (long long)c->num_hidden_layers,
          (long long)c->intermediate_size, (long long)c->vocab_size, state_bytes / 1048576,
          (long long)t->global_batch, (long long)t->seq_len, threads,
-         mr_sha256_accelerated() ? "with the CPU's SHA instructions" : "portable");
+         MR_CHECKSUM_NAME);
 
   /* ---- 1. write speed ---- */
   enum { OURS, LOOP, DIRECT, DD, PROGRAMS };
