@@ -412,9 +412,9 @@ START_TEST(test_plan_cli_explain_follows_the_search_and_the_alias) {
   ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
   const char *ch = strstr(out, "chosen:\n  dp ");
   ck_assert_ptr_nonnull(ch);
-  int dp = 0, tp = 0;
-  ck_assert_int_eq(sscanf(ch, "chosen:\n  dp %d x tp %d", &dp, &tp), 2);
-  ck_assert_int_eq(dp * tp, 4);
+  int dp = 0, tp = 0, pp = 0;
+  ck_assert_int_eq(sscanf(ch, "chosen:\n  dp %d x tp %d x pp %d", &dp, &tp, &pp), 3);
+  ck_assert_int_eq(dp * tp * pp, 4);
   char want[128];
   snprintf(want, sizeof want, "placements and reshards on mesh data=%d,model=%d (the "
            "chosen strategy's data x model", dp, tp);
