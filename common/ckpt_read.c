@@ -8,9 +8,12 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/jsonv.h"
 #include "common/safetensors.h"
 
 #define MAX_RANKS 65536
+#define MAX_DIM (INT64_C(1) << 40)    // one dimension of a box
+#define MAX_ELEMS (INT64_C(1) << 53)  // elements of a box, exact in a JSON double
 
 struct piece {
   char *name;
@@ -76,28 +79,24 @@ static int add_pieces(struct mr_ckpt_reader *r, int fi) {
     p->ndim = nd;
     for (int d = 0; d < nd; d++) {
       const cJSON *a = cJSON_GetArrayItem(e, d), *b = cJSON_GetArrayItem(e, nd + d);
-      if (!cJSON_IsNumber(a) || !cJSON_IsNumber(b) || a->valuedouble < 0 || b->valuedouble < 0) {
-        rc = mr_error_set(MR_EFORMAT, "%s: pieces.%s: offsets and lengths must be "
-                          "non-negative numbers", mr_st_path(f), e->string);
+      if (!mr_json_count(a, MAX_DIM, &p->off[d]) || !mr_json_count(b, MAX_DIM, &p->len[d])) {
+        rc = mr_error_set(MR_EFORMAT, "%s: pieces.%s: offsets and lengths must be whole "
+                          "numbers in [0, 2^40]", mr_st_path(f), e->string);
         break;
       }
-      p->off[d] = (int64_t)a->valuedouble;
-      p->len[d] = (int64_t)b->valuedouble;
     }
     if (rc < 0)
       break;
     const cJSON *b = cJSON_GetArrayItem(e, 2 * nd), *c = cJSON_GetArrayItem(e, 2 * nd + 1);
-    int64_t box = nd == 2 ? p->len[0] * p->len[1] : p->len[0];
-    if (!cJSON_IsNumber(b) || !cJSON_IsNumber(c) || b->valuedouble < 0 || c->valuedouble < 0 ||
-        (int64_t)b->valuedouble + (int64_t)c->valuedouble > box ||
-        (int64_t)c->valuedouble != t->shape[0]) {
+    int64_t box = p->len[0];
+    if ((nd == 2 && __builtin_mul_overflow(p->len[0], p->len[1], &box)) ||
+        !mr_json_count(b, MAX_ELEMS, &p->begin) || !mr_json_count(c, MAX_ELEMS, &p->count) ||
+        p->begin + p->count > box || p->count != t->shape[0]) {
       rc = mr_error_set(MR_EFORMAT, "%s: pieces.%s: the range [begin, begin + count) must lie "
                         "in the box and count must be the stored length", mr_st_path(f),
                         e->string);
       break;
     }
-    p->begin = (int64_t)b->valuedouble;
-    p->count = (int64_t)c->valuedouble;
     p->file = fi;
     p->t = t;
     if ((p->name = strdup(e->string)) == NULL) {

@@ -128,6 +128,16 @@ int mr_jv_int(struct mr_jv *jv, const cJSON *obj, const char *path,
   return 1;
 }
 
+int mr_json_count(const cJSON *v, int64_t max, int64_t *out) {
+  if (!cJSON_IsNumber(v))
+    return 0;
+  double d = v->valuedouble;
+  if (!(d >= 0.0 && d <= (double)max) || d != floor(d))
+    return 0;
+  *out = (int64_t)d;
+  return 1;
+}
+
 int mr_jv_num(struct mr_jv *jv, const cJSON *obj, const char *path,
               const char *key, double min, double max, double *out) {
   const cJSON *v = field(obj, key);

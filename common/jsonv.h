@@ -36,6 +36,11 @@ void mr_jv_only_keys(struct mr_jv *jv, const struct cJSON *obj,
 int mr_jv_int(struct mr_jv *jv, const struct cJSON *obj, const char *path,
               const char *key, int64_t min, int64_t max, int64_t *out);
 
+/* 1 when v is a JSON number that is a whole number in [0, max] (max at
+ * most 2^53), storing it in *out; 0 otherwise (NaN, infinities, fractions,
+ * negatives and anything not a number included). */
+int mr_json_count(const struct cJSON *v, int64_t max, int64_t *out);
+
 /* Number in [min, max]. */
 int mr_jv_num(struct mr_jv *jv, const struct cJSON *obj, const char *path,
               const char *key, double min, double max, double *out);

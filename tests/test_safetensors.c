@@ -16,6 +16,7 @@
 
 #include "check_main.h"
 #include "common/ckpt.h"
+#include "common/ckpt_read.h"
 #include "common/error.h"
 #include "common/safetensors.h"
 #include "common/checksum.h"
@@ -676,6 +677,55 @@ START_TEST(test_safetensors_index_round_trip) {
 }
 END_TEST
 
+/* A checkpoint rank file's "pieces" entry is untrusted: whole numbers in
+ * range are taken and the read returns the box's elements (worked by hand
+ * from the row-major layout); infinities, fractions, negatives, huge values,
+ * a box whose size overflows and a count that is not the stored length are
+ * each refused with the file and the entry named. */
+START_TEST(test_ckpt_pieces_reject_bad_numbers) {
+  float f[12];
+  for (int i = 0; i < 12; i++)
+    f[i] = (float)i;
+  static const struct {
+    const char *pieces;
+    int ok;
+  } cases[] = {
+      {"{\"w\":[0,0,2,6,0,12]}", 1},
+      {"{\"w\":[0,0,2,1e400,0,12]}", 0},
+      {"{\"w\":[0,0,2.5,6,0,12]}", 0},
+      {"{\"w\":[0,-1,2,6,0,12]}", 0},
+      {"{\"w\":[0,0,2,1e30,0,12]}", 0},
+      {"{\"w\":[0,0,1099511627776,1099511627776,0,12]}", 0},
+      {"{\"w\":[0,0,2,6,0,11]}", 0},
+      {"{\"w\":[0,0,2,6,1e400,12]}", 0},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    struct mr_st_writer *w;
+    ck_assert_int_eq(mr_st_writer_new(path_of("rank-0.safetensors"), 0, &w), 0);
+    ck_assert_int_eq(mr_st_writer_add(w, "w", MR_F32, 1, (int64_t[]){12}, f), 0);
+    ck_assert_int_eq(mr_st_writer_add_metadata(w, "pieces", cases[c].pieces), 0);
+    ck_assert_int_eq(mr_st_writer_finish(w), 0);
+    mr_st_writer_free(w);
+    struct mr_ckpt_reader *r = NULL;
+    int rc = mr_ckpt_reader_open(dir, &r);
+    if (cases[c].ok) {
+      ck_assert_msg(rc == 0, "%s: %s", cases[c].pieces, mr_error_message());
+      /* the box rows [1, 2) x cols [2, 5) of the 2 x 6 tensor: 8, 9, 10 */
+      float got[3] = {0};
+      ck_assert_int_eq(mr_ckpt_reader_read(r, "w", 2, (int64_t[]){2, 6}, (int64_t[]){1, 2},
+                                           (int64_t[]){1, 3}, 0, 3, got), 0);
+      for (int i = 0; i < 3; i++)
+        ck_assert_float_eq(got[i], (float)(1 * 6 + 2 + i));
+    } else {
+      ck_assert_msg(rc == MR_EFORMAT, "%s accepted", cases[c].pieces);
+      ck_assert_ptr_nonnull(strstr(mr_error_message(), "rank-0.safetensors"));
+      ck_assert_ptr_nonnull(strstr(mr_error_message(), "pieces.w"));
+    }
+    mr_ckpt_reader_free(r);
+  }
+}
+END_TEST
+
 START_TEST(test_safetensors_index_rejects_malformed) {
   const char *cases[][2] = {
       {"{\"weight_map\": []}", "weight_map"},
@@ -721,6 +771,7 @@ static Suite *safetensors_suite(void) {
   tcase_add_test(tc, test_safetensors_failed_write_leaves_no_file);
   tcase_add_test(tc, test_safetensors_index_round_trip);
   tcase_add_test(tc, test_safetensors_index_rejects_malformed);
+  tcase_add_test(tc, test_ckpt_pieces_reject_bad_numbers);
   suite_add_tcase(s, tc);
   return s;
 }
