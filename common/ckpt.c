@@ -79,7 +79,9 @@ int mr_ckpt_verify(const char *dir, int64_t *step) {
   const cJSON *st = cJSON_GetObjectItemCaseSensitive(o, "step");
   const cJSON *files = cJSON_GetObjectItemCaseSensitive(o, "files");
   const cJSON *algo = cJSON_GetObjectItemCaseSensitive(o, "checksum");
-  if (!cJSON_IsNumber(st) || !cJSON_IsArray(files) || !cJSON_IsString(algo) ||
+  int64_t step_at = 0;
+  if (!mr_json_count(st, INT64_C(1) << 53, &step_at) || !cJSON_IsArray(files) ||
+      !cJSON_IsString(algo) ||
       strcmp(algo->valuestring, MR_CHECKSUM_NAME) != 0) {
     rc = mr_error_set(MR_EFORMAT, "%s: expected {step, checksum: \"%s\", files}", path,
                       MR_CHECKSUM_NAME);
@@ -105,7 +107,7 @@ int mr_ckpt_verify(const char *dir, int64_t *step) {
     }
   }
   if (step != NULL)
-    *step = (int64_t)st->valuedouble;
+    *step = step_at;
 out:
   cJSON_Delete(o);
   return rc;

@@ -44,7 +44,8 @@ static int write_weights(const char *ckpt, const cJSON *tensors, const char *out
     int64_t shape[2] = {0, 0}, off[2] = {0, 0}, numel = 1;
     for (int d = 0; d < nd && d < 2; d++) {
       const cJSON *v = cJSON_GetArrayItem(sh, d);
-      shape[d] = cJSON_IsNumber(v) && v->valuedouble >= 1 ? (int64_t)v->valuedouble : 0;
+      if (!mr_json_count(v, INT64_C(1) << 40, &shape[d]))
+        shape[d] = 0;
       numel *= shape[d];
     }
     if (nd < 1 || nd > 2 || numel <= 0) {

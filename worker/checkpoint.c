@@ -3,6 +3,7 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -37,6 +38,7 @@ struct snapshot_piece {
 /* The snapshot's copy, in pieces that two threads take in turn (host
  * memory to host memory: the CPU backend). */
 #define PIECE_FLOATS ((size_t)4 << 20) /* 16 MiB */
+#define MAX_COUNT (INT64_C(1) << 53) /* a whole number a JSON double holds exactly */
 
 struct copy_piece {
   float *dst;
@@ -373,7 +375,8 @@ static int check_shape(const char *path, const cJSON *tensors, const struct mr_r
   int same = cJSON_IsArray(sh) && cJSON_GetArraySize(sh) == p->ndim;
   for (int d = 0; same && d < p->ndim; d++) {
     const cJSON *v = cJSON_GetArrayItem(sh, d);
-    same = cJSON_IsNumber(v) && (int64_t)v->valuedouble == p->shape[d];
+    int64_t got;
+    same = mr_json_count(v, MAX_COUNT, &got) && got == p->shape[d];
   }
   if (e == NULL)
     return mr_error_set(MR_EFORMAT, "%s: no tensor %s", path, p->name);
@@ -391,10 +394,16 @@ int mr_ckpt_load(struct mr_runtime *rt, const char *dir, int64_t *step) {
   const cJSON *st = cJSON_GetObjectItemCaseSensitive(ix, "step");
   const cJSON *tensors = cJSON_GetObjectItemCaseSensitive(ix, "tensors");
   const cJSON *ls = cJSON_GetObjectItemCaseSensitive(ix, "loss_scaler");
+  int64_t step_at = 0, clean = 0, skipped = 0;
+  const cJSON *scale = cJSON_GetObjectItemCaseSensitive(ls, "scale");
   if (!cJSON_IsString(fmt) || strcmp(fmt->valuestring, MR_CKPT_FORMAT) != 0 ||
-      !cJSON_IsNumber(st) || !cJSON_IsObject(tensors) || !cJSON_IsObject(ls)) {
+      !mr_json_count(st, MAX_COUNT, &step_at) || !cJSON_IsObject(tensors) ||
+      !cJSON_IsNumber(scale) || !(scale->valuedouble > 0 && isfinite(scale->valuedouble)) ||
+      !mr_json_count(cJSON_GetObjectItemCaseSensitive(ls, "clean_steps"), MAX_COUNT, &clean) ||
+      !mr_json_count(cJSON_GetObjectItemCaseSensitive(ls, "skipped"), MAX_COUNT, &skipped)) {
     cJSON_Delete(ix);
-    return mr_error_set(MR_EFORMAT, "%s: expected a %s index with step, tensors and loss_scaler",
+    return mr_error_set(MR_EFORMAT, "%s: expected a %s index with step (a whole number), tensors and "
+                        "loss_scaler {scale > 0, clean_steps, skipped}",
                         path, MR_CKPT_FORMAT);
   }
   struct mr_ckpt_reader *rd = NULL;
@@ -431,14 +440,10 @@ int mr_ckpt_load(struct mr_runtime *rt, const char *dir, int64_t *step) {
   }
   if (rc == 0) {
     struct mr_loss_scaler *sc = mr_runtime_scaler(rt);
-    const cJSON *v;
-    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(ls, "scale")))
-      sc->scale = v->valuedouble;
-    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(ls, "clean_steps")))
-      sc->clean_steps = (int64_t)v->valuedouble;
-    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(ls, "skipped")))
-      sc->skipped = (int64_t)v->valuedouble;
-    *step = (int64_t)st->valuedouble;
+    sc->scale = scale->valuedouble;
+    sc->clean_steps = clean;
+    sc->skipped = skipped;
+    *step = step_at;
   }
 out:
   mr_ckpt_reader_free(rd);
