@@ -15,23 +15,7 @@
 #include "worker/checkpoint.h"
 #include "worker/exec_extra.h"
 #include "worker/runtime.h"
-
-static void write_metrics(FILE *f, const struct mr_step_report *r) {
-  /* JSON has no infinity: a norm that overflowed is written as null */
-  fprintf(f, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,", (long long)r->step, r->loss, r->lr);
-  if (isfinite(r->grad_norm))
-    fprintf(f, "\"grad_norm\":%.6g,", r->grad_norm);
-  else
-    fprintf(f, "\"grad_norm\":null,");
-  fprintf(f, "\"tokens_per_s\":%.1f,\"loss_scale\":%g,\"step_time_s\":%.4f,"
-          "\"comm_wait_s\":%.4f,\"peak_memory_bytes\":%llu,\"skipped\":%d",
-          r->tokens_per_s, r->loss_scale, r->step_time_s, r->comm_wait_s,
-          (unsigned long long)r->peak_memory_bytes, r->skipped);
-  if (!isnan(r->val_loss))
-    fprintf(f, ",\"val_loss\":%.6f", r->val_loss);
-  fputs("}\n", f);
-  fflush(f);
-}
+#include "worker/train.h"
 
 int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
                       struct mr_backend *be, struct mr_comm *comm) {
@@ -82,14 +66,8 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
     int64_t ev = job->train.eval_interval_steps;
     if (ev > 0 && (s % ev == 0 || s == job->train.steps))
       MR_TRY_GOTO(rc, mr_runtime_eval(rt, &r.val_loss), out);
-    if (mf)
-      write_metrics(mf, &r);
-    if (env->reporter->step)
-      env->reporter->step(env->reporter->ctx, &r);
-    int64_t li = job->train.log_interval_steps > 0 ? job->train.log_interval_steps : 1;
-    if (s % li == 0 && env->world_size <= 1 && getenv("MESHRUN_LAUNCHER_PID") == NULL)
-      MR_INFO("train", "step %lld loss %.4f lr %.3g norm %.3g %.0f tok/s%s", (long long)s,
-              r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.skipped ? " (skipped)" : "");
+    mr_train_report_step(job, env, mf, &r,
+                         env->world_size <= 1 && getenv("MESHRUN_LAUNCHER_PID") == NULL);
     /* every rank saves the same step: a request (preemption) is agreed on */
     int asked = env->reporter->checkpoint_requested != NULL &&
                 env->reporter->checkpoint_requested(env->reporter->ctx);

@@ -295,6 +295,7 @@ struct mr_loss_scaler *mr_trainer_scaler(struct mr_trainer *t) { return &t->scal
 
 double mr_trainer_step_flops(const struct mr_trainer *t) { return t->step_flops; }
 
+
 static void write_metrics(FILE *f, const struct mr_step_report *r) {
   /* JSON has no infinity: a norm that overflowed is written as null */
   fprintf(f, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,", (long long)r->step, r->loss, r->lr);
@@ -310,6 +311,18 @@ static void write_metrics(FILE *f, const struct mr_step_report *r) {
     fprintf(f, ",\"val_loss\":%.6f", r->val_loss);
   fputs("}\n", f);
   fflush(f);
+}
+
+void mr_train_report_step(const struct mr_job *job, const struct mr_run_env *env,
+                          FILE *metrics, const struct mr_step_report *r, int log) {
+  if (metrics)
+    write_metrics(metrics, r);
+  if (env->reporter->step)
+    env->reporter->step(env->reporter->ctx, r);
+  int64_t li = job->train.log_interval_steps > 0 ? job->train.log_interval_steps : 1;
+  if (log && r->step % li == 0)
+    MR_INFO("train", "step %lld loss %.4f lr %.3g norm %.3g %.0f tok/s%s", (long long)r->step,
+            r->loss, r->lr, r->grad_norm, r->tokens_per_s, r->skipped ? " (skipped)" : "");
 }
 
 int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
@@ -332,15 +345,7 @@ int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
     int64_t ev = job->train.eval_interval_steps;
     if (ev > 0 && (s % ev == 0 || s == job->train.steps))
       MR_TRY_GOTO(rc, mr_trainer_eval(t, &r.val_loss), out);
-    if (mf)
-      write_metrics(mf, &r);
-    if (env->reporter->step)
-      env->reporter->step(env->reporter->ctx, &r);
-    int64_t li = job->train.log_interval_steps > 0 ? job->train.log_interval_steps : 1;
-    if (s % li == 0 && getenv("MESHRUN_LAUNCHER_PID") == NULL)
-      MR_INFO("train", "step %lld loss %.4f lr %.3g norm %.3g %.0f tok/s%s",
-              (long long)s, r.loss, r.lr, r.grad_norm, r.tokens_per_s,
-              r.skipped ? " (skipped)" : "");
+    mr_train_report_step(job, env, mf, &r, getenv("MESHRUN_LAUNCHER_PID") == NULL);
   }
   if (env->weights_out)
     MR_TRY_GOTO(rc, mr_trainer_save(t, env->weights_out), out);

@@ -18,6 +18,7 @@
 #define MR_TRAIN_H
 
 #include <stdint.h>
+#include <stdio.h>
 
 #include "common/job.h"
 #include "worker/reporter.h"
@@ -62,5 +63,11 @@ struct mr_loss_scaler *mr_trainer_scaler(struct mr_trainer *t);
  * a negative code with a message.  (`meshrun launch` workers run
  * worker/dist_train.h instead.) */
 int mr_train_run(const struct mr_job *job, const struct mr_run_env *env);
+
+/* What every training loop does after a step: appends r to metrics (a JSON
+ * line; NULL: none), hands it to env->reporter and, when log is nonzero
+ * and the step is on train.log_interval_steps, logs one line. */
+void mr_train_report_step(const struct mr_job *job, const struct mr_run_env *env,
+                          FILE *metrics, const struct mr_step_report *r, int log);
 
 #endif

@@ -462,6 +462,23 @@ static int finish_int_avg(struct nccl_group *g, void *recv, size_t count,
                         "average (integer division)");
 }
 
+/* Ends a reduction: NCCL has no integer average, so an integer one is a
+ * sum the group divides once the sum has landed. */
+static int reduce_end(struct nccl_group *g, struct nccl_req *r, ncclResult_t res, void *recv,
+                      size_t count, enum mr_dtype dt, int int_avg, const char *what,
+                      struct mr_comm_req **out) {
+  if (int_avg && (res == ncclSuccess || res == ncclInProgress)) {
+    int rc = settle(g, r->op, r->seq, -1);
+    if (rc == 0)
+      rc = finish_int_avg(g, recv, count, dt);
+    if (rc < 0) {
+      req_free(r);
+      return rc;
+    }
+  }
+  return op_end(g, r, res, what, out);
+}
+
 static int nc_all_reduce(struct mr_comm_group *gg, const void *send, void *recv,
                          size_t count, enum mr_dtype dt, enum mr_red_op op,
                          struct mr_comm_req **out) {
@@ -474,16 +491,7 @@ static int nc_all_reduce(struct mr_comm_group *gg, const void *send, void *recv,
   struct nccl_req *r;
   MR_TRY(op_begin(g, "AllReduce", -1, &r));
   ncclResult_t res = ncclAllReduce(send, recv, count, t, red, g->nc, g->stream);
-  if (int_avg && (res == ncclSuccess || res == ncclInProgress)) {
-    int rc = settle(g, r->op, r->seq, -1);
-    if (rc == 0)
-      rc = finish_int_avg(g, recv, count, dt);
-    if (rc < 0) {
-      req_free(r);
-      return rc;
-    }
-  }
-  return op_end(g, r, res, "ncclAllReduce", out);
+  return reduce_end(g, r, res, recv, count, dt, int_avg, "ncclAllReduce", out);
 }
 
 static int nc_reduce_scatter(struct mr_comm_group *gg, const void *send, void *recv,
@@ -498,16 +506,7 @@ static int nc_reduce_scatter(struct mr_comm_group *gg, const void *send, void *r
   struct nccl_req *r;
   MR_TRY(op_begin(g, "ReduceScatter", -1, &r));
   ncclResult_t res = ncclReduceScatter(send, recv, count, t, red, g->nc, g->stream);
-  if (int_avg && (res == ncclSuccess || res == ncclInProgress)) {
-    int rc = settle(g, r->op, r->seq, -1);
-    if (rc == 0)
-      rc = finish_int_avg(g, recv, count, dt);
-    if (rc < 0) {
-      req_free(r);
-      return rc;
-    }
-  }
-  return op_end(g, r, res, "ncclReduceScatter", out);
+  return reduce_end(g, r, res, recv, count, dt, int_avg, "ncclReduceScatter", out);
 }
 
 static int nc_all_gather(struct mr_comm_group *gg, const void *send, void *recv,
