@@ -281,21 +281,29 @@ START_TEST(test_ckpt_resume_on_another_strategy_or_world_size) {
 }
 END_TEST
 
-START_TEST(test_ckpt_hang_in_collective_diagnosed_then_restarted) {
-  char dir[64];
-  setup(dir, sizeof dir);
-  write_job(dir, "h.json", 6, 2, "ck");
-  static char stall[] = "MESHRUN_TEST_STALL=1:4";
-  char *env[] = {stall, NULL};
-  static char jobp[200], logdir[200];
-  snprintf(jobp, sizeof jobp, "%s/h.json", dir);
-  snprintf(logdir, sizeof logdir, "%s/h", dir);
+/* Launches job dir/name on 2 ranks with a 1 s hang timeout and the test
+ * hook MESHRUN_TEST_STALL=stall (RANK:STEP); returns the launcher's stderr
+ * (malloc'd) and its exit code. */
+static char *launch_stalled(const char *dir, const char *name, const char *stall, int *code) {
+  static char env_stall[64], jobp[200], logdir[200];
+  snprintf(env_stall, sizeof env_stall, "MESHRUN_TEST_STALL=%s", stall);
+  char *env[] = {env_stall, NULL};
+  snprintf(jobp, sizeof jobp, "%s/%s", dir, name);
+  snprintf(logdir, sizeof logdir, "%s/%s.log", dir, name);
   char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--hang-timeout", "1",
                   "--log-dir", logdir, jobp, NULL};
   struct mr_tproc p;
   mr_t_spawn(&p, dir, argv, env);
-  int code = mr_t_wait(&p, 60);
-  char *err = mr_t_slurp(p.err_path);
+  *code = mr_t_wait(&p, 60);
+  return mr_t_slurp(p.err_path);
+}
+
+START_TEST(test_ckpt_hang_in_collective_diagnosed) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "h.json", 6, 2, "ck");
+  int code;
+  char *err = launch_stalled(dir, "h.json", "1:4", &code);
   ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
   ck_assert_msg(strstr(err, "rank 1 is stuck outside communication") != NULL, "%s", err);
   /* rank 0 waits in step 4's AllReduce on the data group (the loss), and
@@ -315,17 +323,8 @@ START_TEST(test_ckpt_hang_in_pipeline_receive_diagnosed) {
   write_job_s(dir, "hp.json", 6, 2, "ck",
               "\"auto_mode\": \"manual\", \"pipeline_parallel\": {\"degree\": 2, "
               "\"micro_batches\": 2}");
-  static char stall[] = "MESHRUN_TEST_STALL=0:4";
-  char *env[] = {stall, NULL};
-  static char jobp[200], logdir[200];
-  snprintf(jobp, sizeof jobp, "%s/hp.json", dir);
-  snprintf(logdir, sizeof logdir, "%s/hp", dir);
-  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--hang-timeout", "1",
-                  "--log-dir", logdir, jobp, NULL};
-  struct mr_tproc p;
-  mr_t_spawn(&p, dir, argv, env);
-  int code = mr_t_wait(&p, 60);
-  char *err = mr_t_slurp(p.err_path);
+  int code;
+  char *err = launch_stalled(dir, "hp.json", "0:4", &code);
   ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
   ck_assert_msg(strstr(err, "rank 0 is stuck outside communication") != NULL, "%s", err);
   ck_assert_msg(strstr(err, "rank 1: step 4") != NULL && strstr(err, "Recv") != NULL &&
@@ -343,7 +342,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
   tcase_add_test(tc, test_ckpt_resume_on_another_strategy_or_world_size);
-  tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed_then_restarted);
+  tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed);
   tcase_add_test(tc, test_ckpt_hang_in_pipeline_receive_diagnosed);
   suite_add_tcase(s, tc);
   return s;
