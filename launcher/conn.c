@@ -46,12 +46,18 @@ static void on_write(uv_write_t *req, int status) {
   struct mr_conn *c = req->handle->data;
   free(w->frame);
   free(w);
-  if (status < 0 && !c->closing)
-    mr_conn_close(c, uv_strerror(status));
+  if (status < 0 && !c->closing) {
+    /* a peer that sent its last report and exited: what it sent is still
+     * to be read, so the connection closes at the end of its stream */
+    if (status == UV_EPIPE || status == UV_ECONNRESET)
+      c->peer_gone = 1;
+    else
+      mr_conn_close(c, uv_strerror(status));
+  }
 }
 
 int mr_conn_send(struct mr_conn *c, const Meshrun__Envelope *env) {
-  if (c->closing)
+  if (c->closing || c->peer_gone)
     return MR_ECLOSED;
   struct write_req *w = malloc(sizeof *w);
   if (w == NULL)

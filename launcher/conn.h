@@ -41,6 +41,8 @@ struct mr_conn {
   uint8_t nonce[MR_NONCE_BYTES];  // our challenge
   int authenticated;
   int closing;
+  int peer_gone;                  // a write found the peer gone: no more
+                                  // writes, reading goes on to the end
   int handles_open;               // closes still pending before free
   int id;                         // for logs
   int rank;                       // -1 until the coordinator binds it

@@ -468,8 +468,14 @@ static void on_message(void *ctx, struct mr_conn *c, const Meshrun__Envelope *en
 
 static void on_conn_close(void *ctx, struct mr_conn *c) {
   struct coordinator *co = ctx;
-  if (c->rank >= 0 && c->rank < co->opts->nproc && co->ranks.r[c->rank].conn == c)
-    co->ranks.r[c->rank].conn = NULL;
+  if (c->rank < 0 || c->rank >= co->opts->nproc || co->ranks.r[c->rank].conn != c)
+    return;
+  struct mr_rank *r = &co->ranks.r[c->rank];
+  r->conn = NULL;
+  /* a rank that exited 0 is judged once all it sent has been read */
+  if (r->exited && r->exit_status == 0 && !r->done)
+    group_fail(co, c->rank, "rank %d (pid %d) exited before finishing its job", c->rank,
+               r->pid);
 }
 
 static void on_connection(uv_stream_t *server, int status) {
@@ -642,8 +648,9 @@ static void on_rank_exit(void *ctx, int rank, int64_t status, int signal) {
     else if (status != 0)
       group_fail(co, rank, "rank %d (pid %d) exited with status %lld%s%s", rank, r->pid,
                  (long long)status, r->error[0] ? ": " : "", r->error);
-    else if (!r->done)
+    else if (!r->done && r->conn == NULL)
       group_fail(co, rank, "rank %d (pid %d) exited before finishing its job", rank, r->pid);
+    /* else its last reports may still be unread: on_conn_close decides */
   }
 }
 

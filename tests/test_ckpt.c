@@ -334,6 +334,26 @@ START_TEST(test_ckpt_hang_in_pipeline_receive_diagnosed) {
 }
 END_TEST
 
+/* A rank that exits 0 without reporting its job done is a failure, judged
+ * once its connection has been read to the end (a clean exit right after
+ * the last report is not one). */
+START_TEST(test_ckpt_rank_exiting_early_is_a_failure) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "e.json", 6, 100, "ck");
+  static char hook[] = "MESHRUN_TEST_EXIT=1:3";
+  char *env[] = {hook, NULL};
+  struct mr_tproc p;
+  start(&p, dir, "e.json", "e", 2, 0, env);
+  int code = mr_t_wait(&p, 60);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
+  ck_assert_msg(strstr(err, "job failed after 0 restarts: rank 1 (pid") != NULL &&
+                    strstr(err, "exited before finishing its job") != NULL, "%s", err);
+  free(err);
+}
+END_TEST
+
 static Suite *ckpt_suite(void) {
   Suite *s = suite_create("ckpt");
   TCase *tc = tcase_create("recovery");
@@ -344,6 +364,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_resume_on_another_strategy_or_world_size);
   tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed);
   tcase_add_test(tc, test_ckpt_hang_in_pipeline_receive_diagnosed);
+  tcase_add_test(tc, test_ckpt_rank_exiting_early_is_a_failure);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -54,7 +54,14 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
   long long stall_step = -1;
   if (sscanf(mr_tunable_str(MR_TUNABLE_TEST_STALL), "%d:%lld", &stall_rank, &stall_step) != 2)
     stall_rank = -1;
+  int exit_rank = -1;
+  long long exit_step = -1;
+  if (sscanf(mr_tunable_str(MR_TUNABLE_TEST_EXIT), "%d:%lld", &exit_rank, &exit_step) != 2)
+    exit_rank = -1;
   for (int64_t s = first; s <= job->train.steps; s++) {
+    /* test hook: this rank leaves quietly, as a job that returned early */
+    if (exit_rank == env->rank && exit_step == s)
+      _exit(0);
     /* test hook: this rank stops working (its heartbeats go on): a hang */
     while (stall_rank == env->rank && stall_step == s &&
            !env->reporter->stop_requested(env->reporter->ctx))
