@@ -6,6 +6,7 @@ logits on a prompt against `meshrun logits` on the same directory.
 
 Usage: check_hf_export.py MESHRUN_BIN
 Exit 77 (skipped) when torch or transformers cannot be had here."""
+import importlib
 import json
 import os
 import struct
@@ -45,7 +46,13 @@ def ensure_transformers():
     except Exception as e:
         print("SKIP: could not install transformers from PyPI (%s)" % e)
         return False
-    return have_transformers()
+    # the folder did not exist when it went on sys.path: forget that
+    sys.path_importer_cache.pop(target, None)
+    importlib.invalidate_caches()
+    if not have_transformers():
+        print("SKIP: transformers installed in %s but not importable" % target)
+        return False
+    return True
 
 
 def main():
