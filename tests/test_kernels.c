@@ -56,6 +56,38 @@ START_TEST(test_kernels_gemm_all_transposes_and_splits) {
 }
 END_TEST
 
+/* The edges of the blocked kernel against the double reference: K across
+ * its 384-deep blocks (383, 384, 385, 769), N at the 32- and 64-column
+ * panel edges (31, 32, 33, 64, 65, 97), M around the 6- and 12-row
+ * micro-kernels (1, 5, 6, 7, 12, 13), and beta = 0 over a C of NaNs (which
+ * must not leak in). */
+START_TEST(test_kernels_gemm_block_edges) {
+  static const int Ks[] = {383, 384, 385, 769}, Ns[] = {31, 32, 33, 64, 65, 97};
+  static const int Ms[] = {1, 5, 6, 7, 12, 13};
+  struct mr_pool *p = ref_pool(2);
+  uint64_t seed = 3;
+  for (size_t a = 0; a < MR_ARRAY_LEN(Ks); a++)
+    for (size_t b = 0; b < MR_ARRAY_LEN(Ns); b++)
+      for (size_t c = 0; c < MR_ARRAY_LEN(Ms); c++) {
+        int K = Ks[a], N = Ns[b], M = Ms[c];
+        bool ta = (a + c) & 1, tb = (b + c) & 1;
+        int lda = ta ? M : K, ldb = tb ? K : N;
+        float *A = ref_randf((size_t)M * K, &seed, 1), *B = ref_randf((size_t)N * K, &seed, 1);
+        float *C = malloc(sizeof(float) * (size_t)M * N);
+        for (size_t i = 0; i < (size_t)M * N; i++)
+          C[i] = NAN;
+        double *want = malloc(sizeof(double) * (size_t)M * N);
+        gemm_ref(ta, tb, M, N, K, 1.0, A, lda, B, ldb, 0.0, C, N, want);
+        ck_assert_int_eq(mr_cpu_gemm(p, ta, tb, M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, N), 0);
+        char what[64];
+        snprintf(what, sizeof what, "gemm %dx%dx%d ta%d tb%d", M, N, K, ta, tb);
+        ref_close(what, C, want, (size_t)M * N, 1e-4, 1e-5);
+        free(A), free(B), free(C), free(want);
+      }
+  mr_pool_free(p);
+}
+END_TEST
+
 START_TEST(test_kernels_gemm_threads_bitwise_equal) {
   /* row blocks over 1, 2, 3 threads give the same bits, at the model's
    * shapes (forward, dx, dW) and at wide and short ones */
@@ -687,6 +719,7 @@ static Suite *kernels_suite(void) {
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, test_kernels_gemm_all_transposes_and_splits);
   tcase_add_test(tc, test_kernels_gemm_threads_bitwise_equal);
+  tcase_add_test(tc, test_kernels_gemm_block_edges);
   tcase_add_test(tc, test_kernels_linear_fwd_bwd_finite_differences);
   tcase_add_test(tc, test_kernels_add_bias_scale);
   tcase_add_test(tc, test_kernels_swiglu_gelu);
