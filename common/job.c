@@ -128,12 +128,13 @@ static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_
   static const char *const keys[] = {
       "auto_mode", "data_parallel", "tensor_parallel", "pipeline_parallel",
       "sequence_parallel", "sharding", "recompute", "amp",
-      "gradient_accumulation_steps", NULL};
+      "gradient_accumulation_steps", "mesh_mapping", NULL};
   static const char *const modes[] = {"full", "semi", "manual", NULL};
   static const char *const pp_keys[] = {"schedule", "micro_batches", "virtual_stages", NULL};
   static const char *const pp_schedules[] = {"1f1b", "gpipe", "interleaved", NULL};
   static const char *const grans[] = {"full", "selective", NULL};
   static const char *const amps[] = {"fp32", "bf16", "fp16", NULL};
+  static const char *const mappings[] = {"tp,dp,pp", "tp,pp,dp", NULL};
   mr_jv_only_keys(jv, s, "strategy", keys);
   int mode = (int)h->auto_mode;
   if (mr_jv_enum(jv, s, "strategy", "auto_mode", modes, &mode) == 1)
@@ -206,6 +207,9 @@ static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_
   int64_t ga;
   if (mr_jv_int(jv, s, "strategy", "gradient_accumulation_steps", 1, 1 << 20, &ga) == 1)
     h->grad_accum_steps = (int)ga;
+  int map = 0;
+  if (mr_jv_enum(jv, s, "strategy", "mesh_mapping", mappings, &map) == 1)
+    h->mapping = map;
 }
 
 static void parse_shard_rules(struct mr_jv *jv, const cJSON *arr, struct mr_job *job) {
@@ -292,6 +296,7 @@ static void set_defaults(struct mr_job *job) {
   s->zero_stage = -1;
   s->offload = -1;
   s->recompute = -1;
+  s->mapping = -1;
   s->recompute_granularity = MR_RECOMPUTE_FULL;
   s->amp_dtype = MR_AMP_FP32;
   s->init_loss_scaling = 1024;

@@ -20,6 +20,9 @@ enum mr_auto_mode { MR_AUTO_FULL = 0, MR_AUTO_SEMI = 1, MR_AUTO_MANUAL = 2 };
 enum mr_pp_schedule { MR_PP_1F1B = 0, MR_PP_GPIPE = 1, MR_PP_INTERLEAVED = 2 };
 enum mr_recompute_granularity { MR_RECOMPUTE_FULL = 0, MR_RECOMPUTE_SELECTIVE = 1 };
 enum mr_amp_dtype { MR_AMP_FP32 = 0, MR_AMP_BF16 = 1, MR_AMP_FP16 = 2 };
+/* How ranks are numbered over the mesh: tensor parallel fastest, then data
+ * then pipeline ("tp,dp,pp", Megatron's order), or pipeline then data. */
+enum mr_mesh_mapping { MR_MAP_TP_DP_PP = 0, MR_MAP_TP_PP_DP = 1 };
 
 struct mr_train_config {
   int64_t steps;
@@ -56,6 +59,7 @@ struct mr_strategy_hint {
   enum mr_amp_dtype amp_dtype;
   double init_loss_scaling;
   int grad_accum_steps;         // 0: not fixed
+  int mapping;                  // -1 not fixed, enum mr_mesh_mapping
 };
 
 struct mr_shard_rule_placement {

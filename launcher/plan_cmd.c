@@ -148,31 +148,6 @@ static const char *rc_name(enum mr_recompute_mode r) {
                                                                                 : "none";
 }
 
-static cJSON *strategy_json(const struct mr_strategy *s) {
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddStringToObject(o, "auto_mode", "manual");
-  cJSON_AddNumberToObject(cJSON_AddObjectToObject(o, "data_parallel"), "degree", s->dp);
-  cJSON_AddNumberToObject(cJSON_AddObjectToObject(o, "tensor_parallel"), "degree", s->tp);
-  cJSON *pp = cJSON_AddObjectToObject(o, "pipeline_parallel");
-  cJSON_AddNumberToObject(pp, "degree", s->pp);
-  cJSON_AddStringToObject(pp, "schedule", sched_name(s->schedule));
-  cJSON_AddNumberToObject(pp, "micro_batches", s->micro_batches);
-  cJSON_AddNumberToObject(pp, "virtual_stages", s->virtual_stages);
-  cJSON_AddBoolToObject(cJSON_AddObjectToObject(o, "sequence_parallel"), "enable",
-                        s->sequence_parallel);
-  cJSON *sh = cJSON_AddObjectToObject(o, "sharding");
-  cJSON_AddNumberToObject(sh, "stage", s->zero_stage);
-  cJSON_AddBoolToObject(sh, "offload", s->offload);
-  cJSON *rc = cJSON_AddObjectToObject(o, "recompute");
-  cJSON_AddBoolToObject(rc, "enable", s->recompute != MR_RECOMPUTE_NONE);
-  cJSON_AddStringToObject(rc, "granularity",
-                          s->recompute == MR_RECOMPUTE_MODE_SELECTIVE ? "selective" : "full");
-  cJSON_AddNumberToObject(rc, "checkpoint_every_n_layers", s->recompute_every_n);
-  cJSON_AddStringToObject(cJSON_AddObjectToObject(o, "amp"), "dtype", amp_name(s->amp_dtype));
-  cJSON_AddNumberToObject(o, "gradient_accumulation_steps", s->grad_accum_steps);
-  return o;
-}
-
 static cJSON *memory_json(const struct mr_memory *m) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddNumberToObject(o, "parameters", m->params);
@@ -189,14 +164,12 @@ static cJSON *memory_json(const struct mr_memory *m) {
 static void candidate_json(cJSON *o, const struct mr_plan_candidate *c,
                            const struct mr_workload *w, const struct mr_cluster *cl) {
   const struct mr_cost *k = &c->cost;
-  cJSON_AddItemToObject(o, "strategy", strategy_json(&c->strategy));
+  cJSON_AddItemToObject(o, "strategy", mr_strategy_json(&c->strategy, 0));
   static int counts[MR_PARTITION_MAX_ITEMS];
   int nk = mr_cost_partition(w, cl, &c->strategy, counts, MR_PARTITION_MAX_ITEMS);
   if (nk > 0)
     cJSON_AddItemToObject(o, "layers_per_chunk", cJSON_CreateIntArray(counts, nk));
   cJSON_AddNumberToObject(o, "micro_batch_size", c->strategy.micro_batch_size);
-  cJSON_AddStringToObject(o, "mesh_mapping",
-                          c->strategy.mapping == MR_MAP_TP_DP_PP ? "tp,dp,pp" : "tp,pp,dp");
   cJSON_AddNumberToObject(o, "step_time_s", k->step_time_s);
   cJSON_AddNumberToObject(o, "tokens_per_s", k->tokens_per_s);
   cJSON_AddNumberToObject(o, "model_tflops_per_device", k->model_tflops_per_device);

@@ -88,24 +88,23 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
   return 0;
 }
 
-char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s) {
-  cJSON *o = cJSON_Parse(job->text);
-  if (o == NULL)
+cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling) {
+  static const char *const schedules[] = {"1f1b", "gpipe", "interleaved"};
+  static const char *const amps[] = {"fp32", "bf16", "fp16"};
+  cJSON *st = cJSON_CreateObject();
+  if (st == NULL)
     return NULL;
-  cJSON_DeleteItemFromObjectCaseSensitive(o, "strategy");
-  cJSON *st = cJSON_AddObjectToObject(o, "strategy");
   cJSON_AddStringToObject(st, "auto_mode", "manual");
   cJSON_AddNumberToObject(cJSON_AddObjectToObject(st, "data_parallel"), "degree", s->dp);
   cJSON_AddNumberToObject(cJSON_AddObjectToObject(st, "tensor_parallel"), "degree", s->tp);
   cJSON *pp = cJSON_AddObjectToObject(st, "pipeline_parallel");
   cJSON_AddNumberToObject(pp, "degree", s->pp);
-  static const char *const schedules[] = {"1f1b", "gpipe", "interleaved"};
-  if (s->pp > 1) {
-    cJSON_AddStringToObject(pp, "schedule",
-                            schedules[s->virtual_stages > 1 ? MR_PP_INTERLEAVED : s->schedule]);
-    cJSON_AddNumberToObject(pp, "virtual_stages", s->virtual_stages > 1 ? s->virtual_stages : 1);
-  }
+  int v = s->virtual_stages > 1 ? s->virtual_stages : 1;
+  cJSON_AddStringToObject(pp, "schedule", schedules[v > 1 ? MR_PP_INTERLEAVED : s->schedule]);
+  cJSON_AddNumberToObject(pp, "virtual_stages", v);
   cJSON_AddNumberToObject(pp, "micro_batches", s->micro_batches > 0 ? s->micro_batches : 1);
+  cJSON_AddStringToObject(st, "mesh_mapping",
+                          s->mapping == MR_MAP_TP_PP_DP ? "tp,pp,dp" : "tp,dp,pp");
   cJSON_AddBoolToObject(cJSON_AddObjectToObject(st, "sequence_parallel"), "enable",
                         s->sequence_parallel && s->tp > 1);
   cJSON *rc = cJSON_AddObjectToObject(st, "recompute");
@@ -119,12 +118,24 @@ char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s) {
   cJSON *sh = cJSON_AddObjectToObject(st, "sharding");
   cJSON_AddNumberToObject(sh, "stage", s->zero_stage);
   cJSON_AddBoolToObject(sh, "offload", s->offload);
-  static const char *const amps[] = {"fp32", "bf16", "fp16"};
   cJSON *amp = cJSON_AddObjectToObject(st, "amp");
   cJSON_AddStringToObject(amp, "dtype", amps[s->amp_dtype]);
-  cJSON_AddNumberToObject(amp, "init_loss_scaling", job->strategy.init_loss_scaling);
+  if (init_loss_scaling > 0)
+    cJSON_AddNumberToObject(amp, "init_loss_scaling", init_loss_scaling);
   cJSON_AddNumberToObject(st, "gradient_accumulation_steps",
                           s->grad_accum_steps > 0 ? s->grad_accum_steps : 1);
+  return st;
+}
+
+char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s) {
+  cJSON *o = cJSON_Parse(job->text);
+  cJSON *st = mr_strategy_json(s, job->strategy.init_loss_scaling);
+  if (o == NULL || st == NULL) {
+    cJSON_Delete(o), cJSON_Delete(st);
+    return NULL;
+  }
+  cJSON_DeleteItemFromObjectCaseSensitive(o, "strategy");
+  cJSON_AddItemToObject(o, "strategy", st);
   char *text = cJSON_PrintUnformatted(o);
   cJSON_Delete(o);
   return text;

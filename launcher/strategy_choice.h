@@ -9,6 +9,7 @@
 #ifndef MR_STRATEGY_CHOICE_H
 #define MR_STRATEGY_CHOICE_H
 
+#include <cjson/cJSON.h>
 #include <stdio.h>
 
 #include "common/job.h"
@@ -26,6 +27,11 @@ struct mr_strategy_choice {
  * programs do not fit together; the message names why), or a cluster
  * error. */
 int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_choice *out);
+
+/* The strategy as a job file's "strategy" object (manual mode, every field
+ * set; init_loss_scaling only when > 0), for the plan body and `meshrun
+ * plan --json`. */
+cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling);
 
 /* Writes the chosen strategy into the job's canonical text (the plan body
  * the workers parse), under the job file's field names.  Returns a new

@@ -288,7 +288,7 @@ START_TEST(test_dist_train_pipelines) {
       "\"pipeline_parallel\": {\"degree\": 2, \"schedule\": \"gpipe\", \"micro_batches\": 4}",
       "\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
       "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}, "
-      "\"sequence_parallel\": {\"enable\": true}"};
+      "\"sequence_parallel\": {\"enable\": true}, \"mesh_mapping\": \"tp,pp,dp\""};
   const int np[] = {8, 2, 2, 8};
   check_strategies(names, st, np, 4);
 }

@@ -37,6 +37,7 @@ START_TEST(test_job_smallest_job_gets_defaults) {
   ck_assert_int_eq(job.strategy.dp, 0);
   ck_assert_int_eq(job.strategy.zero_stage, -1);
   ck_assert_int_eq(job.strategy.sequence_parallel, -1);
+  ck_assert_int_eq(job.strategy.mapping, -1);
   ck_assert_int_eq(job.model.family, MR_MODEL_LLAMA);
   ck_assert_int_eq(job.model.num_key_value_heads, 2);
   ck_assert(job.model.rms_norm_eps == 1e-6 && job.model.rope_theta == 10000.0);
@@ -66,7 +67,7 @@ START_TEST(test_job_full_example_parses) {
       " \"sequence_parallel\": {\"enable\": true}, \"sharding\": {\"stage\": 2, \"offload\": true},"
       " \"recompute\": {\"enable\": true, \"granularity\": \"selective\","
       " \"checkpoint_every_n_layers\": 2}, \"amp\": {\"dtype\": \"bf16\", \"init_loss_scaling\": 512},"
-      " \"gradient_accumulation_steps\": 2},"
+      " \"gradient_accumulation_steps\": 2, \"mesh_mapping\": \"tp,pp,dp\"},"
       " \"shard_rules\": [{\"match\": \"q_proj|k_proj\", \"placements\": {\"model\": \"Shard(0)\"}},"
       " {\"match\": \"o_proj\", \"placements\": {\"model\": \"Shard(1)\", \"data\": \"Replicate()\"}}],"
       " \"checkpoint\": {\"dir\": \"ck\", \"save_interval_steps\": 10, \"keep_last\": 2},"
@@ -91,6 +92,7 @@ START_TEST(test_job_full_example_parses) {
   ck_assert_int_eq(job.strategy.recompute_granularity, MR_RECOMPUTE_SELECTIVE);
   ck_assert_int_eq(job.strategy.amp_dtype, MR_AMP_BF16);
   ck_assert(job.strategy.init_loss_scaling == 512);
+  ck_assert_int_eq(job.strategy.mapping, MR_MAP_TP_PP_DP);
   ck_assert_int_eq(job.n_shard_rules, 2);
   ck_assert_str_eq(job.shard_rules[1].match, "o_proj");
   ck_assert_int_eq(job.shard_rules[1].n_placements, 2);
@@ -154,6 +156,10 @@ START_TEST(test_job_out_of_range_and_inconsistent_values) {
   expect_error("{\"model\": %s%s}", w8);
   const char *w9[] = {"train.betas: expected each in [0, 1)", NULL};
   expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"train\": {\"betas\": [0.9, 1.5]}}", w9);
+  const char *w10[] = {"job.json: strategy.mesh_mapping: expected \"tp,dp,pp\" or \"tp,pp,dp\", "
+                       "got \"pp,dp,tp\"", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"strategy\": "
+               "{\"mesh_mapping\": \"pp,dp,tp\"}}", w10);
 }
 END_TEST
 

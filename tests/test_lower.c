@@ -89,9 +89,53 @@ START_TEST(test_lower_layouts_check) {
       {"\"gradient_accumulation_steps\": 4", 1},
       {"\"tensor_parallel\": {\"degree\": 2}, \"data_parallel\": {\"degree\": 2}, "
        "\"sharding\": {\"stage\": 3}", 4},
+      {"\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
+       "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}, "
+       "\"mesh_mapping\": \"tp,pp,dp\"", 8},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
     check_layout(cases[i].s, cases[i].world);
+}
+END_TEST
+
+START_TEST(test_lower_mesh_mapping_numbers_ranks) {
+  /* dp 2 x tp 2 x pp 2 on 8 ranks.  "tp,dp,pp": rank = (pipe·2 + data)·2 +
+   * model; "tp,pp,dp": rank = (data·2 + pipe)·2 + model.  Rank 3 is
+   * (pipe 0, data 1, model 1) in the first and (data 0, pipe 1, model 1)
+   * in the second; its groups follow. */
+  static const struct {
+    const char *mapping;
+    int pipe, data;
+    int data_group[2], pipe_group[2];
+  } want[] = {{"tp,dp,pp", 0, 1, {1, 3}, {3, 7}}, {"tp,pp,dp", 1, 0, {3, 7}, {1, 3}}};
+  for (int i = 0; i < 2; i++) {
+    char st[300];
+    snprintf(st, sizeof st,
+             "\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
+             "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}, "
+             "\"mesh_mapping\": \"%s\"", want[i].mapping);
+    struct mr_job job;
+    job_for(&job, st, 4, 0);
+    struct mr_lowered L;
+    ck_assert_msg(mr_lower_graph(&job, 8, &L) == 0, "%s", mr_error_message());
+    struct mr_rank_program p;
+    ck_assert_int_eq(mr_rank_program_build(&L, 3, &p), 0);
+    ck_assert_int_eq(p.model, 1);
+    ck_assert_int_eq(p.pipe, want[i].pipe);
+    ck_assert_int_eq(p.data, want[i].data);
+    ck_assert_int_eq(p.model_group.n, 2);
+    ck_assert_int_eq(p.model_group.ranks[0], 2);
+    ck_assert_int_eq(p.model_group.ranks[1], 3);
+    ck_assert_int_eq(p.data_group.n, 2);
+    ck_assert_int_eq(p.pipe_group.n, 2);
+    for (int k = 0; k < 2; k++) {
+      ck_assert_int_eq(p.data_group.ranks[k], want[i].data_group[k]);
+      ck_assert_int_eq(p.pipe_group.ranks[k], want[i].pipe_group[k]);
+    }
+    mr_rank_program_close(&p);
+    mr_lowered_close(&L);
+    mr_job_close(&job);
+  }
 }
 END_TEST
 
@@ -224,6 +268,7 @@ static Suite *lower_suite(void) {
   TCase *tc = tcase_create("lower");
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, test_lower_layouts_check);
+  tcase_add_test(tc, test_lower_mesh_mapping_numbers_ranks);
   tcase_add_test(tc, test_lower_zero3_quarter_of_dp8_state);
   tcase_add_test(tc, test_lower_recompute_keeps_fewer_activations);
   tcase_add_test(tc, test_lower_1f1b_in_flight);

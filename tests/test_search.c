@@ -38,6 +38,7 @@ static struct mr_strategy_hint open_hint(void) {
   memset(&h, 0, sizeof h);
   h.auto_mode = MR_AUTO_FULL;
   h.zero_stage = h.offload = h.recompute = h.sequence_parallel = -1;
+  h.mapping = -1;
   h.amp_dtype = MR_AMP_FP16;
   return h;
 }
@@ -130,6 +131,18 @@ START_TEST(test_search_keeps_what_the_hint_fixes) {
     ck_assert_int_eq(s->dp * s->tp * s->pp, 32);
     ck_assert_int_eq(s->dp * s->micro_batch_size * s->micro_batches, 64);
   }
+  /* a fixed mesh mapping is kept, also where the other one would be as
+   * fast (one data-parallel rank) */
+  h.mapping = MR_MAP_TP_PP_DP;
+  ck_assert_int_eq(mr_plan_search(&req, r), 0);
+  ck_assert(r->n_top > 1);
+  for (int i = 0; i < r->n_top; i++)
+    ck_assert_int_eq(r->top[i].strategy.mapping, MR_MAP_TP_PP_DP);
+  h.auto_mode = MR_AUTO_MANUAL;
+  h.pp = 2;
+  struct mr_strategy man;
+  ck_assert_int_eq(mr_plan_manual(&req, &man), 0);
+  ck_assert_int_eq(man.mapping, MR_MAP_TP_PP_DP);
   free(r);
 }
 END_TEST

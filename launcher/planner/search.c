@@ -72,8 +72,8 @@ static void search_states(struct search *se, struct mr_strategy *s) {
       if (off && z == 0)
         continue;
       for (int map = 0; map <= 1; map++) {
-        if (map == 1 && (s->dp == 1 || s->pp == 1))
-          continue; // the same layout as map 0
+        if (h->mapping >= 0 ? map != h->mapping : map == 1 && (s->dp == 1 || s->pp == 1))
+          continue; // fixed by the job, or the same layout as map 0
         s->zero_stage = z;
         s->offload = off;
         s->mapping = (enum mr_mesh_mapping)map;
@@ -265,6 +265,7 @@ static void init_search(struct search *se, const struct mr_plan_request *req,
     se->h = *req->hint;
   } else {
     se->h.zero_stage = se->h.offload = se->h.recompute = se->h.sequence_parallel = -1;
+    se->h.mapping = -1;
     se->h.amp_dtype = MR_AMP_BF16;
   }
   se->world = world;
@@ -360,7 +361,7 @@ int mr_plan_manual(const struct mr_plan_request *req, struct mr_strategy *out) {
     return mr_error_set(MR_EINVAL, "strategy: data × tensor × pipeline parallel degrees "
                         "%d × %d × %d do not multiply to the world size %d", out->dp,
                         out->tp, out->pp, W);
-  out->mapping = MR_MAP_TP_DP_PP;
+  out->mapping = h->mapping == MR_MAP_TP_PP_DP ? MR_MAP_TP_PP_DP : MR_MAP_TP_DP_PP;
   out->sequence_parallel = h->sequence_parallel > 0;
   out->zero_stage = h->zero_stage > 0 ? h->zero_stage : 0;
   out->offload = h->offload > 0;

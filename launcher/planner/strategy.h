@@ -17,11 +17,6 @@ enum mr_recompute_mode {
   MR_RECOMPUTE_MODE_FULL = 2,      // whole block from its stored input
 };
 
-enum mr_mesh_mapping {
-  MR_MAP_TP_DP_PP = 0, // ranks: tp fastest, then dp, then pp (Megatron's order)
-  MR_MAP_TP_PP_DP = 1, // tp fastest, then pp, then dp
-};
-
 struct mr_strategy {
   int dp, tp, pp;                  // degrees; dp * tp * pp = world size
   enum mr_mesh_mapping mapping;

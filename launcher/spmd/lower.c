@@ -26,7 +26,7 @@ int mr_layout_from_job(const struct mr_job *job, int world, struct mr_layout *la
     return mr_error_set(MR_EINVAL, "%s: strategy: data (%d) x tensor (%d) x pipeline (%d) "
                         "parallel degrees must multiply to the %d ranks", job->path,
                         lay->dp, lay->tp, lay->pp, world);
-  lay->pp_outer = 1;
+  lay->mapping = h->mapping == MR_MAP_TP_PP_DP ? MR_MAP_TP_PP_DP : MR_MAP_TP_DP_PP;
   lay->schedule = h->pp_schedule_set ? h->pp_schedule : MR_PP_1F1B;
   lay->vp = lay->pp > 1 && h->virtual_stages > 1 ? h->virtual_stages : 1;
   if (lay->vp > 1)
@@ -66,6 +66,9 @@ void mr_layout_format(const struct mr_layout *lay, char *buf, size_t n) {
   if (lay->pp > 1 && (size_t)k < n)
     k += snprintf(buf + k, n - (size_t)k, " (%s%s%.0d)", sched[lay->schedule],
                   lay->vp > 1 ? ", v" : "", lay->vp > 1 ? lay->vp : 0);
+  if (lay->dp > 1 && lay->pp > 1 && (size_t)k < n)
+    k += snprintf(buf + k, n - (size_t)k, ", mesh %s",
+                  lay->mapping == MR_MAP_TP_DP_PP ? "tp,dp,pp" : "tp,pp,dp");
   if ((size_t)k < n)
     snprintf(buf + k, n - (size_t)k,
              ", %d micro-batches of %lld, sequence parallel %s, ZeRO-%d%s, recompute %s",
@@ -74,7 +77,7 @@ void mr_layout_format(const struct mr_layout *lay, char *buf, size_t n) {
 }
 
 int mr_lower_rank(const struct mr_layout *lay, int pipe, int data, int model) {
-  if (lay->pp_outer)
+  if (lay->mapping == MR_MAP_TP_DP_PP)
     return (pipe * lay->dp + data) * lay->tp + model;
   return (data * lay->pp + pipe) * lay->tp + model;
 }
@@ -83,7 +86,7 @@ void mr_lower_coords(const struct mr_layout *lay, int rank, int *pipe, int *data
                      int *model) {
   *model = rank % lay->tp;
   int rest = rank / lay->tp;
-  if (lay->pp_outer) {
+  if (lay->mapping == MR_MAP_TP_DP_PP) {
     *data = rest % lay->dp;
     *pipe = rest / lay->dp;
   } else {

@@ -59,8 +59,8 @@ enum mr_rc_kind { MR_RC_NONE = 0, MR_RC_SELECTIVE = 1, MR_RC_FULL = 2 };
 struct mr_layout {
   int world;
   int dp, tp, pp, vp;             // degrees; vp: model chunks per pipeline stage
-  int pp_outer;                   // 1: rank = (p * dp + d) * tp + t (pipeline
-                                  // outermost); 0: rank = (d * pp + p) * tp + t
+  enum mr_mesh_mapping mapping;   // tp,dp,pp: rank = (p * dp + d) * tp + t;
+                                  // tp,pp,dp: rank = (d * pp + p) * tp + t
   int n_micro;                    // micro-batches per optimizer step
   int64_t micro_seqs;             // sequences per micro-batch, whole data group
   enum mr_pp_schedule schedule;
