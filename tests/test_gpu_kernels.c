@@ -482,6 +482,77 @@ START_TEST(test_gpu_cross_entropy_mean_and_ignored_rows) {
 }
 END_TEST
 
+/* ---- cross-entropy over a vocabulary shard ---- */
+
+/* The steps of the vocabulary-parallel cross-entropy on a shard of v
+ * columns from lo of a vocabulary of `vocab`, each fed the CPU's outputs of
+ * the step before.  Row 0 is all -inf with its target ignored. */
+static void xent_vocab_case(int64_t n, int64_t v, int64_t lo, int64_t vocab, double rows) {
+  struct mr_graph g;
+  mr_graph_init(&g);
+  int l = input(&g, "logits", MR_F32, 2, n, v), t = input(&g, "targets", MR_I32, 1, n, 0);
+  int dl = input(&g, "dloss", MR_F32, 1, 1, 0), dlse = input(&g, "dlse", MR_F32, 1, n, 0);
+  float *logits = randf(n * v, 6), *dlse_v = randf(n, 1), dloss = 1024.0f;
+  int32_t *targets = randi(n, 0, vocab, 5);
+  for (int64_t j = 0; j < v; j++)
+    logits[j] = -INFINITY;
+  targets[0] = -100;
+  dlse_v[0] = 0.0f;
+  double shard[MR_OP_MAX_ATTR] = {(double)lo, (double)vocab}, ra[MR_OP_MAX_ATTR] = {rows};
+  char what[128];
+  int len = snprintf(what, sizeof what, "%lldx%lld from %lld of %lld, rows %g: ",
+                     (long long)n, (long long)v, (long long)lo, (long long)vocab, rows);
+  char *step = what + len;
+  size_t room = sizeof what - (size_t)len;
+
+  int in_max[1] = {l};
+  int mx = op(&g, MR_OP_XENT_MAX, in_max, 1, NULL);
+  void *m[1] = {0}, *b_max[1] = {logits};
+  snprintf(step, room, "xent_max");
+  check_op(&g, mx, b_max, 0, FP32_TOL, what, m);
+
+  int in_se[3] = {l, t, g.ops[mx].out[0]};
+  int se = op(&g, MR_OP_XENT_SUMEXP, in_se, 3, shard);
+  void *stl[2] = {0}, *b_se[3] = {logits, targets, m[0]};
+  snprintf(step, room, "xent_sumexp");
+  check_op(&g, se, b_se, 0, FP32_TOL, what, stl);
+
+  int in_fin[4] = {g.ops[se].out[0], g.ops[se].out[1], g.ops[mx].out[0], t};
+  int fin = op(&g, MR_OP_XENT_FINISH, in_fin, 4, ra);
+  void *b_fin[4] = {stl[0], stl[1], m[0], targets};
+  snprintf(step, room, "xent_finish");
+  check_op(&g, fin, b_fin, 0, FP32_TOL, what, NULL);
+
+  int in_fb[4] = {g.ops[se].out[0], t, dl, dlse};
+  int fb3 = op(&g, MR_OP_XENT_FINISH_BWD, in_fb, 3, ra);
+  void *b_fb[4] = {stl[0], targets, &dloss, dlse_v};
+  snprintf(step, room, "xent_finish_bwd without dlse");
+  check_op(&g, fb3, b_fb, 0, FP32_TOL, what, NULL);
+  int fb = op(&g, MR_OP_XENT_FINISH_BWD, in_fb, 4, ra);
+  void *dsdtl[2] = {0};
+  snprintf(step, room, "xent_finish_bwd");
+  check_op(&g, fb, b_fb, 0, FP32_TOL, what, dsdtl);
+
+  int in_sb[5] = {l, t, g.ops[mx].out[0], g.ops[fb].out[0], g.ops[fb].out[1]};
+  void *b_sb[5] = {logits, targets, m[0], dsdtl[0], dsdtl[1]};
+  for (int k = 4; k <= 5; k++) {
+    int sb = op(&g, MR_OP_XENT_SUMEXP_BWD, in_sb, k, shard);
+    snprintf(step, room, "xent_sumexp_bwd, %d inputs", k);
+    check_op(&g, sb, b_sb, 0, FP32_TOL, what, NULL);
+  }
+  free(logits), free(dlse_v), free(targets);
+  free(m[0]), free(stl[0]), free(stl[1]), free(dsdtl[0]), free(dsdtl[1]);
+  mr_graph_close(&g);
+}
+
+START_TEST(test_gpu_cross_entropy_over_a_vocabulary_shard) {
+  xent_vocab_case(1, 1, 0, 1, 0);
+  xent_vocab_case(37, 101, 0, 101, 0);
+  xent_vocab_case(64, 3000, 3000, 9000, 0);  /* a middle shard: most targets elsewhere */
+  xent_vocab_case(50, 257, 257, 514, 200);   /* the last shard, global rows */
+}
+END_TEST
+
 /* ---- errors found on the device ---- */
 
 START_TEST(test_gpu_bad_token_id_fails_at_synchronize) {
@@ -525,6 +596,7 @@ static Suite *gpu_kernels_suite(void) {
   tcase_add_test(tc, test_gpu_attention_bf16_and_fp16);
   tcase_add_test(tc, test_gpu_split3_concat3);
   tcase_add_test(tc, test_gpu_cross_entropy_mean_and_ignored_rows);
+  tcase_add_test(tc, test_gpu_cross_entropy_over_a_vocabulary_shard);
   tcase_add_test(tc, test_gpu_bad_token_id_fails_at_synchronize);
   suite_add_tcase(s, tc);
   return s;

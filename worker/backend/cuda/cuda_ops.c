@@ -371,6 +371,82 @@ static int k_xent_bwd(void *ctx, const struct mr_graph *g, const struct mr_op *o
   return 0;
 }
 
+/* a1 > 0: the logits are columns [a0, a0 + V) of a vocabulary of a1 */
+static int vocab_shard(const struct mr_graph *g, const struct mr_op *op, const char *name,
+                       int64_t *lo, int64_t *vocab) {
+  int64_t v = COLS(g, op->in[0]);
+  *lo = (int64_t)op->attr[0];
+  *vocab = op->attr[1] > 0 ? (int64_t)op->attr[1] : v;
+  if (*lo < 0 || *vocab < *lo + v)
+    return mr_error_set(MR_EINVAL, "%s: bad shape N=%lld V=%lld for columns from %lld of "
+                        "a vocabulary of %lld", name, (long long)ROWS(g, op->in[0]),
+                        (long long)v, (long long)*lo, (long long)*vocab);
+  return 0;
+}
+
+static int k_xent_max(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                      void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  LAUNCH("xent_max", mr__k_xv_max(STREAM(c), b[1], b[0], ROWS(g, op->in[0]),
+                                  COLS(g, op->in[0])));
+  return 0;
+}
+
+static int k_xent_sumexp(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                         void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t lo, vocab;
+  MR_TRY(vocab_shard(g, op, "xent_sumexp", &lo, &vocab));
+  LAUNCH("xent_sumexp", mr__k_xv_sumexp(STREAM(c), b[3], b[4], b[0], b[1], b[2],
+                                        ROWS(g, op->in[0]), COLS(g, op->in[0]), lo, vocab,
+                                        c->status));
+  return 0;
+}
+
+static int k_xent_sumexp_bwd(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                             void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t lo, vocab;
+  MR_TRY(vocab_shard(g, op, "xent_sumexp_bwd", &lo, &vocab));
+  const float *ds = op->n_in > 3 ? b[3] : NULL, *dtl = op->n_in > 4 ? b[4] : NULL;
+  LAUNCH("xent_sumexp_bwd",
+         mr__k_xv_sumexp_bwd(STREAM(c), b[op->n_in], b[0], b[1], b[2], ds, dtl,
+                             ROWS(g, op->in[0]), COLS(g, op->in[0]), lo, vocab, c->status));
+  return 0;
+}
+
+/* a0 > 0: a row shard divides by the rows of the whole batch (as
+ * cross_entropy) */
+static int k_xent_finish(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                         void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  LAUNCH("xent_finish", mr__k_xv_finish(STREAM(c), b[4], b[5], b[0], b[1], b[2], b[3],
+                                        ROWS(g, op->in[0]), op->attr[0]));
+  return 0;
+}
+
+static int k_xent_finish_bwd(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                             void *const *b) {
+  struct mr__cuda_ctx *c = CTX(ctx);
+  MR_TRY(enter(c));
+  int64_t n = ROWS(g, op->in[0]);
+  const float *dloss = op->n_in > 2 ? b[2] : NULL, *dlse = op->n_in > 3 ? b[3] : NULL;
+  float *scale = NULL;
+  MR_TRY(mr__cuda_scratch(c, sizeof(float), (void **)&scale));
+  if (dloss != NULL)
+    LAUNCH("xent_finish_bwd (scale)", mr__k_xent_scale(STREAM(c), scale, dloss, b[1], n,
+                                                       op->attr[0]));
+  else
+    MR_CUDA_TRY(cudaMemsetAsync(scale, 0, sizeof(float), STREAM(c)));
+  LAUNCH("xent_finish_bwd", mr__k_xv_finish_bwd(STREAM(c), b[op->n_in], b[op->n_in + 1],
+                                                scale, dlse, b[0], b[1], n));
+  return 0;
+}
+
 void mr__cuda_kernels_register(void) {
   static const struct {
     int kind;
@@ -386,6 +462,9 @@ void mr__cuda_kernels_register(void) {
       {MR_OP_ATTENTION, k_attention},     {MR_OP_ATTENTION_BWD, k_attention_bwd},
       {MR_OP_SPLIT3, k_split3},           {MR_OP_CONCAT3, k_concat3},
       {MR_OP_CROSS_ENTROPY, k_xent},      {MR_OP_CROSS_ENTROPY_BWD, k_xent_bwd},
+      {MR_OP_XENT_MAX, k_xent_max},       {MR_OP_XENT_SUMEXP, k_xent_sumexp},
+      {MR_OP_XENT_SUMEXP_BWD, k_xent_sumexp_bwd},
+      {MR_OP_XENT_FINISH, k_xent_finish}, {MR_OP_XENT_FINISH_BWD, k_xent_finish_bwd},
   };
   for (size_t i = 0; i < MR_ARRAY_LEN(table); i++)
     mr_op_set_kernel(table[i].kind, MR_BACKEND_CUDA, table[i].fn);

@@ -110,6 +110,28 @@ cudaError_t mr__k_xent_bwd(cudaStream_t s, float *dlogits, const float *logits,
                            const float *lse, const int32_t *t, const float *scale,
                            int64_t N, int64_t V, struct mr__cuda_status *st);
 
+/* Cross-entropy over a vocabulary shard, the steps of
+ * worker/backend/cpu/xent_vocab.h: the shard holds columns [lo, lo + V) of
+ * a vocabulary of `vocab`; a target >= vocab is reported in st. */
+cudaError_t mr__k_xv_max(cudaStream_t s, float *m, const float *logits, int64_t N,
+                         int64_t V);
+cudaError_t mr__k_xv_sumexp(cudaStream_t s, float *sum, float *tl, const float *logits,
+                            const int32_t *t, const float *m, int64_t N, int64_t V,
+                            int64_t lo, int64_t vocab, struct mr__cuda_status *st);
+/* ds or dtl NULL: zero; may be in place (dlogits == logits). */
+cudaError_t mr__k_xv_sumexp_bwd(cudaStream_t s, float *dlogits, const float *logits,
+                                const int32_t *t, const float *m, const float *ds,
+                                const float *dtl, int64_t N, int64_t V, int64_t lo,
+                                int64_t vocab, struct mr__cuda_status *st);
+cudaError_t mr__k_xv_finish(cudaStream_t s, float *loss, float *lse, const float *sum,
+                            const float *tl, const float *m, const int32_t *t, int64_t N,
+                            double rows);
+/* scale: the device scalar dloss / denominator (mr__k_xent_scale); dlse
+ * NULL: zero. */
+cudaError_t mr__k_xv_finish_bwd(cudaStream_t s, float *ds, float *dtl, const float *scale,
+                                const float *dlse, const float *sum, const int32_t *t,
+                                int64_t N);
+
 /* Causal attention, flash style: q [B*T, H*D], k and v [B*T, KH*D], o like
  * q, lse [B, H, T].  amp rounds q, k, v (and dout) to bf16 / fp16 as they
  * are read.  D <= 256. */
