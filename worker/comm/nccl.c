@@ -462,12 +462,22 @@ static int finish_int_avg(struct nccl_group *g, void *recv, size_t count,
                         "average (integer division)");
 }
 
-/* Ends a reduction: NCCL has no integer average, so an integer one is a
- * sum the group divides once the sum has landed. */
-static int reduce_end(struct nccl_group *g, struct nccl_req *r, ncclResult_t res, void *recv,
-                      size_t count, enum mr_dtype dt, int int_avg, const char *what,
-                      struct mr_comm_req **out) {
-  if (int_avg && (res == ncclSuccess || res == ncclInProgress)) {
+/* AllReduce, or ReduceScatter when scatter: NCCL has no integer average,
+ * so an integer one is a sum the group divides once the sum has landed. */
+static int nc_reduce(struct mr_comm_group *gg, const void *send, void *recv, size_t count,
+                     enum mr_dtype dt, enum mr_red_op op, int scatter,
+                     struct mr_comm_req **out) {
+  struct nccl_group *g = GROUP(gg);
+  ncclDataType_t t;
+  ncclRedOp_t red = ncclSum;
+  int int_avg;
+  MR_TRY(nccl_type(dt, 1, &t));
+  MR_TRY(nccl_red(op, dt, &red, &int_avg));
+  struct nccl_req *r;
+  MR_TRY(op_begin(g, scatter ? "ReduceScatter" : "AllReduce", -1, &r));
+  ncclResult_t res = scatter ? ncclReduceScatter(send, recv, count, t, red, g->nc, g->stream)
+                             : ncclAllReduce(send, recv, count, t, red, g->nc, g->stream);
+  if (int_avg && NCCL_OK(res)) {
     int rc = settle(g, r->op, r->seq, -1);
     if (rc == 0)
       rc = finish_int_avg(g, recv, count, dt);
@@ -476,37 +486,19 @@ static int reduce_end(struct nccl_group *g, struct nccl_req *r, ncclResult_t res
       return rc;
     }
   }
-  return op_end(g, r, res, what, out);
+  return op_end(g, r, res, scatter ? "ncclReduceScatter" : "ncclAllReduce", out);
 }
 
-static int nc_all_reduce(struct mr_comm_group *gg, const void *send, void *recv,
+static int nc_all_reduce(struct mr_comm_group *g, const void *send, void *recv,
                          size_t count, enum mr_dtype dt, enum mr_red_op op,
                          struct mr_comm_req **out) {
-  struct nccl_group *g = GROUP(gg);
-  ncclDataType_t t;
-  ncclRedOp_t red;
-  int int_avg;
-  MR_TRY(nccl_type(dt, 1, &t));
-  MR_TRY(nccl_red(op, dt, &red, &int_avg));
-  struct nccl_req *r;
-  MR_TRY(op_begin(g, "AllReduce", -1, &r));
-  ncclResult_t res = ncclAllReduce(send, recv, count, t, red, g->nc, g->stream);
-  return reduce_end(g, r, res, recv, count, dt, int_avg, "ncclAllReduce", out);
+  return nc_reduce(g, send, recv, count, dt, op, 0, out);
 }
 
-static int nc_reduce_scatter(struct mr_comm_group *gg, const void *send, void *recv,
+static int nc_reduce_scatter(struct mr_comm_group *g, const void *send, void *recv,
                              size_t count, enum mr_dtype dt, enum mr_red_op op,
                              struct mr_comm_req **out) {
-  struct nccl_group *g = GROUP(gg);
-  ncclDataType_t t;
-  ncclRedOp_t red;
-  int int_avg;
-  MR_TRY(nccl_type(dt, 1, &t));
-  MR_TRY(nccl_red(op, dt, &red, &int_avg));
-  struct nccl_req *r;
-  MR_TRY(op_begin(g, "ReduceScatter", -1, &r));
-  ncclResult_t res = ncclReduceScatter(send, recv, count, t, red, g->nc, g->stream);
-  return reduce_end(g, r, res, recv, count, dt, int_avg, "ncclReduceScatter", out);
+  return nc_reduce(g, send, recv, count, dt, op, 1, out);
 }
 
 static int nc_all_gather(struct mr_comm_group *gg, const void *send, void *recv,
