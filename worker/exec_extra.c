@@ -61,17 +61,6 @@ void mr__round_f16_n(float *dst, const float *src, size_t n) {
   }
 }
 
-static void round_bf16_n(float *dst, const float *src, size_t n) {
-  for (size_t i = 0; i < n; i++) {
-    uint32_t u;
-    memcpy(&u, &src[i], 4);
-    uint32_t r = ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-      r = u | 0x00400000u; /* quiet NaN */
-    memcpy(&dst[i], &r, 4);
-  }
-}
-
 /* Under amp, copies the inputs listed into scratch rounded through the
  * 16-bit type and points src[i] at the copies; else leaves src alone. */
 static int round_inputs(struct mr_cpu_ctx *c, const struct mr_graph *g,
@@ -87,7 +76,8 @@ static int round_inputs(struct mr_cpu_ctx *c, const struct mr_graph *g,
   for (int i = 0; i < n; i++) {
     size_t k = (size_t)NEL(g, ids[i]);
     if (c->amp == MR_AMP_ROUND_BF16)
-      round_bf16_n(s, src[i], k);
+      for (size_t j = 0; j < k; j++)
+        s[j] = mr_bf16_to_f32(mr_f32_to_bf16(src[i][j]));
     else
       mr__round_f16_n(s, src[i], k);
     src[i] = s;
