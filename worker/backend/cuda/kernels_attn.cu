@@ -34,17 +34,12 @@ struct attn_dims {
  * a padded tile, rounded for amp and multiplied by mul; rows past T are 0. */
 __device__ __forceinline__ void load_tile(float *tile, int ld, const float *x,
                                           int64_t stride, int64_t col, int t0,
-                                          const attn_dims &a, int b, float mul,
-                                          int round) {
+                                          const attn_dims &a, int b, float mul) {
   for (int idx = threadIdx.x; idx < 32 * a.D; idx += ATT_THREADS) {
     int i = idx / a.D, d = idx % a.D, t = t0 + i;
     float v = 0.0f;
-    if (t < a.T) {
-      v = x[((int64_t)b * a.T + t) * stride + col + d];
-      if (round)
-        v = mr_round_amp(v, a.amp);
-      v *= mul;
-    }
+    if (t < a.T)
+      v = mr_round_amp(x[((int64_t)b * a.T + t) * stride + col + d], a.amp) * mul;
     tile[i * ld + d] = v;
   }
 }
@@ -61,7 +56,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
   int r = threadIdx.x >> 3, sub = threadIdx.x & 7;
   int q0 = qt * TQ, t = q0 + r;
   /* q is pre-scaled, as the CPU kernel scales each query row */
-  load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, a.scale, 1);
+  load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, a.scale);
   constexpr int NPT = DMAX / 8;
   float acc[NPT];
 #pragma unroll
@@ -71,8 +66,8 @@ __global__ void __launch_bounds__(ATT_THREADS)
   for (int kt = 0; kt <= qt; kt++) {
     int k0 = kt * TK;
     __syncthreads();
-    load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
-    load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
+    load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
+    load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
     __syncthreads();
     float s[4];
     float mx = -INFINITY;
@@ -188,8 +183,8 @@ __global__ void __launch_bounds__(ATT_THREADS)
   int b = bk / a.KH, kvh = bk % a.KH;
   int c = threadIdx.x >> 3, sub = threadIdx.x & 7;
   int k0 = kt * TK;
-  load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
-  load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
+  load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
+  load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
   constexpr int NPT = DMAX / 8;
   float dK[NPT], dV[NPT];
 #pragma unroll
@@ -199,8 +194,8 @@ __global__ void __launch_bounds__(ATT_THREADS)
     for (int qt = kt; qt < a.ntiles; qt++) {
       int q0 = qt * TQ;
       __syncthreads();
-      load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f, 1);
-      load_tile(dOs, ld, dout, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f, 1);
+      load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
+      load_tile(dOs, ld, dout, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
       if (threadIdx.x < TQ) {
         int t = q0 + threadIdx.x;
         int64_t at = ((int64_t)b * a.H + h) * a.T + t;
@@ -251,8 +246,8 @@ __global__ void __launch_bounds__(ATT_THREADS)
   int b = bh / a.H, h = bh % a.H, kvh = h / a.rep;
   int r = threadIdx.x >> 3, sub = threadIdx.x & 7;
   int q0 = qt * TQ, t = q0 + r;
-  load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f, 1);
-  load_tile(dOs, ld, dout, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f, 1);
+  load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
+  load_tile(dOs, ld, dout, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
   if (threadIdx.x < TQ) {
     int tt = q0 + threadIdx.x;
     int64_t at = ((int64_t)b * a.H + h) * a.T + tt;
@@ -267,8 +262,8 @@ __global__ void __launch_bounds__(ATT_THREADS)
   for (int kt = 0; kt <= qt; kt++) {
     int k0 = kt * TK;
     __syncthreads();
-    load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
-    load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
+    load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
+    load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
     __syncthreads();
     attn_p_ds(nullptr, dSs, Qs, dOs, Ks, Vs, lse_s, di_s, ld, q0, k0, a, 0);
     __syncthreads();
