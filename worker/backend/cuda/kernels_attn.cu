@@ -142,6 +142,23 @@ __global__ void attn_di_k(float *di, const float *dout, const float *o, attn_dim
     di[((int64_t)b * a.H + h) * a.T + t] = s;
 }
 
+/* The query side of a backward tile pair: rows [q0, q0 + 32) of head h of
+ * q and dout as load_tile loads them, and those rows' lse and Di (0 past T). */
+__device__ __forceinline__ void load_query_side(float *Qs, float *dOs, float *lse_s,
+                                                float *di_s, const float *q,
+                                                const float *dout, const float *lse,
+                                                const float *di, int ld, int q0,
+                                                const attn_dims &a, int b, int h) {
+  load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
+  load_tile(dOs, ld, dout, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
+  if (threadIdx.x < TQ) {
+    int t = q0 + threadIdx.x;
+    int64_t at = ((int64_t)b * a.H + h) * a.T + t;
+    lse_s[threadIdx.x] = t < a.T ? lse[at] : 0.0f;
+    di_s[threadIdx.x] = t < a.T ? di[at] : 0.0f;
+  }
+}
+
 /* P and the scaled score gradient dS for rows [q0, q0+32) x keys [k0,
  * k0+32): thread (r, sub) fills columns sub + 8j of row r. */
 __device__ __forceinline__ void attn_p_ds(float *Ps, float *dSs, const float *Qs,
@@ -194,14 +211,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
     for (int qt = kt; qt < a.ntiles; qt++) {
       int q0 = qt * TQ;
       __syncthreads();
-      load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
-      load_tile(dOs, ld, dout, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
-      if (threadIdx.x < TQ) {
-        int t = q0 + threadIdx.x;
-        int64_t at = ((int64_t)b * a.H + h) * a.T + t;
-        lse_s[threadIdx.x] = t < a.T ? lse[at] : 0.0f;
-        di_s[threadIdx.x] = t < a.T ? di[at] : 0.0f;
-      }
+      load_query_side(Qs, dOs, lse_s, di_s, q, dout, lse, di, ld, q0, a, b, h);
       __syncthreads();
       attn_p_ds(Ps, dSs, Qs, dOs, Ks, Vs, lse_s, di_s, ld, q0, k0, a, 1);
       __syncthreads();
@@ -246,14 +256,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
   int b = bh / a.H, h = bh % a.H, kvh = h / a.rep;
   int r = threadIdx.x >> 3, sub = threadIdx.x & 7;
   int q0 = qt * TQ, t = q0 + r;
-  load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
-  load_tile(dOs, ld, dout, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
-  if (threadIdx.x < TQ) {
-    int tt = q0 + threadIdx.x;
-    int64_t at = ((int64_t)b * a.H + h) * a.T + tt;
-    lse_s[threadIdx.x] = tt < a.T ? lse[at] : 0.0f;
-    di_s[threadIdx.x] = tt < a.T ? di[at] : 0.0f;
-  }
+  load_query_side(Qs, dOs, lse_s, di_s, q, dout, lse, di, ld, q0, a, b, h);
   constexpr int NPT = DMAX / 8;
   float dQ[NPT];
 #pragma unroll
