@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
       float acc_s = 0.0f;
       for (int d = 0; d < a.D; d++)
         acc_s = fmaf(Qs[r * ld + d], Ks[c * ld + d], acc_s);
-      s[j] = (key <= t && key < a.T && t < a.T) ? acc_s : -INFINITY;
+      s[j] = (key <= t && t < a.T) ? acc_s : -INFINITY;
       mx = fmaxf(mx, s[j]);
     }
     for (int off = 1; off < 8; off <<= 1)
@@ -171,7 +171,7 @@ __device__ __forceinline__ void attn_p_ds(float *Ps, float *dSs, const float *Qs
   for (int j = 0; j < 4; j++) {
     int c = sub + 8 * j, key = k0 + c;
     float p = 0.0f, ds = 0.0f;
-    if (key <= t && key < a.T && t < a.T) {
+    if (key <= t && t < a.T) {
       float sc = 0.0f, dp = 0.0f;
       for (int d = 0; d < a.D; d++) {
         sc = fmaf(Qs[r * ld + d], Ks[c * ld + d], sc);
