@@ -3,6 +3,7 @@
  * overflow check), AdamW, copy2d, memory, streams, events, page-locked
  * host buffers and launch.  Skips (77) where there is no GPU. */
 #include "check_main.h"
+#include "kernels_ref.h"
 #include "test_gpu_common.h"
 
 #include <math.h>
@@ -15,19 +16,6 @@
 #include "worker/backend/backend.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/device.h"
-
-static float *randf(size_t n, uint64_t *s, double scale) {
-  float *x = malloc((n ? n : 1) * sizeof(float));
-  ck_assert_ptr_nonnull(x);
-  for (size_t i = 0; i < n; i++) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    x[i] = (float)(((double)(z >> 11) / 9007199254740992.0 * 2.0 - 1.0) * scale);
-  }
-  return x;
-}
 
 struct pair {
   struct mr_backend *cpu, *gpu;
@@ -72,7 +60,7 @@ START_TEST(test_gpu_axpby_matches_cpu) {
   size_t n = 100003;
   const float ab[][2] = {{1.0f, 0.5f}, {0.0f, -2.0f}, {0.9f, 0.1f}};
   for (size_t k = 0; k < 3; k++) {
-    float *y = randf(n, &seed, 1), *x = randf(n, &seed, 1);
+    float *y = ref_randf(n, &seed, 1), *x = ref_randf(n, &seed, 1);
     float *dy = upload(p.gpu, y, n * 4), *dx = upload(p.gpu, x, n * 4);
     ck_assert_int_eq(p.gpu->ops->axpby(p.gpu, dy, dx, ab[k][0], ab[k][1], n), 0);
     ck_assert_int_eq(p.cpu->ops->axpby(p.cpu, y, x, ab[k][0], ab[k][1], n), 0);
@@ -95,7 +83,7 @@ START_TEST(test_gpu_sumsq_fixed_chunks_and_overflow) {
   size_t sizes[] = {0, 1, 7, 4095, 4097, 100003, 3000001};
   for (size_t k = 0; k < MR_ARRAY_LEN(sizes); k++) {
     size_t n = sizes[k];
-    float *x = randf(n, &seed, 3);
+    float *x = ref_randf(n, &seed, 3);
     float *dx = upload(p.gpu, x, n * 4 + 4);
     double g = -1, c = -1;
     ck_assert_int_eq(p.gpu->ops->sumsq(p.gpu, dx, n, &g), 0);
@@ -126,11 +114,11 @@ START_TEST(test_gpu_adamw_matches_cpu) {
   h.lr = 0.05f;
   h.weight_decay = 0.1f;
   h.grad_scale = 0.5f;
-  float *w = randf(n, &seed, 1), *m = calloc(n, 4), *v = calloc(n, 4);
+  float *w = ref_randf(n, &seed, 1), *m = calloc(n, 4), *v = calloc(n, 4);
   float *dw = upload(p.gpu, w, n * 4), *dm = upload(p.gpu, m, n * 4),
         *dv = upload(p.gpu, v, n * 4);
   for (int t = 1; t <= 5; t++) {
-    float *gr = randf(n, &seed, t == 3 ? 1e-6 : 2);
+    float *gr = ref_randf(n, &seed, t == 3 ? 1e-6 : 2);
     float *dg = upload(p.gpu, gr, n * 4);
     ck_assert_int_eq(p.gpu->ops->adamw(p.gpu, dw, dg, dm, dv, n, &h, t), 0);
     ck_assert_int_eq(p.cpu->ops->adamw(p.cpu, w, gr, m, v, n, &h, t), 0);
@@ -160,7 +148,7 @@ START_TEST(test_gpu_copy2d_packs_a_block) {
   struct pair p = open_pair();
   uint64_t seed = 4;
   size_t rows = 37, cols = 53, w = 19, off = 7;
-  float *x = randf(rows * cols, &seed, 1);
+  float *x = ref_randf(rows * cols, &seed, 1);
   float *dx = upload(p.gpu, x, rows * cols * 4), *dy = NULL;
   ck_assert_int_eq(p.gpu->ops->alloc(p.gpu, rows * w * 4, (void **)&dy), 0);
   ck_assert_int_eq(p.gpu->ops->copy2d(p.gpu, dy, w * 4, dx + off, cols * 4, w * 4, rows), 0);

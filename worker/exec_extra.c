@@ -42,9 +42,6 @@ static float *scratch(struct mr_cpu_ctx *c, size_t n) {
   return c->scratch;
 }
 
-/* Copies the inputs listed into scratch rounded through the 16-bit type
- * and points src[i] at the copies; extra floats are reserved after them
- * and returned through *tail. */
 void mr__round_f16_n(float *dst, const float *src, size_t n) {
   for (size_t i = 0; i < n; i++) {
     uint32_t u;
@@ -64,39 +61,28 @@ void mr__round_f16_n(float *dst, const float *src, size_t n) {
   }
 }
 
-static void round_bf16_n(float *dst, const float *src, size_t n) {
-  for (size_t i = 0; i < n; i++) {
-    uint32_t u;
-    memcpy(&u, &src[i], 4);
-    uint32_t r = ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-      r = u | 0x00400000u; /* quiet NaN */
-    memcpy(&dst[i], &r, 4);
-  }
-}
-
+/* Under amp, copies the inputs listed into scratch rounded through the
+ * 16-bit type and points src[i] at the copies; else leaves src alone. */
 static int round_inputs(struct mr_cpu_ctx *c, const struct mr_graph *g,
-                        const int *ids, const float **src, int n, size_t extra,
-                        float **tail) {
-  size_t total = extra;
-  if (c->amp)
-    for (int i = 0; i < n; i++)
-      total += (size_t)NEL(g, ids[i]);
+                        const int *ids, const float **src, int n) {
+  if (!c->amp)
+    return 0;
+  size_t total = 0;
+  for (int i = 0; i < n; i++)
+    total += (size_t)NEL(g, ids[i]);
   float *s = scratch(c, total ? total : 1);
   if (!s)
     return MR_ENOMEM;
-  if (c->amp)
-    for (int i = 0; i < n; i++) {
-      size_t k = (size_t)NEL(g, ids[i]);
-      if (c->amp == MR_AMP_ROUND_BF16)
-        round_bf16_n(s, src[i], k);
-      else
-        mr__round_f16_n(s, src[i], k);
-      src[i] = s;
-      s += k;
-    }
-  if (tail)
-    *tail = s;
+  for (int i = 0; i < n; i++) {
+    size_t k = (size_t)NEL(g, ids[i]);
+    if (c->amp == MR_AMP_ROUND_BF16)
+      for (size_t j = 0; j < k; j++)
+        s[j] = mr_bf16_to_f32(mr_f32_to_bf16(src[i][j]));
+    else
+      mr__round_f16_n(s, src[i], k);
+    src[i] = s;
+    s += k;
+  }
   return 0;
 }
 
@@ -108,7 +94,7 @@ static int k_matmul(void *ctx, const struct mr_graph *g, const struct mr_op *op,
   int n = tb ? ROWS(g, bi) : COLS(g, bi);
   const float *src[2] = {b[0], b[1]};
   float *out = b[op->n_in];
-  MR_TRY(round_inputs(ctx, g, op->in, src, 2, 0, NULL));
+  MR_TRY(round_inputs(ctx, g, op->in, src, 2));
   MR_TRY(mr_cpu_gemm(POOL(ctx), ta, tb, m, n, k, 1.0f, src[0], COLS(g, ai),
                      src[1], COLS(g, bi), 0.0f, out, n));
   if (op->n_in > 2 && op->in[2] >= 0)
@@ -286,7 +272,7 @@ static int k_attention(void *ctx, const struct mr_graph *g,
                        const struct mr_op *op, void *const *b) {
   struct mr_attn_shape s = attn_shape(g, op, op->in[0]);
   const float *src[3] = {b[0], b[1], b[2]};
-  MR_TRY(round_inputs(ctx, g, op->in, src, 3, 0, NULL));
+  MR_TRY(round_inputs(ctx, g, op->in, src, 3));
   return mr_cpu_attention_fwd(POOL(ctx), b[3], b[4], src[0], src[1], src[2], &s);
 }
 
@@ -295,7 +281,7 @@ static int k_attention_bwd(void *ctx, const struct mr_graph *g,
                            const struct mr_op *op, void *const *b) {
   struct mr_attn_shape s = attn_shape(g, op, op->in[1]);
   const float *src[4] = {b[0], b[1], b[2], b[3]};
-  MR_TRY(round_inputs(ctx, g, op->in, src, 4, 0, NULL));
+  MR_TRY(round_inputs(ctx, g, op->in, src, 4));
   return mr_cpu_attention_bwd(POOL(ctx), b[6], b[7], b[8], src[0], src[1],
                               src[2], src[3], b[4], b[5], &s);
 }

@@ -98,6 +98,13 @@ struct nccl_req {
 /* a call that succeeded, or was accepted by a non-blocking communicator */
 #define NCCL_OK(r) ((r) == ncclSuccess || (r) == ncclInProgress)
 
+/* Closes an ncclGroupStart: the first failure, inside the group or at its
+ * end, is the result. */
+static ncclResult_t group_end(ncclResult_t res) {
+  ncclResult_t end = ncclGroupEnd();
+  return NCCL_OK(res) ? end : res;
+}
+
 static int64_t now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -293,10 +300,8 @@ static int flush_p2p(struct nccl_group *g) {
     for (struct nccl_req *r = list; r != NULL && NCCL_OK(res); r = r->pnext)
       res = r->is_send ? ncclSend(r->buf, r->count, r->type, r->peer, g->nc, g->stream)
                        : ncclRecv(r->buf, r->count, r->type, r->peer, g->nc, g->stream);
-    ncclResult_t end = ncclGroupEnd();
-    if (res == ncclSuccess || res == ncclInProgress)
-      res = end;
-    if (res != ncclSuccess && res != ncclInProgress)
+    res = group_end(res);
+    if (!NCCL_OK(res))
       rc = nccl_failed(g, res, "ncclSend/ncclRecv");
     if (rc == 0)
       rc = settle(g, list->op, list->seq, list->peer);
@@ -317,7 +322,7 @@ static int flush_p2p(struct nccl_group *g) {
 static int op_end(struct nccl_group *g, struct nccl_req *r, ncclResult_t res,
                   const char *call, struct mr_comm_req **out) {
   int rc = 0;
-  if (res != ncclSuccess && res != ncclInProgress)
+  if (!NCCL_OK(res))
     rc = nccl_failed(g, res, call);
   if (rc == 0)
     rc = settle(g, r->op, r->seq, r->peer);
@@ -462,12 +467,22 @@ static int finish_int_avg(struct nccl_group *g, void *recv, size_t count,
                         "average (integer division)");
 }
 
-/* Ends a reduction: NCCL has no integer average, so an integer one is a
- * sum the group divides once the sum has landed. */
-static int reduce_end(struct nccl_group *g, struct nccl_req *r, ncclResult_t res, void *recv,
-                      size_t count, enum mr_dtype dt, int int_avg, const char *what,
-                      struct mr_comm_req **out) {
-  if (int_avg && (res == ncclSuccess || res == ncclInProgress)) {
+/* AllReduce, or ReduceScatter when scatter: NCCL has no integer average,
+ * so an integer one is a sum the group divides once the sum has landed. */
+static int nc_reduce(struct mr_comm_group *gg, const void *send, void *recv, size_t count,
+                     enum mr_dtype dt, enum mr_red_op op, int scatter,
+                     struct mr_comm_req **out) {
+  struct nccl_group *g = GROUP(gg);
+  ncclDataType_t t;
+  ncclRedOp_t red = ncclSum;
+  int int_avg;
+  MR_TRY(nccl_type(dt, 1, &t));
+  MR_TRY(nccl_red(op, dt, &red, &int_avg));
+  struct nccl_req *r;
+  MR_TRY(op_begin(g, scatter ? "ReduceScatter" : "AllReduce", -1, &r));
+  ncclResult_t res = scatter ? ncclReduceScatter(send, recv, count, t, red, g->nc, g->stream)
+                             : ncclAllReduce(send, recv, count, t, red, g->nc, g->stream);
+  if (int_avg && NCCL_OK(res)) {
     int rc = settle(g, r->op, r->seq, -1);
     if (rc == 0)
       rc = finish_int_avg(g, recv, count, dt);
@@ -476,37 +491,19 @@ static int reduce_end(struct nccl_group *g, struct nccl_req *r, ncclResult_t res
       return rc;
     }
   }
-  return op_end(g, r, res, what, out);
+  return op_end(g, r, res, scatter ? "ncclReduceScatter" : "ncclAllReduce", out);
 }
 
-static int nc_all_reduce(struct mr_comm_group *gg, const void *send, void *recv,
+static int nc_all_reduce(struct mr_comm_group *g, const void *send, void *recv,
                          size_t count, enum mr_dtype dt, enum mr_red_op op,
                          struct mr_comm_req **out) {
-  struct nccl_group *g = GROUP(gg);
-  ncclDataType_t t;
-  ncclRedOp_t red;
-  int int_avg;
-  MR_TRY(nccl_type(dt, 1, &t));
-  MR_TRY(nccl_red(op, dt, &red, &int_avg));
-  struct nccl_req *r;
-  MR_TRY(op_begin(g, "AllReduce", -1, &r));
-  ncclResult_t res = ncclAllReduce(send, recv, count, t, red, g->nc, g->stream);
-  return reduce_end(g, r, res, recv, count, dt, int_avg, "ncclAllReduce", out);
+  return nc_reduce(g, send, recv, count, dt, op, 0, out);
 }
 
-static int nc_reduce_scatter(struct mr_comm_group *gg, const void *send, void *recv,
+static int nc_reduce_scatter(struct mr_comm_group *g, const void *send, void *recv,
                              size_t count, enum mr_dtype dt, enum mr_red_op op,
                              struct mr_comm_req **out) {
-  struct nccl_group *g = GROUP(gg);
-  ncclDataType_t t;
-  ncclRedOp_t red;
-  int int_avg;
-  MR_TRY(nccl_type(dt, 1, &t));
-  MR_TRY(nccl_red(op, dt, &red, &int_avg));
-  struct nccl_req *r;
-  MR_TRY(op_begin(g, "ReduceScatter", -1, &r));
-  ncclResult_t res = ncclReduceScatter(send, recv, count, t, red, g->nc, g->stream);
-  return reduce_end(g, r, res, recv, count, dt, int_avg, "ncclReduceScatter", out);
+  return nc_reduce(g, send, recv, count, dt, op, 1, out);
 }
 
 static int nc_all_gather(struct mr_comm_group *gg, const void *send, void *recv,
@@ -549,12 +546,10 @@ static int nc_all_gather(struct mr_comm_group *gg, const void *send, void *recv,
         continue;
       if (counts[g->me] > 0)
         res = ncclSend(send, counts[g->me], t, i, g->nc, g->stream);
-      if (counts[i] > 0 && (res == ncclSuccess || res == ncclInProgress))
+      if (counts[i] > 0 && NCCL_OK(res))
         res = ncclRecv((char *)recv + here * es, counts[i], t, i, g->nc, g->stream);
     }
-    ncclResult_t end = ncclGroupEnd();
-    if (res == ncclSuccess || res == ncclInProgress)
-      res = end;
+    res = group_end(res);
   }
   return op_end(g, r, res, "ncclAllGather", out);
 }
@@ -596,12 +591,10 @@ static int nc_all_to_all(struct mr_comm_group *gg, const void *send, void *recv,
     if (i == g->me)
       continue;
     res = ncclSend((const char *)send + (size_t)i * block, count, t, i, g->nc, g->stream);
-    if (res == ncclSuccess || res == ncclInProgress)
+    if (NCCL_OK(res))
       res = ncclRecv((char *)recv + (size_t)i * block, count, t, i, g->nc, g->stream);
   }
-  ncclResult_t end = ncclGroupEnd();
-  if (res == ncclSuccess || res == ncclInProgress)
-    res = end;
+  res = group_end(res);
   return op_end(g, r, res, "ncclSend/ncclRecv (AllToAll)", out);
 }
 
@@ -679,8 +672,7 @@ static void group_release(struct nccl_group *g) {
   if (g->nc != NULL) {
     /* finalize flushes what was issued; a hang there aborts instead */
     ncclResult_t r = ncclCommFinalize(g->nc);
-    if ((r == ncclSuccess || r == ncclInProgress) &&
-        settle(g, "ncclCommFinalize", g->seq, -1) == 0)
+    if (NCCL_OK(r) && settle(g, "ncclCommFinalize", g->seq, -1) == 0)
       ncclCommDestroy(g->nc);
     else if (g->nc != NULL)
       ncclCommAbort(g->nc);
@@ -786,7 +778,7 @@ static int nc_group_new(struct mr_comm *cc, const char *name, const int *ranks, 
   cfg.blocking = 0;
   cfg.commName = g->desc;
   ncclResult_t r = ncclCommInitRankConfig(&g->nc, n, blob.id, g->me, &cfg);
-  if (r != ncclSuccess && r != ncclInProgress) {
+  if (!NCCL_OK(r)) {
     rc = nccl_failed(g, r, "ncclCommInitRankConfig");
     goto err;
   }

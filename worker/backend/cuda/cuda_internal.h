@@ -29,10 +29,9 @@ struct mr__cuda_block;
 struct mr__cuda_pool {
   pthread_mutex_t lock;
   int device;
-  struct mr__cuda_block **live;  // open-addressing table of blocks in use
-  size_t live_cap, live_n;
+  struct mr__cuda_block **live;  // blocks in use, hashed by address
   struct mr__cuda_block *cached; // free blocks kept for reuse
-  size_t bytes_live, bytes_cached, bytes_peak;
+  size_t bytes_live;             // in use, for the out-of-memory message
 };
 
 int mr__cuda_pool_init(struct mr__cuda_pool *p, int device);
@@ -43,8 +42,6 @@ int mr__cuda_pool_alloc(struct mr__cuda_pool *p, size_t bytes, void **out);
 /* Returns ptr to the cache; NULL is a no-op.  Work already queued on the
  * compute stream may still use it: stream order makes reuse safe there. */
 void mr__cuda_pool_free(struct mr__cuda_pool *p, void *ptr);
-/* Synchronizes the device and returns cached blocks to CUDA. */
-void mr__cuda_pool_trim(struct mr__cuda_pool *p);
 
 /* ---- streams, scratch, the kernel context ---- */
 

@@ -19,11 +19,7 @@
 #define STREAM(c) ((c)->cur->s)
 
 /* a kernel's launch result, naming the op */
-static int launched(cudaError_t e, const char *op) {
-  return mr__cuda_check(e, op);
-}
-
-#define LAUNCH(op, call) MR_TRY(launched((call), op))
+#define LAUNCH(op, call) MR_TRY(mr__cuda_check((call), op))
 
 static int enter(struct mr__cuda_ctx *c) { return mr__cuda_set_device(c->device); }
 

@@ -41,7 +41,6 @@ int mr__cuda_pool_init(struct mr__cuda_pool *p, int device) {
   p->live = calloc(LIVE_BUCKETS, sizeof *p->live);
   if (p->live == NULL)
     return mr_error_set(MR_ENOMEM, "cuda pool: out of host memory");
-  p->live_cap = LIVE_BUCKETS;
   pthread_mutex_init(&p->lock, NULL);
   return 0;
 }
@@ -51,17 +50,8 @@ static void release_cached(struct mr__cuda_pool *p) {
     struct mr__cuda_block *b = p->cached;
     p->cached = b->next;
     cudaFree(b->ptr);
-    p->bytes_cached -= b->size;
     free(b);
   }
-}
-
-void mr__cuda_pool_trim(struct mr__cuda_pool *p) {
-  pthread_mutex_lock(&p->lock);
-  cudaSetDevice(p->device);
-  cudaDeviceSynchronize();
-  release_cached(p);
-  pthread_mutex_unlock(&p->lock);
 }
 
 void mr__cuda_pool_close(struct mr__cuda_pool *p) {
@@ -69,7 +59,7 @@ void mr__cuda_pool_close(struct mr__cuda_pool *p) {
     return;
   cudaSetDevice(p->device);
   release_cached(p);
-  for (size_t i = 0; i < p->live_cap; i++)
+  for (size_t i = 0; i < LIVE_BUCKETS; i++)
     while (p->live[i] != NULL) {
       struct mr__cuda_block *b = p->live[i];
       p->live[i] = b->next;
@@ -97,7 +87,6 @@ static struct mr__cuda_block *take_cached(struct mr__cuda_pool *p, size_t size) 
     return NULL;
   struct mr__cuda_block *b = *best;
   *best = b->next;
-  p->bytes_cached -= b->size;
   return b;
 }
 
@@ -138,10 +127,7 @@ int mr__cuda_pool_alloc(struct mr__cuda_pool *p, size_t bytes, void **out) {
   size_t k = bucket_of(b->ptr);
   b->next = p->live[k];
   p->live[k] = b;
-  p->live_n++;
   p->bytes_live += b->size;
-  if (p->bytes_live > p->bytes_peak)
-    p->bytes_peak = p->bytes_live;
   *out = b->ptr;
   pthread_mutex_unlock(&p->lock);
   return 0;
@@ -156,11 +142,9 @@ void mr__cuda_pool_free(struct mr__cuda_pool *p, void *ptr) {
     if ((*bp)->ptr == ptr) {
       struct mr__cuda_block *b = *bp;
       *bp = b->next;
-      p->live_n--;
       p->bytes_live -= b->size;
       b->next = p->cached;
       p->cached = b;
-      p->bytes_cached += b->size;
       pthread_mutex_unlock(&p->lock);
       return;
     }

@@ -34,17 +34,12 @@ struct attn_dims {
  * a padded tile, rounded for amp and multiplied by mul; rows past T are 0. */
 __device__ __forceinline__ void load_tile(float *tile, int ld, const float *x,
                                           int64_t stride, int64_t col, int t0,
-                                          const attn_dims &a, int b, float mul,
-                                          int round) {
+                                          const attn_dims &a, int b, float mul) {
   for (int idx = threadIdx.x; idx < 32 * a.D; idx += ATT_THREADS) {
     int i = idx / a.D, d = idx % a.D, t = t0 + i;
     float v = 0.0f;
-    if (t < a.T) {
-      v = x[((int64_t)b * a.T + t) * stride + col + d];
-      if (round)
-        v = mr_round_amp(v, a.amp);
-      v *= mul;
-    }
+    if (t < a.T)
+      v = mr_round_amp(x[((int64_t)b * a.T + t) * stride + col + d], a.amp) * mul;
     tile[i * ld + d] = v;
   }
 }
@@ -61,7 +56,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
   int r = threadIdx.x >> 3, sub = threadIdx.x & 7;
   int q0 = qt * TQ, t = q0 + r;
   /* q is pre-scaled, as the CPU kernel scales each query row */
-  load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, a.scale, 1);
+  load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, a.scale);
   constexpr int NPT = DMAX / 8;
   float acc[NPT];
 #pragma unroll
@@ -71,8 +66,8 @@ __global__ void __launch_bounds__(ATT_THREADS)
   for (int kt = 0; kt <= qt; kt++) {
     int k0 = kt * TK;
     __syncthreads();
-    load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
-    load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
+    load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
+    load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
     __syncthreads();
     float s[4];
     float mx = -INFINITY;
@@ -82,7 +77,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
       float acc_s = 0.0f;
       for (int d = 0; d < a.D; d++)
         acc_s = fmaf(Qs[r * ld + d], Ks[c * ld + d], acc_s);
-      s[j] = (key <= t && key < a.T && t < a.T) ? acc_s : -INFINITY;
+      s[j] = (key <= t && t < a.T) ? acc_s : -INFINITY;
       mx = fmaxf(mx, s[j]);
     }
     for (int off = 1; off < 8; off <<= 1)
@@ -147,6 +142,23 @@ __global__ void attn_di_k(float *di, const float *dout, const float *o, attn_dim
     di[((int64_t)b * a.H + h) * a.T + t] = s;
 }
 
+/* The query side of a backward tile pair: rows [q0, q0 + 32) of head h of
+ * q and dout as load_tile loads them, and those rows' lse and Di (0 past T). */
+__device__ __forceinline__ void load_query_side(float *Qs, float *dOs, float *lse_s,
+                                                float *di_s, const float *q,
+                                                const float *dout, const float *lse,
+                                                const float *di, int ld, int q0,
+                                                const attn_dims &a, int b, int h) {
+  load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
+  load_tile(dOs, ld, dout, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f);
+  if (threadIdx.x < TQ) {
+    int t = q0 + threadIdx.x;
+    int64_t at = ((int64_t)b * a.H + h) * a.T + t;
+    lse_s[threadIdx.x] = t < a.T ? lse[at] : 0.0f;
+    di_s[threadIdx.x] = t < a.T ? di[at] : 0.0f;
+  }
+}
+
 /* P and the scaled score gradient dS for rows [q0, q0+32) x keys [k0,
  * k0+32): thread (r, sub) fills columns sub + 8j of row r. */
 __device__ __forceinline__ void attn_p_ds(float *Ps, float *dSs, const float *Qs,
@@ -159,7 +171,7 @@ __device__ __forceinline__ void attn_p_ds(float *Ps, float *dSs, const float *Qs
   for (int j = 0; j < 4; j++) {
     int c = sub + 8 * j, key = k0 + c;
     float p = 0.0f, ds = 0.0f;
-    if (key <= t && key < a.T && t < a.T) {
+    if (key <= t && t < a.T) {
       float sc = 0.0f, dp = 0.0f;
       for (int d = 0; d < a.D; d++) {
         sc = fmaf(Qs[r * ld + d], Ks[c * ld + d], sc);
@@ -188,8 +200,8 @@ __global__ void __launch_bounds__(ATT_THREADS)
   int b = bk / a.KH, kvh = bk % a.KH;
   int c = threadIdx.x >> 3, sub = threadIdx.x & 7;
   int k0 = kt * TK;
-  load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
-  load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
+  load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
+  load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
   constexpr int NPT = DMAX / 8;
   float dK[NPT], dV[NPT];
 #pragma unroll
@@ -199,14 +211,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
     for (int qt = kt; qt < a.ntiles; qt++) {
       int q0 = qt * TQ;
       __syncthreads();
-      load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f, 1);
-      load_tile(dOs, ld, dout, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f, 1);
-      if (threadIdx.x < TQ) {
-        int t = q0 + threadIdx.x;
-        int64_t at = ((int64_t)b * a.H + h) * a.T + t;
-        lse_s[threadIdx.x] = t < a.T ? lse[at] : 0.0f;
-        di_s[threadIdx.x] = t < a.T ? di[at] : 0.0f;
-      }
+      load_query_side(Qs, dOs, lse_s, di_s, q, dout, lse, di, ld, q0, a, b, h);
       __syncthreads();
       attn_p_ds(Ps, dSs, Qs, dOs, Ks, Vs, lse_s, di_s, ld, q0, k0, a, 1);
       __syncthreads();
@@ -251,14 +256,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
   int b = bh / a.H, h = bh % a.H, kvh = h / a.rep;
   int r = threadIdx.x >> 3, sub = threadIdx.x & 7;
   int q0 = qt * TQ, t = q0 + r;
-  load_tile(Qs, ld, q, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f, 1);
-  load_tile(dOs, ld, dout, a.qs, (int64_t)h * a.D, q0, a, b, 1.0f, 1);
-  if (threadIdx.x < TQ) {
-    int tt = q0 + threadIdx.x;
-    int64_t at = ((int64_t)b * a.H + h) * a.T + tt;
-    lse_s[threadIdx.x] = tt < a.T ? lse[at] : 0.0f;
-    di_s[threadIdx.x] = tt < a.T ? di[at] : 0.0f;
-  }
+  load_query_side(Qs, dOs, lse_s, di_s, q, dout, lse, di, ld, q0, a, b, h);
   constexpr int NPT = DMAX / 8;
   float dQ[NPT];
 #pragma unroll
@@ -267,8 +265,8 @@ __global__ void __launch_bounds__(ATT_THREADS)
   for (int kt = 0; kt <= qt; kt++) {
     int k0 = kt * TK;
     __syncthreads();
-    load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
-    load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f, 1);
+    load_tile(Ks, ld, k, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
+    load_tile(Vs, ld, v, a.ks, (int64_t)kvh * a.D, k0, a, b, 1.0f);
     __syncthreads();
     attn_p_ds(nullptr, dSs, Qs, dOs, Ks, Vs, lse_s, di_s, ld, q0, k0, a, 0);
     __syncthreads();

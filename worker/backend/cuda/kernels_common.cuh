@@ -45,8 +45,9 @@ __device__ __forceinline__ void mr_report(struct mr__cuda_status *st, int code,
 }
 
 /* Sum over the block in a fixed tree (the same for the same blockDim);
- * every thread gets the result.  smem: 32 floats. */
-__device__ __forceinline__ float mr_block_sum(float v, float *smem) {
+ * every thread gets the result.  smem: 32 elements. */
+template <typename T>
+__device__ __forceinline__ T mr_block_sum(T v, T *smem) {
   for (int o = 16; o > 0; o >>= 1)
     v += __shfl_xor_sync(0xffffffffu, v, o);
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -55,7 +56,7 @@ __device__ __forceinline__ float mr_block_sum(float v, float *smem) {
   if (lane == 0)
     smem[warp] = v;
   __syncthreads();
-  float t = lane < nw ? smem[lane] : 0.0f;
+  T t = lane < nw ? smem[lane] : T(0);
   for (int o = 16; o > 0; o >>= 1)
     t += __shfl_xor_sync(0xffffffffu, t, o);
   return t;
@@ -73,21 +74,6 @@ __device__ __forceinline__ float mr_block_max(float v, float *smem) {
   float t = lane < nw ? smem[lane] : -INFINITY;
   for (int o = 16; o > 0; o >>= 1)
     t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
-  return t;
-}
-
-__device__ __forceinline__ double mr_block_sum_d(double v, double *smem) {
-  for (int o = 16; o > 0; o >>= 1)
-    v += __shfl_xor_sync(0xffffffffu, v, o);
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int nw = (blockDim.x + 31) >> 5;
-  __syncthreads();
-  if (lane == 0)
-    smem[warp] = v;
-  __syncthreads();
-  double t = lane < nw ? smem[lane] : 0.0;
-  for (int o = 16; o > 0; o >>= 1)
-    t += __shfl_xor_sync(0xffffffffu, t, o);
   return t;
 }
 

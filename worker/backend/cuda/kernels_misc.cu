@@ -54,8 +54,8 @@ __global__ void xent_mean_k(float *loss, const float *rows, const int32_t *t,
     s += (double)rows[i];
     valid += t[i] >= 0 ? 1.0 : 0.0;
   }
-  s = mr_block_sum_d(s, red);
-  valid = mr_block_sum_d(valid, red);
+  s = mr_block_sum(s, red);
+  valid = mr_block_sum(valid, red);
   if (threadIdx.x == 0) {
     double denom = denom_attr > 0 ? denom_attr : valid;
     loss[0] = denom > 0 ? (float)(s / denom) : 0.0f;
@@ -68,7 +68,7 @@ __global__ void xent_scale_k(float *scale, const float *dloss, const int32_t *t,
   double valid = 0.0;
   for (int64_t i = threadIdx.x; i < N; i += blockDim.x)
     valid += t[i] >= 0 ? 1.0 : 0.0;
-  valid = mr_block_sum_d(valid, red);
+  valid = mr_block_sum(valid, red);
   if (threadIdx.x == 0) {
     double denom = denom_attr > 0 ? denom_attr : valid;
     scale[0] = denom > 0 ? (float)((double)dloss[0] / denom) : 0.0f;
