@@ -88,8 +88,8 @@ __global__ void xv_finish_k(float *loss, float *lse, const float *s, const float
       valid += 1.0;
     }
   }
-  sum = mr_block_sum_d(sum, red);
-  valid = mr_block_sum_d(valid, red);
+  sum = mr_block_sum(sum, red);
+  valid = mr_block_sum(valid, red);
   if (threadIdx.x == 0) {
     double denom = rows > 0 ? rows : valid;
     loss[0] = denom > 0 ? (float)(sum / denom) : 0.0f;
