@@ -121,10 +121,7 @@ int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
   float *acc = (float *)(rt->acc + pp->acc_offset);
   struct mr_backend *be = rt->be;
   struct mr_comm_req *req;
-  int e = -1;
-  for (int k = 0; k < L->dg.n_edges; k++)
-    if (L->dg.edges[k].kind == MR_EDGE_GRAD_SYNC && L->dg.edges[k].tensor == gt)
-      e = k;
+  int e = in->edge; /* the gradient's synchronisation, or -1 */
   const struct mr_reshard_plan *plan = e >= 0 ? &L->dg.edges[e].plan : NULL;
   if (pp->off_data) { /* to the parameter's shard first (slices, sums off data) */
     struct mr_reshard_plan off = *plan;

@@ -139,7 +139,7 @@ void mr__lower_events_of(struct build *b, struct mr_ins *in, int64_t *staging) {
     break;
   case MR_INS_GRAD: {
     struct mr_param_plan *pp = &p->params[p->param_of[in->tensor]];
-    int e = mr__lower_sync_edge(L, in->tensor);
+    int e = in->edge;
     snprintf(what, sizeof what, "gradient of %.80s", g->tensors[in->tensor].name);
     /* off the data dim (a slice to the parameter's shard, a sum over
      * sequence-parallel ranks): every micro-batch, before accumulating */

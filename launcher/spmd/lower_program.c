@@ -460,6 +460,7 @@ static int build_pass(struct build *b, int c, int dir) {
         struct mr_ins in = ins(MR_INS_GRAD);
         in.pass = pi;
         in.tensor = g->tensors[t].grad_of;
+        in.edge = mr__lower_sync_edge(L, in.tensor); /* its synchronisation, or -1 */
         emit_tmpl(b, in);
         any_grad = 1;
       }
