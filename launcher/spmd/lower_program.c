@@ -13,8 +13,6 @@
 #define ALIGN 64
 #define ALIGNED(b) (((b) + ALIGN - 1) / ALIGN * ALIGN)
 
-
-
 static int64_t esize(const struct mr_graph *lg, int t) {
   return (int64_t)mr_dtype_size(lg->tensors[t].dtype);
 }
@@ -39,8 +37,9 @@ static struct mr_ins *push_ins(struct build *b, struct mr_ins **arr, int *n, int
   return &(*arr)[(*n)++];
 }
 
-static struct mr_ins ins(enum mr_ins_kind k) {
-  return (struct mr_ins){.kind = k, .pass = -1, .op = -1, .edge = -1, .tensor = -1,
+/* An instruction of pass `pass` (-1: of the step), every operand unset. */
+static struct mr_ins ins(enum mr_ins_kind k, int pass) {
+  return (struct mr_ins){.kind = k, .pass = pass, .op = -1, .edge = -1, .tensor = -1,
                          .peer = -1, .ev = -1};
 }
 
@@ -376,6 +375,14 @@ static void emit_tmpl(struct build *b, struct mr_ins in) {
   push_ins(b, &b->p->tmpl, &b->p->n_tmpl, &b->cap_tmpl, in);
 }
 
+/* Reshard edge e into its local tensor, in pass pi. */
+static void emit_reshard(struct build *b, int pi, int e) {
+  struct mr_ins in = ins(MR_INS_RESHARD, pi);
+  in.edge = e;
+  in.tensor = b->g->n_tensors + e;
+  emit_tmpl(b, in);
+}
+
 static int build_pass(struct build *b, int c, int dir) {
   struct mr_rank_program *p = b->p;
   const struct mr_lowered *L = b->L;
@@ -394,21 +401,17 @@ static int build_pass(struct build *b, int c, int dir) {
   }
   int n = receives(b, c, dir, list);
   for (int i = 0; i < n; i++) {
-    struct mr_ins in = ins(MR_INS_RECV);
-    in.pass = pi;
+    struct mr_ins in = ins(MR_INS_RECV, pi);
     in.tensor = list[i];
     in.peer = chunk_rank(b, b->prod_chunk[list[i]]);
     emit_tmpl(b, in);
   }
   if (!dir && (reads_input(b, c, L->model.input_ids) || reads_input(b, c, L->model.labels) ||
                (L->model.position_ids >= 0 && reads_input(b, c, L->model.position_ids)))) {
-    struct mr_ins in = ins(MR_INS_LOAD);
-    in.pass = pi;
-    emit_tmpl(b, in);
+    emit_tmpl(b, ins(MR_INS_LOAD, pi));
   }
   if (dir && reads_input(b, c, L->seed)) {
-    struct mr_ins in = ins(MR_INS_SEED);
-    in.pass = pi;
+    struct mr_ins in = ins(MR_INS_SEED, pi);
     in.tensor = L->seed;
     emit_tmpl(b, in);
   }
@@ -421,44 +424,30 @@ static int build_pass(struct build *b, int c, int dir) {
         int t = g->ops[k].in[i];
         if (t >= 0 && p->param_of[t] >= 0 && !gathered[t]) {
           gathered[t] = 1;
-          struct mr_ins in = ins(MR_INS_GATHER);
-          in.pass = pi;
+          struct mr_ins in = ins(MR_INS_GATHER, pi);
           in.tensor = t;
           emit_tmpl(b, in);
         }
       }
     }
     for (int e = 0; e < L->dg.n_edges; e++)
-      if (L->edge_at[e] == k) {
-        struct mr_ins in = ins(MR_INS_RESHARD);
-        in.pass = pi;
-        in.edge = e;
-        in.tensor = g->n_tensors + e;
-        emit_tmpl(b, in);
-      }
-    struct mr_ins kin = ins(MR_INS_KERNEL);
-    kin.pass = pi;
+      if (L->edge_at[e] == k)
+        emit_reshard(b, pi, e);
+    struct mr_ins kin = ins(MR_INS_KERNEL, pi);
     kin.op = k;
     emit_tmpl(b, kin);
     for (int j = 0; j < g->ops[k].n_out; j++) {
       int t = g->ops[k].out[j];
       if (t == g->loss) {
-        if (le >= 0) {
-          struct mr_ins in = ins(MR_INS_RESHARD);
-          in.pass = pi;
-          in.edge = le;
-          in.tensor = g->n_tensors + le;
-          emit_tmpl(b, in);
-        }
-        struct mr_ins in = ins(MR_INS_LOSS);
-        in.pass = pi;
+        if (le >= 0)
+          emit_reshard(b, pi, le);
+        struct mr_ins in = ins(MR_INS_LOSS, pi);
         in.tensor = le >= 0 ? g->n_tensors + le : t;
         emit_tmpl(b, in);
       }
       if (g->tensors[t].role == MR_ROLE_GRAD && g->tensors[t].grad_of >= 0 &&
           p->param_of[g->tensors[t].grad_of] >= 0) {
-        struct mr_ins in = ins(MR_INS_GRAD);
-        in.pass = pi;
+        struct mr_ins in = ins(MR_INS_GRAD, pi);
         in.tensor = g->tensors[t].grad_of;
         in.edge = mr__lower_sync_edge(L, in.tensor); /* its synchronisation, or -1 */
         emit_tmpl(b, in);
@@ -466,16 +455,12 @@ static int build_pass(struct build *b, int c, int dir) {
       }
     }
   }
-  if (any_grad && L->lay.zero >= 2) {
-    struct mr_ins in = ins(MR_INS_GRAD_WAIT);
-    in.pass = pi;
-    emit_tmpl(b, in);
-  }
+  if (any_grad && L->lay.zero >= 2)
+    emit_tmpl(b, ins(MR_INS_GRAD_WAIT, pi));
   int *dest = list + L->n_local;
   n = sends(b, c, dir, list, dest);
   for (int i = 0; i < n; i++) {
-    struct mr_ins in = ins(MR_INS_SEND);
-    in.pass = pi;
+    struct mr_ins in = ins(MR_INS_SEND, pi);
     in.tensor = list[i];
     in.peer = chunk_rank(b, dest[i]);
     emit_tmpl(b, in);
@@ -485,6 +470,7 @@ static int build_pass(struct build *b, int c, int dir) {
   ps->n = p->n_tmpl - ps->first;
   return b->rc;
 }
+
 /* ---- schedule ---- */
 
 /* This rank's training schedule as (pass template, micro-batch) pairs;
@@ -519,7 +505,7 @@ static void expand(struct build *b, int pass, int micro) {
 }
 
 static void emit_step(struct build *b, enum mr_ins_kind k) {
-  struct mr_ins *x = push_ins(b, &b->p->step, &b->p->n_step, &b->cap_step, ins(k));
+  struct mr_ins *x = push_ins(b, &b->p->step, &b->p->n_step, &b->cap_step, ins(k, -1));
   if (x)
     mr__lower_events_of(b, x, &b->p->scratch_bytes);
 }
