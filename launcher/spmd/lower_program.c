@@ -514,6 +514,7 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
   memset(p, 0, sizeof *p);
   struct build b = {.p = p, .L = L, .g = &L->model.graph};
   const struct mr_layout *lay = &L->lay;
+  int *sp = NULL, *sm = NULL, *fly = NULL; /* the schedule: pass, micro-batch */
   int rc;
   p->L = L;
   p->rank = rank;
@@ -522,72 +523,56 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
     p->coord[L->data_dim] = p->data;
   if (L->model_dim >= 0)
     p->coord[L->model_dim] = p->model;
-  MR_TRY_GOTO(rc, make_groups(p), err);
-  MR_TRY_GOTO(rc, local_graph(&b), err);
+  MR_TRY_GOTO(rc, make_groups(p), out);
+  MR_TRY_GOTO(rc, local_graph(&b), out);
   rc = MR_ENOMEM;
   b.my_chunk = calloc((size_t)L->n_chunks, sizeof *b.my_chunk);
   p->passes = calloc((size_t)(2 * L->n_chunks), sizeof *p->passes);
   if (!b.my_chunk || !p->passes)
-    goto err;
+    goto out;
   for (int c = 0; c < L->n_chunks; c++)
     b.my_chunk[c] = c % lay->pp == p->pipe;
-  MR_TRY_GOTO(rc, plan_params(&b), err);
+  MR_TRY_GOTO(rc, plan_params(&b), out);
   for (int i = 0; i < p->n_params; i++) {
     struct mr_param_plan *pp = &p->params[i];
     int e = mr__lower_sync_edge(L, pp->tensor);
     for (int s = 0; e >= 0 && s < L->dg.edges[e].plan.n_steps; s++)
       pp->off_data |= L->dg.edges[e].plan.steps[s].mesh_dim != L->data_dim;
   }
-  MR_TRY_GOTO(rc, producers(&b), err);
+  MR_TRY_GOTO(rc, producers(&b), out);
   int fpass[64], bpass[64];
   if (lay->vp > 64) {
     rc = mr_error_set(MR_ENOTSUP, "lowering: more than 64 virtual stages");
-    goto err;
+    goto out;
   }
   for (int j = 0; j < lay->vp; j++) {
     int c = j * lay->pp + p->pipe;
     fpass[j] = p->n_passes;
-    MR_TRY_GOTO(rc, build_pass(&b, c, 0), err);
+    MR_TRY_GOTO(rc, build_pass(&b, c, 0), out);
     bpass[j] = p->n_passes;
-    MR_TRY_GOTO(rc, build_pass(&b, c, 1), err);
+    MR_TRY_GOTO(rc, build_pass(&b, c, 1), out);
   }
   /* stash slots: micro-batches in flight per chunk under the schedule */
   int cap = 2 * lay->n_micro * lay->vp + 4;
-  int *sp = malloc((size_t)cap * sizeof *sp), *sm = malloc((size_t)cap * sizeof *sm);
-  int *fly = calloc((size_t)L->n_chunks, sizeof *fly);
+  sp = malloc((size_t)cap * sizeof *sp);
+  sm = malloc((size_t)cap * sizeof *sm);
+  fly = calloc((size_t)L->n_chunks, sizeof *fly);
   p->stash_slots = calloc((size_t)L->n_chunks, sizeof *p->stash_slots);
   if (!sp || !sm || !fly || !p->stash_slots) {
-    free(sp);
-    free(sm);
-    free(fly);
     rc = MR_ENOMEM;
-    goto err;
+    goto out;
   }
   int ns = schedule(&b, fpass, bpass, sp, sm);
-  if (ns < 0) {
-    free(sp);
-    free(sm);
-    free(fly);
-    rc = ns;
-    goto err;
-  }
+  MR_TRY_GOTO(rc, ns, out);
   for (int i = 0; i < ns; i++) {
     int c = p->passes[sp[i]].chunk;
     fly[c] += p->passes[sp[i]].backward ? -1 : 1;
     if (fly[c] > p->stash_slots[c])
       p->stash_slots[c] = fly[c];
   }
-  free(fly);
-  rc = mr__lower_plan_buffers(&b);
-  if (rc < 0) {
-    free(sp);
-    free(sm);
-    goto err;
-  }
+  MR_TRY_GOTO(rc, mr__lower_plan_buffers(&b), out);
   for (int i = 0; i < ns && b.rc == 0; i++)
     expand(&b, sp[i], sm[i]);
-  free(sp);
-  free(sm);
   emit_step(&b, MR_INS_SYNC_WAIT);
   emit_step(&b, MR_INS_OPTIMIZER);
   int tied = 0;
@@ -602,7 +587,7 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
   p->eval_micro = malloc((size_t)(lay->n_micro * lay->vp) * sizeof *p->eval_micro);
   if (!p->eval_passes || !p->eval_micro) {
     rc = MR_ENOMEM;
-    goto err;
+    goto out;
   }
   for (int m = 0; m < lay->n_micro; m++)
     for (int j = 0; j < lay->vp; j++) {
@@ -637,22 +622,19 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
       if (ALIGNED(p->params[i].block * 4) > p->zero_tmp_bytes)
         p->zero_tmp_bytes = ALIGNED(p->params[i].block * 4);
   }
-  if (b.rc < 0) {
-    rc = b.rc;
-    goto err;
-  }
-  for (int i = 0; i < p->n_step; i++) /* events name their instruction */
+  rc = b.rc;
+  for (int i = 0; i < p->n_step && rc == 0; i++) /* events name their instruction */
     for (int e = p->step[i].ev; e >= 0 && e < p->step[i].ev + p->step[i].n_ev; e++)
       p->ev[e].id = i;
+out:
+  free(sp);
+  free(sm);
+  free(fly);
   free(b.prod_chunk);
   free(b.prod_dir);
   free(b.my_chunk);
-  return 0;
-err:
-  free(b.prod_chunk);
-  free(b.prod_dir);
-  free(b.my_chunk);
-  mr_rank_program_close(p);
+  if (rc < 0)
+    mr_rank_program_close(p);
   return rc;
 }
 
