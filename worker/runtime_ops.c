@@ -97,15 +97,21 @@ int mr__rt_kernel(struct mr_runtime *rt, const struct mr_ins *in, const struct m
   return rc;
 }
 
-int mr__rt_reshard(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_pass *ps) {
-  const struct mr_reshard_edge *e = &rt->L->dg.edges[in->edge];
+/* Runs plan (edge e's, or part of it) on e's tensor from src to dst; the
+ * time it waits counts as communication wait. */
+static int run_edge(struct mr_runtime *rt, const struct mr_reshard_edge *e,
+                    const struct mr_reshard_plan *plan, const void *src, void *dst) {
   const struct mr_tensor *t = &rt->L->model.graph.tensors[e->tensor];
-  const void *src = mr__rt_buf(rt, e->tensor, ps, in->slot);
-  void *dst = mr__rt_buf(rt, in->tensor, ps, in->slot);
   rt->rs.wait_s = 0;
-  int rc = mr_reshard_run(&rt->rs, &e->plan, &e->src, t->ndim, t->shape, t->dtype, src, dst);
+  int rc = mr_reshard_run(&rt->rs, plan, &e->src, t->ndim, t->shape, t->dtype, src, dst);
   rt->comm_wait_s += rt->rs.wait_s;
   return rc;
+}
+
+int mr__rt_reshard(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_pass *ps) {
+  const struct mr_reshard_edge *e = &rt->L->dg.edges[in->edge];
+  return run_edge(rt, e, &e->plan, mr__rt_buf(rt, e->tensor, ps, in->slot),
+                  mr__rt_buf(rt, in->tensor, ps, in->slot));
 }
 
 /* This micro-batch's gradient of a parameter is final: accumulate it (the
@@ -121,19 +127,16 @@ int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
   float *acc = (float *)(rt->acc + pp->acc_offset);
   struct mr_backend *be = rt->be;
   struct mr_comm_req *req;
-  int e = in->edge; /* the gradient's synchronisation, or -1 */
-  const struct mr_reshard_plan *plan = e >= 0 ? &L->dg.edges[e].plan : NULL;
+  /* the gradient's synchronisation, if any */
+  const struct mr_reshard_edge *sync = in->edge >= 0 ? &L->dg.edges[in->edge] : NULL;
+  const struct mr_reshard_plan *plan = sync != NULL ? &sync->plan : NULL;
   if (pp->off_data) { /* to the parameter's shard first (slices, sums off data) */
     struct mr_reshard_plan off = *plan;
     off.n_steps = 0;
     for (int s = 0; s < plan->n_steps; s++)
       if (plan->steps[s].mesh_dim != L->data_dim)
         off.steps[off.n_steps++] = plan->steps[s];
-    const struct mr_tensor *t = &L->model.graph.tensors[gt];
-    rt->rs.wait_s = 0;
-    MR_TRY(mr_reshard_run(&rt->rs, &off, &L->dg.edges[e].src, t->ndim, t->shape, t->dtype, gr,
-                          rt->gstage));
-    rt->comm_wait_s += rt->rs.wait_s;
+    MR_TRY(run_edge(rt, sync, &off, gr, rt->gstage));
     gr = (float *)rt->gstage;
   }
   if (lay->zero >= 2) {
