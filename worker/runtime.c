@@ -165,6 +165,7 @@ void mr_runtime_free(struct mr_runtime *rt) {
   free_region(rt, rt->send);
   free_region(rt, rt->zero_tmp);
   free_region(rt, rt->gstage);
+  free_region(rt, (char *)rt->scalar);
   for (int i = 0; i < 3; i++)
     free_region(rt, rt->rs.scratch[i]);
   for (int c = 0; rt->stash && c < rt->L->n_chunks; c++)
@@ -232,6 +233,7 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
   MR_TRY_GOTO(rc, mr__rt_alloc(rt, p->send_bytes, &rt->send), fail);
   MR_TRY_GOTO(rc, mr__rt_alloc(rt, p->zero_tmp_bytes, &rt->zero_tmp), fail);
   MR_TRY_GOTO(rc, mr__rt_alloc(rt, p->grad_stage_bytes, &rt->gstage), fail);
+  MR_TRY_GOTO(rc, mr__rt_alloc(rt, 64, (char **)&rt->scalar), fail);
   for (int i = 0; i < 3; i++) {
     char *s;
     MR_TRY_GOTO(rc, mr__rt_alloc(rt, p->scratch_bytes, &s), fail);

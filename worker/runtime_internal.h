@@ -27,6 +27,8 @@ struct mr_runtime {
   struct mr_reshard_ctx rs;
   char *param, *acc, *optim, *arena, *send, *zero_tmp, *gstage;
   char **stash;                 // [n_chunks]
+  float *scalar;                // one float on the device: the small
+                                // all-reduces and the loss broadcast
   int64_t *zero_tmp_off;        // [n_params] ZeRO-2/3 landing block
   int64_t allocated;             // device memory held now, and at most
   int64_t peak_allocated;

@@ -243,8 +243,7 @@ int mr__rt_gather(struct mr_runtime *rt, const struct mr_ins *in, const struct m
 /* Sum of one float over the model, data and pipe groups. */
 int mr__rt_allreduce_all(struct mr_runtime *rt, float *v, enum mr_red_op op) {
   struct mr_comm_group *gs[3] = {rt->model_g, rt->data_g, rt->pipe_g};
-  float *dev;
-  MR_TRY(mr__rt_alloc(rt, 64, (char **)&dev));
+  float *dev = rt->scalar;
   int rc = rt->be->ops->copy(rt->be, NULL, dev, v, sizeof *v, MR_COPY_HOST_TO_DEVICE);
   for (int i = 0; i < 3 && rc == 0; i++) {
     if (gs[i] == NULL)
@@ -256,8 +255,6 @@ int mr__rt_allreduce_all(struct mr_runtime *rt, float *v, enum mr_red_op op) {
   }
   if (rc == 0)
     rc = rt->be->ops->copy(rt->be, NULL, v, dev, sizeof *v, MR_COPY_DEVICE_TO_HOST);
-  rt->be->ops->free(rt->be, dev);
-  rt->allocated -= 64;
   return rc;
 }
 
@@ -370,8 +367,7 @@ int mr__rt_param_sync(struct mr_runtime *rt) {
 int mr__rt_share_loss(struct mr_runtime *rt, float *loss) {
   if (rt->pipe_g == NULL)
     return 0;
-  float *dev;
-  MR_TRY(mr__rt_alloc(rt, 64, (char **)&dev));
+  float *dev = rt->scalar;
   int rc = rt->be->ops->copy(rt->be, NULL, dev, loss, sizeof *loss, MR_COPY_HOST_TO_DEVICE);
   struct mr_comm_req *req;
   if (rc == 0)
@@ -380,8 +376,6 @@ int mr__rt_share_loss(struct mr_runtime *rt, float *loss) {
     rc = mr__rt_wait_req(rt, req);
   if (rc == 0)
     rc = rt->be->ops->copy(rt->be, NULL, loss, dev, sizeof *loss, MR_COPY_DEVICE_TO_HOST);
-  rt->be->ops->free(rt->be, dev);
-  rt->allocated -= 64;
   return rc;
 }
 
