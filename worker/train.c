@@ -209,8 +209,8 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
     seed[0] = (float)t->scaler.scale;
     MR_TRY(mr_exec_run(&t->exec, 0, g->n_forward_ops));
     loss_sum += ((float *)mr_exec_buf(&t->exec, t->model.loss))[0];
+    MR_TRY(mr_exec_run(&t->exec, g->n_forward_ops, g->n_ops));
     if (!last) { /* accumulate locally: no communication before the last */
-      MR_TRY(mr_exec_run(&t->exec, g->n_forward_ops, g->n_ops));
       for (int i = 0; i < t->n_params; i++) {
         const struct mr_tensor *p = &g->tensors[t->params[i]];
         const float *gr = mr_exec_buf(&t->exec, p->grad);
@@ -223,7 +223,6 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
             acc[e] += gr[e];
       }
     } else {
-      MR_TRY(mr_exec_run(&t->exec, g->n_forward_ops, g->n_ops));
       for (int i = 0; i < t->n_params; i++)
         finish_accumulation(t, i);
     }
