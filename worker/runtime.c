@@ -5,19 +5,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
-#include <cjson/cJSON.h>
 
 #include "common/error.h"
-#include "common/log.h"
 #include "common/ops.h"
-#include "common/rng.h"
-#include "common/safetensors.h"
 #include "common/tunable.h"
 #include "worker/backend/cpu/pool.h"
 #include "worker/runtime_internal.h"
-#include "worker/weights.h"
 
 double mr__rt_now(void) {
   struct timespec ts;
