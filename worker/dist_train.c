@@ -1,11 +1,8 @@
 /* dist_train.c - one rank's training loop on the runtime. */
 #include "worker/dist_train.h"
 
-#include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <unistd.h>
 
 #include "common/error.h"
@@ -13,7 +10,6 @@
 #include "common/tunable.h"
 #include "launcher/spmd/lower.h"
 #include "worker/checkpoint.h"
-#include "worker/exec_extra.h"
 #include "worker/runtime.h"
 #include "worker/train.h"
 
