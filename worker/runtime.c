@@ -22,10 +22,11 @@ double mr__rt_now(void) {
 /* ---- memory ---- */
 
 int mr__rt_alloc(struct mr_runtime *rt, int64_t bytes, char **out) {
+  size_t n = (size_t)(bytes > 0 ? bytes : 64);
   void *p;
-  MR_TRY(rt->be->ops->alloc(rt->be, (size_t)(bytes > 0 ? bytes : 64), &p));
-  MR_TRY(rt->be->ops->memset(rt->be, NULL, p, 0, (size_t)(bytes > 0 ? bytes : 64)));
-  rt->allocated += bytes > 0 ? bytes : 64;
+  MR_TRY(rt->be->ops->alloc(rt->be, n, &p));
+  MR_TRY(rt->be->ops->memset(rt->be, NULL, p, 0, n));
+  rt->allocated += (int64_t)n;
   if (rt->allocated > rt->peak_allocated)
     rt->peak_allocated = rt->allocated;
   *out = p;
