@@ -289,8 +289,6 @@ void mr_runtime_set_reporter(struct mr_runtime *rt, const struct mr_reporter *re
 
 const struct mr_rank_program *mr_runtime_program(const struct mr_runtime *rt) { return &rt->p; }
 
-int64_t mr_runtime_allocated_bytes(const struct mr_runtime *rt) { return rt->peak_allocated; }
-
 struct mr_loss_scaler *mr_runtime_scaler(struct mr_runtime *rt) { return &rt->scaler; }
 
 /* Runs one instruction; idx is its number in the step (progress). */
