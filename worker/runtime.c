@@ -27,8 +27,6 @@ int mr__rt_alloc(struct mr_runtime *rt, int64_t bytes, char **out) {
   MR_TRY(rt->be->ops->alloc(rt->be, n, &p));
   MR_TRY(rt->be->ops->memset(rt->be, NULL, p, 0, n));
   rt->allocated += (int64_t)n;
-  if (rt->allocated > rt->peak_allocated)
-    rt->peak_allocated = rt->allocated;
   *out = p;
   return 0;
 }
@@ -373,7 +371,7 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
   r->comm_wait_s = rt->comm_wait_s;
   r->tokens_per_s = (double)(rt->job->train.global_batch * rt->job->train.seq_len) /
                     r->step_time_s;
-  r->peak_memory_bytes = (uint64_t)rt->peak_allocated; /* measured by the allocator */
+  r->peak_memory_bytes = (uint64_t)rt->allocated; /* measured by the allocator */
   return 0;
 }
 
