@@ -22,9 +22,8 @@ struct fx {
   int layers;
 };
 
-static void build_form(struct fx *f, int heads, int kv, int64_t batch,
-                       int64_t seq, int tie, int64_t vocab,
-                       enum mr_loss_form form) {
+/* The tiny LLaMA: 2 layers of width 32. */
+static struct mr_model_config tiny_llama(int heads, int kv, int tie, int64_t vocab) {
   struct mr_model_config c;
   memset(&c, 0, sizeof c);
   c.family = MR_MODEL_LLAMA;
@@ -39,6 +38,13 @@ static void build_form(struct fx *f, int heads, int kv, int64_t batch,
   c.rope_theta = 10000;
   c.initializer_range = 0.2;
   c.tie_word_embeddings = tie;
+  return c;
+}
+
+static void build_form(struct fx *f, int heads, int kv, int64_t batch,
+                       int64_t seq, int tie, int64_t vocab,
+                       enum mr_loss_form form) {
+  struct mr_model_config c = tiny_llama(heads, kv, tie, vocab);
   f->layers = 2;
   ck_assert_int_eq(mr_model_build_loss(&c, batch, seq, form, &f->mo), 0);
   ck_assert_int_eq(mr_autodiff(&f->mo.graph, f->mo.loss, &f->seed), 0);
@@ -156,17 +162,32 @@ static void check_simulated(const struct fx *f, const struct mr_dist_graph *dg) 
   check_against(f, dg, NULL);
 }
 
+/* Completion options on mesh m: the data dim named "data", sequence
+ * parallelism (sp) over "model". */
+static struct mr_completion_opts opts(const struct mr_mesh *m, int sp,
+                                      struct mr_shard_rule *rules, int n_rules) {
+  struct mr_completion_opts o;
+  memset(&o, 0, sizeof o);
+  o.rules = rules;
+  o.n_rules = n_rules;
+  o.data_dim = mr_mesh_dim(m, "data");
+  o.seq_dim = sp ? mr_mesh_dim(m, "model") : -1;
+  return o;
+}
+
+/* Nothing moves on mesh dim md inside the step but slices. */
+static void check_nothing_moves_on(const struct mr_dist_graph *dg, int md) {
+  for (int k = 0; k < MR_RS_KIND_COUNT; k++)
+    if (k != MR_RS_SLICE && k != MR_RS_ZERO_NONROOT)
+      ck_assert_int_eq(mr_dist_graph_count(dg, MR_EDGE_OPERAND, k, md, -1), 0);
+}
+
 static void complete(const struct fx *f, const char *mesh, int sp,
                      struct mr_shard_rule *rules, int n_rules,
                      struct mr_dist_graph *dg) {
   struct mr_mesh m;
   ck_assert_int_eq(mr_mesh_parse(mesh, &m), 0);
-  struct mr_completion_opts o;
-  memset(&o, 0, sizeof o);
-  o.rules = rules;
-  o.n_rules = n_rules;
-  o.data_dim = mr_mesh_dim(&m, "data");
-  o.seq_dim = sp ? mr_mesh_dim(&m, "model") : -1;
+  struct mr_completion_opts o = opts(&m, sp, rules, n_rules);
   ck_assert_msg(mr_spmd_complete(&f->mo.graph, &m, &o, dg) == 0, "%s",
                 mr_error_message());
 }
@@ -186,9 +207,7 @@ START_TEST(test_llama_dp2_tp2_megatron) {
     ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, other[i], md, -1), 0);
   /* nothing moves on the data dim inside the step; every parameter's
    * gradient is all-reduced over it once */
-  for (int k = 0; k < MR_RS_KIND_COUNT; k++)
-    if (k != MR_RS_SLICE && k != MR_RS_ZERO_NONROOT)
-      ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, k, 0, -1), 0);
+  check_nothing_moves_on(&dg, 0);
   int params = 0;
   for (int t = 0; t < f.mo.graph.n_tensors; t++)
     params += f.mo.graph.tensors[t].role == MR_ROLE_PARAM;
@@ -298,10 +317,7 @@ START_TEST(test_llama_vocab_parallel_loss_dp2_tp2) {
   ck_assert_int_eq(dg.tensor[m].p[0].kind, MR_SHARD);
   ck_assert_int_eq(dg.tensor[m].p[1].kind, MR_PARTIAL);
   ck_assert_int_eq(dg.tensor[m].p[1].reduce, MR_REDUCE_MAX);
-  /* nothing moves on data inside the step */
-  for (int k = 0; k < MR_RS_KIND_COUNT; k++)
-    if (k != MR_RS_SLICE && k != MR_RS_ZERO_NONROOT)
-      ck_assert_int_eq(mr_dist_graph_count(&dg, MR_EDGE_OPERAND, k, 0, -1), 0);
+  check_nothing_moves_on(&dg, 0); /* the data dim */
   check_against(&f, &dg, &ref);
   check_simulated(&f, &dg);
   mr_dist_graph_close(&dg);
@@ -372,25 +388,10 @@ END_TEST
 /* mr_spmd_complete_model keeps the fused loss unless the vocabulary is
  * split, and then takes the form that moves fewer bytes. */
 START_TEST(test_complete_model_chooses_the_loss_form) {
-  struct mr_model_config c;
-  memset(&c, 0, sizeof c);
-  c.family = MR_MODEL_LLAMA;
-  c.vocab_size = 40;
-  c.hidden_size = 32;
-  c.intermediate_size = 44;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = c.num_key_value_heads = 4;
-  c.max_position_embeddings = 64;
-  c.rms_norm_eps = 1e-5;
-  c.rope_theta = 10000;
+  struct mr_model_config c = tiny_llama(4, 4, 0, 40);
   struct mr_mesh m;
   ck_assert_int_eq(mr_mesh_parse("data=2,model=2", &m), 0);
-  struct mr_completion_opts o;
-  memset(&o, 0, sizeof o);
-  o.data_dim = 0;
-  o.seq_dim = -1;
-  o.rules = megatron;
-  o.n_rules = 2;
+  struct mr_completion_opts o = opts(&m, 0, megatron, 2);
   struct mr_model mo;
   struct mr_dist_graph dg;
   ck_assert_int_eq(mr_spmd_complete_model(&c, 2, 8, &m, &o, &mo, &dg), 0);
@@ -430,11 +431,7 @@ START_TEST(test_llama_heads_not_divisible_is_an_error) {
   build(&f, 4, 2, 1, 8, 0);
   struct mr_mesh m;
   ck_assert_int_eq(mr_mesh_parse("model=4", &m), 0);
-  struct mr_completion_opts o;
-  memset(&o, 0, sizeof o);
-  o.rules = megatron;
-  o.n_rules = 2;
-  o.data_dim = o.seq_dim = -1;
+  struct mr_completion_opts o = opts(&m, 0, megatron, 2);
   struct mr_dist_graph dg;
   ck_assert_int_eq(mr_spmd_complete(&f.mo.graph, &m, &o, &dg), MR_EINVAL);
   ck_assert_ptr_nonnull(strstr(mr_error_message(), "heads"));

@@ -273,8 +273,12 @@ static int queue_copy(struct mr_ckpt_saver *s, struct mr_runtime *rt, float *dst
   return 0;
 }
 
-static int add_piece(struct mr_ckpt_saver *s, const char *prefix, const struct mr_rt_param *p,
-                     int64_t begin, int64_t count, float **at) {
+/* Adds piece prefix + p's name, elements [begin, +count) of its local
+ * tensor, at *at in the block (moved past it), and queues its copy from
+ * src. */
+static int add_piece(struct mr_ckpt_saver *s, struct mr_runtime *rt, const char *prefix,
+                     const struct mr_rt_param *p, int64_t begin, int64_t count,
+                     const float *src, int on_host, float **at) {
   if (s->n == s->cap) {
     int cap = s->cap ? 2 * s->cap : 64;
     struct snapshot_piece *np = realloc(s->pieces, (size_t)cap * sizeof *np);
@@ -294,7 +298,7 @@ static int add_piece(struct mr_ckpt_saver *s, const char *prefix, const struct m
   d->count = count;
   d->data = *at;
   *at += count;
-  return 0;
+  return queue_copy(s, rt, d->data, src, (size_t)count, on_host);
 }
 
 int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_runtime *rt, int64_t step,
@@ -320,18 +324,13 @@ int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_runtime *rt, int64_t step,
   float *at = s->block;
   for (int i = 0; i < n; i++) {
     const struct mr_rt_param *p = &ps[i];
-    if (p->keeps_param && p->plen > 0) {
-      float *dst = at;
-      MR_TRY(add_piece(s, "", p, p->pbegin, p->plen, &at));
-      MR_TRY(queue_copy(s, rt, dst, p->param, (size_t)p->plen, 0));
-    }
+    if (p->keeps_param && p->plen > 0)
+      MR_TRY(add_piece(s, rt, "", p, p->pbegin, p->plen, p->param, 0, &at));
     if (p->keeps_state && p->len > 0) {
-      float *dst = at;
-      MR_TRY(add_piece(s, "optim.exp_avg.", p, p->begin, p->len, &at));
-      MR_TRY(queue_copy(s, rt, dst, p->m, (size_t)p->len, p->state_on_host));
-      dst = at;
-      MR_TRY(add_piece(s, "optim.exp_avg_sq.", p, p->begin, p->len, &at));
-      MR_TRY(queue_copy(s, rt, dst, p->v, (size_t)p->len, p->state_on_host));
+      MR_TRY(add_piece(s, rt, "optim.exp_avg.", p, p->begin, p->len, p->m, p->state_on_host,
+                       &at));
+      MR_TRY(add_piece(s, rt, "optim.exp_avg_sq.", p, p->begin, p->len, p->v,
+                       p->state_on_host, &at));
     }
   }
   /* Two threads copy: the training waits for the snapshot anyway, and one

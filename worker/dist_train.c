@@ -1,11 +1,8 @@
 /* dist_train.c - one rank's training loop on the runtime. */
 #include "worker/dist_train.h"
 
-#include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <unistd.h>
 
 #include "common/error.h"
@@ -13,7 +10,6 @@
 #include "common/tunable.h"
 #include "launcher/spmd/lower.h"
 #include "worker/checkpoint.h"
-#include "worker/exec_extra.h"
 #include "worker/runtime.h"
 #include "worker/train.h"
 
@@ -27,11 +23,7 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
   int rc = 0;
   MR_TRY_GOTO(rc, mr_runtime_new(job, &L, env->rank, be, comm, &rt), out);
   mr_runtime_set_reporter(rt, env->reporter);
-  if (env->metrics_path && !(mf = fopen(env->metrics_path, "a"))) {
-    rc = mr_error_set(mr_from_errno(errno), "%s: cannot open for metrics: %s",
-                      env->metrics_path, strerror(errno));
-    goto out;
-  }
+  MR_TRY_GOTO(rc, mr_train_open_metrics(env, &mf), out);
   if (job->checkpoint.dir != NULL)
     MR_TRY_GOTO(rc, mr_ckpt_saver_new(env->rank, env->world_size, job, &saver), out);
   int64_t first = 1;

@@ -56,6 +56,17 @@ static int64_t numel(int ndim, const int64_t *len) {
   return n;
 }
 
+/* The local box under d of the rank at coordinate i on mesh dim md (and
+ * this rank's coordinates on the others). */
+static void peer_local(const struct mr_reshard_ctx *x, int md, int i,
+                       const struct mr_dist_attr *d, int ndim, const int64_t *shape,
+                       int64_t *off, int64_t *len) {
+  int c[MR_MESH_MAX_DIMS];
+  memcpy(c, x->coord, sizeof c);
+  c[md] = i;
+  mr_dist_local(x->mesh, d, ndim, shape, c, off, len);
+}
+
 static enum mr_red_op red(enum mr_reduce_op op) {
   return op == MR_REDUCE_AVG ? MR_RED_AVG : op == MR_REDUCE_MAX ? MR_RED_MAX : MR_RED_SUM;
 }
@@ -97,11 +108,8 @@ static int step(struct mr_reshard_ctx *x, const struct mr_reshard_step *s,
       return mr_error_set(MR_ENOTSUP, "reshard: AllGather over more than 64 ranks");
     size_t total = 0;
     for (int i = 0; i < k; i++) {
-      int c2[MR_MESH_MAX_DIMS];
-      memcpy(c2, x->coord, sizeof c2);
-      c2[s->mesh_dim] = i;
       int64_t o2[MR_TENSOR_MAX_DIMS], l2[MR_TENSOR_MAX_DIMS];
-      mr_dist_local(x->mesh, before, ndim, shape, c2, o2, l2);
+      peer_local(x, s->mesh_dim, i, before, ndim, shape, o2, l2);
       lens[i] = l2[s->tdim];
       counts[i] = (size_t)numel(ndim, l2);
       total += counts[i];
@@ -148,11 +156,8 @@ static int step(struct mr_reshard_ctx *x, const struct mr_reshard_step *s,
   }
   case MR_RS_ALL_TO_ALL: {
     /* split tdim2 into k pieces (block j to rank j), gather tdim */
-    int c0[MR_MESH_MAX_DIMS];
-    memcpy(c0, x->coord, sizeof c0);
-    c0[s->mesh_dim] = 0;
     int64_t o0[MR_TENSOR_MAX_DIMS], l0[MR_TENSOR_MAX_DIMS];
-    mr_dist_local(x->mesh, before, ndim, shape, c0, o0, l0);
+    peer_local(x, s->mesh_dim, 0, before, ndim, shape, o0, l0);
     int64_t blen[MR_TENSOR_MAX_DIMS];
     memcpy(blen, len, sizeof blen);
     blen[s->tdim2] = mr_split_len(len[s->tdim2], k, 0);
@@ -172,11 +177,8 @@ static int step(struct mr_reshard_ctx *x, const struct mr_reshard_step *s,
     MR_TRY(wait_req(x, req));
     int64_t doff[MR_TENSOR_MAX_DIMS] = {0};
     for (int i = 0; i < k; i++) {
-      int c2[MR_MESH_MAX_DIMS];
-      memcpy(c2, x->coord, sizeof c2);
-      c2[s->mesh_dim] = i;
       int64_t o2[MR_TENSOR_MAX_DIMS], l2[MR_TENSOR_MAX_DIMS];
-      mr_dist_local(x->mesh, before, ndim, shape, c2, o2, l2);
+      peer_local(x, s->mesh_dim, i, before, ndim, shape, o2, l2);
       int64_t plen[MR_TENSOR_MAX_DIMS];
       memcpy(plen, alen, sizeof plen);
       plen[s->tdim] = l2[s->tdim];

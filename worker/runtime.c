@@ -5,19 +5,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
-#include <cjson/cJSON.h>
 
 #include "common/error.h"
-#include "common/log.h"
 #include "common/ops.h"
-#include "common/rng.h"
-#include "common/safetensors.h"
 #include "common/tunable.h"
 #include "worker/backend/cpu/pool.h"
 #include "worker/runtime_internal.h"
-#include "worker/weights.h"
 
 double mr__rt_now(void) {
   struct timespec ts;
@@ -28,12 +22,11 @@ double mr__rt_now(void) {
 /* ---- memory ---- */
 
 int mr__rt_alloc(struct mr_runtime *rt, int64_t bytes, char **out) {
+  size_t n = (size_t)(bytes > 0 ? bytes : 64);
   void *p;
-  MR_TRY(rt->be->ops->alloc(rt->be, (size_t)(bytes > 0 ? bytes : 64), &p));
-  MR_TRY(rt->be->ops->memset(rt->be, NULL, p, 0, (size_t)(bytes > 0 ? bytes : 64)));
-  rt->allocated += bytes > 0 ? bytes : 64;
-  if (rt->allocated > rt->peak_allocated)
-    rt->peak_allocated = rt->allocated;
+  MR_TRY(rt->be->ops->alloc(rt->be, n, &p));
+  MR_TRY(rt->be->ops->memset(rt->be, NULL, p, 0, n));
+  rt->allocated += (int64_t)n;
   *out = p;
   return 0;
 }
@@ -165,6 +158,7 @@ void mr_runtime_free(struct mr_runtime *rt) {
   free_region(rt, rt->send);
   free_region(rt, rt->zero_tmp);
   free_region(rt, rt->gstage);
+  free_region(rt, (char *)rt->scalar);
   for (int i = 0; i < 3; i++)
     free_region(rt, rt->rs.scratch[i]);
   for (int c = 0; rt->stash && c < rt->L->n_chunks; c++)
@@ -232,6 +226,7 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
   MR_TRY_GOTO(rc, mr__rt_alloc(rt, p->send_bytes, &rt->send), fail);
   MR_TRY_GOTO(rc, mr__rt_alloc(rt, p->zero_tmp_bytes, &rt->zero_tmp), fail);
   MR_TRY_GOTO(rc, mr__rt_alloc(rt, p->grad_stage_bytes, &rt->gstage), fail);
+  MR_TRY_GOTO(rc, mr__rt_alloc(rt, 64, (char **)&rt->scalar), fail);
   for (int i = 0; i < 3; i++) {
     char *s;
     MR_TRY_GOTO(rc, mr__rt_alloc(rt, p->scratch_bytes, &s), fail);
@@ -291,8 +286,6 @@ void mr_runtime_set_reporter(struct mr_runtime *rt, const struct mr_reporter *re
 }
 
 const struct mr_rank_program *mr_runtime_program(const struct mr_runtime *rt) { return &rt->p; }
-
-int64_t mr_runtime_allocated_bytes(const struct mr_runtime *rt) { return rt->peak_allocated; }
 
 struct mr_loss_scaler *mr_runtime_scaler(struct mr_runtime *rt) { return &rt->scaler; }
 
@@ -378,7 +371,7 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
   r->comm_wait_s = rt->comm_wait_s;
   r->tokens_per_s = (double)(rt->job->train.global_batch * rt->job->train.seq_len) /
                     r->step_time_s;
-  r->peak_memory_bytes = (uint64_t)rt->peak_allocated; /* measured by the allocator */
+  r->peak_memory_bytes = (uint64_t)rt->allocated; /* measured by the allocator */
   return 0;
 }
 

@@ -55,12 +55,6 @@ int mr_runtime_agree(struct mr_runtime *rt, int flag, int *any);
 /* The program (borrowed). */
 const struct mr_rank_program *mr_runtime_program(const struct mr_runtime *rt);
 
-/* The most device memory this rank has held at once, as its allocations
- * counted it (offloaded optimizer state, in host memory, apart): what step
- * reports give as peak_memory_bytes.  The plan (mr_rank_program_peak_bytes)
- * predicts it. */
-int64_t mr_runtime_allocated_bytes(const struct mr_runtime *rt);
-
 /* A parameter's state for checkpoints: the local tensor (under ZeRO-3 only
  * the rank's block is kept: `param` is then its block and param_block 1),
  * the AdamW moments of elements [begin, begin + len) of the flattened local

@@ -27,9 +27,11 @@ struct mr_runtime {
   struct mr_reshard_ctx rs;
   char *param, *acc, *optim, *arena, *send, *zero_tmp, *gstage;
   char **stash;                 // [n_chunks]
+  float *scalar;                // one float on the device: the small
+                                // all-reduces and the loss broadcast
   int64_t *zero_tmp_off;        // [n_params] ZeRO-2/3 landing block
-  int64_t allocated;             // device memory held now, and at most
-  int64_t peak_allocated;
+  int64_t allocated;            // device memory held: every region lives
+                                // until mr_runtime_free, so also the peak
   int offload_host;             // optim is host memory (offload)
   /* offload on a device: the optimizer runs on the host, on staged copies
    * of the rank's blocks (pinned where the backend has such memory) */

@@ -1,22 +1,12 @@
 /* runtime_ops.c - the runtime's instructions and the optimizer step. */
 #include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include <unistd.h>
 
-#include <cjson/cJSON.h>
 
 #include "common/error.h"
 #include "common/log.h"
 #include "common/ops.h"
-#include "common/rng.h"
-#include "common/safetensors.h"
-#include "common/tunable.h"
-#include "worker/backend/cpu/pool.h"
 #include "worker/runtime_internal.h"
-#include "worker/weights.h"
 
 /* ---- instructions ---- */
 
@@ -97,15 +87,21 @@ int mr__rt_kernel(struct mr_runtime *rt, const struct mr_ins *in, const struct m
   return rc;
 }
 
-int mr__rt_reshard(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_pass *ps) {
-  const struct mr_reshard_edge *e = &rt->L->dg.edges[in->edge];
+/* Runs plan (edge e's, or part of it) on e's tensor from src to dst; the
+ * time it waits counts as communication wait. */
+static int run_edge(struct mr_runtime *rt, const struct mr_reshard_edge *e,
+                    const struct mr_reshard_plan *plan, const void *src, void *dst) {
   const struct mr_tensor *t = &rt->L->model.graph.tensors[e->tensor];
-  const void *src = mr__rt_buf(rt, e->tensor, ps, in->slot);
-  void *dst = mr__rt_buf(rt, in->tensor, ps, in->slot);
   rt->rs.wait_s = 0;
-  int rc = mr_reshard_run(&rt->rs, &e->plan, &e->src, t->ndim, t->shape, t->dtype, src, dst);
+  int rc = mr_reshard_run(&rt->rs, plan, &e->src, t->ndim, t->shape, t->dtype, src, dst);
   rt->comm_wait_s += rt->rs.wait_s;
   return rc;
+}
+
+int mr__rt_reshard(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_pass *ps) {
+  const struct mr_reshard_edge *e = &rt->L->dg.edges[in->edge];
+  return run_edge(rt, e, &e->plan, mr__rt_buf(rt, e->tensor, ps, in->slot),
+                  mr__rt_buf(rt, in->tensor, ps, in->slot));
 }
 
 /* This micro-batch's gradient of a parameter is final: accumulate it (the
@@ -121,22 +117,16 @@ int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
   float *acc = (float *)(rt->acc + pp->acc_offset);
   struct mr_backend *be = rt->be;
   struct mr_comm_req *req;
-  int e = -1;
-  for (int k = 0; k < L->dg.n_edges; k++)
-    if (L->dg.edges[k].kind == MR_EDGE_GRAD_SYNC && L->dg.edges[k].tensor == gt)
-      e = k;
-  const struct mr_reshard_plan *plan = e >= 0 ? &L->dg.edges[e].plan : NULL;
+  /* the gradient's synchronisation, if any */
+  const struct mr_reshard_edge *sync = in->edge >= 0 ? &L->dg.edges[in->edge] : NULL;
+  const struct mr_reshard_plan *plan = sync != NULL ? &sync->plan : NULL;
   if (pp->off_data) { /* to the parameter's shard first (slices, sums off data) */
     struct mr_reshard_plan off = *plan;
     off.n_steps = 0;
     for (int s = 0; s < plan->n_steps; s++)
       if (plan->steps[s].mesh_dim != L->data_dim)
         off.steps[off.n_steps++] = plan->steps[s];
-    const struct mr_tensor *t = &L->model.graph.tensors[gt];
-    rt->rs.wait_s = 0;
-    MR_TRY(mr_reshard_run(&rt->rs, &off, &L->dg.edges[e].src, t->ndim, t->shape, t->dtype, gr,
-                          rt->gstage));
-    rt->comm_wait_s += rt->rs.wait_s;
+    MR_TRY(run_edge(rt, sync, &off, gr, rt->gstage));
     gr = (float *)rt->gstage;
   }
   if (lay->zero >= 2) {
@@ -243,8 +233,7 @@ int mr__rt_gather(struct mr_runtime *rt, const struct mr_ins *in, const struct m
 /* Sum of one float over the model, data and pipe groups. */
 int mr__rt_allreduce_all(struct mr_runtime *rt, float *v, enum mr_red_op op) {
   struct mr_comm_group *gs[3] = {rt->model_g, rt->data_g, rt->pipe_g};
-  float *dev;
-  MR_TRY(mr__rt_alloc(rt, 64, (char **)&dev));
+  float *dev = rt->scalar;
   int rc = rt->be->ops->copy(rt->be, NULL, dev, v, sizeof *v, MR_COPY_HOST_TO_DEVICE);
   for (int i = 0; i < 3 && rc == 0; i++) {
     if (gs[i] == NULL)
@@ -256,8 +245,6 @@ int mr__rt_allreduce_all(struct mr_runtime *rt, float *v, enum mr_red_op op) {
   }
   if (rc == 0)
     rc = rt->be->ops->copy(rt->be, NULL, v, dev, sizeof *v, MR_COPY_DEVICE_TO_HOST);
-  rt->be->ops->free(rt->be, dev);
-  rt->allocated -= 64;
   return rc;
 }
 
@@ -370,8 +357,7 @@ int mr__rt_param_sync(struct mr_runtime *rt) {
 int mr__rt_share_loss(struct mr_runtime *rt, float *loss) {
   if (rt->pipe_g == NULL)
     return 0;
-  float *dev;
-  MR_TRY(mr__rt_alloc(rt, 64, (char **)&dev));
+  float *dev = rt->scalar;
   int rc = rt->be->ops->copy(rt->be, NULL, dev, loss, sizeof *loss, MR_COPY_HOST_TO_DEVICE);
   struct mr_comm_req *req;
   if (rc == 0)
@@ -380,8 +366,6 @@ int mr__rt_share_loss(struct mr_runtime *rt, float *loss) {
     rc = mr__rt_wait_req(rt, req);
   if (rc == 0)
     rc = rt->be->ops->copy(rt->be, NULL, loss, dev, sizeof *loss, MR_COPY_DEVICE_TO_HOST);
-  rt->be->ops->free(rt->be, dev);
-  rt->allocated -= 64;
   return rc;
 }
 

@@ -1,21 +1,16 @@
 /* runtime_state.c - a rank's parameters in and out: the first values,
  * their views for checkpoints, the final weights. */
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
 
 #include "common/error.h"
-#include "common/log.h"
 #include "common/ops.h"
 #include "common/rng.h"
 #include "common/safetensors.h"
-#include "common/tunable.h"
-#include "worker/backend/cpu/pool.h"
 #include "worker/runtime_internal.h"
 #include "worker/weights.h"
 
@@ -217,6 +212,11 @@ out:
   return rc;
 }
 
+/* path.part-R: rank R's part of the final weights. */
+static void part_path(const char *path, int rank, char *buf, size_t n) {
+  snprintf(buf, n, "%s.part-%d", path, rank);
+}
+
 /* Rank 0: every part's pieces placed into whole tensors, written as one
  * file. */
 static int merge_parts(struct mr_runtime *rt, const char *path) {
@@ -230,7 +230,7 @@ static int merge_parts(struct mr_runtime *rt, const char *path) {
   }
   for (int r = 0; r < world && rc == 0; r++) {
     char pp[4200];
-    snprintf(pp, sizeof pp, "%s.part-%d", path, r);
+    part_path(path, r, pp, sizeof pp);
     if (access(pp, F_OK) == 0)
       rc = mr_st_open(pp, &parts[r]);
   }
@@ -269,12 +269,10 @@ static int merge_parts(struct mr_runtime *rt, const char *path) {
         break;
       }
       rc = mr_st_read(parts[r], s, MR_F32, piece);
-      int64_t zero[MR_MAX_DIMS] = {0};
       if (rc == 0) { /* on the host: a plain strided copy */
         int64_t rows = tt->ndim > 1 ? len[0] : 1, cols = tt->ndim > 1 ? len[1] : len[0];
         int64_t gcols = tt->ndim > 1 ? tt->shape[1] : tt->shape[0];
         int64_t r0 = tt->ndim > 1 ? off[0] : 0, c0 = tt->ndim > 1 ? off[1] : off[0];
-        (void)zero;
         for (int64_t i = 0; i < rows; i++)
           memcpy(full[t] + (r0 + i) * gcols + c0, piece + i * cols, (size_t)cols * sizeof(float));
       }
@@ -287,7 +285,7 @@ out:
   for (int r = 0; parts && r < world; r++) {
     mr_st_free(parts[r]);
     char pp[4200];
-    snprintf(pp, sizeof pp, "%s.part-%d", path, r);
+    part_path(path, r, pp, sizeof pp);
     unlink(pp);
   }
   for (int t = 0; full && t < g->n_tensors; t++)
@@ -299,7 +297,7 @@ out:
 
 int mr_runtime_save_weights(struct mr_runtime *rt, const char *path) {
   char part[4200];
-  snprintf(part, sizeof part, "%s.part-%d", path, rt->p.rank);
+  part_path(path, rt->p.rank, part, sizeof part);
   int rc = write_part(rt, part);
   int any;
   /* every part is on disk before rank 0 reads them (the agreement is a

@@ -209,8 +209,8 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
     seed[0] = (float)t->scaler.scale;
     MR_TRY(mr_exec_run(&t->exec, 0, g->n_forward_ops));
     loss_sum += ((float *)mr_exec_buf(&t->exec, t->model.loss))[0];
+    MR_TRY(mr_exec_run(&t->exec, g->n_forward_ops, g->n_ops));
     if (!last) { /* accumulate locally: no communication before the last */
-      MR_TRY(mr_exec_run(&t->exec, g->n_forward_ops, g->n_ops));
       for (int i = 0; i < t->n_params; i++) {
         const struct mr_tensor *p = &g->tensors[t->params[i]];
         const float *gr = mr_exec_buf(&t->exec, p->grad);
@@ -223,7 +223,6 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
             acc[e] += gr[e];
       }
     } else {
-      MR_TRY(mr_exec_run(&t->exec, g->n_forward_ops, g->n_ops));
       for (int i = 0; i < t->n_params; i++)
         finish_accumulation(t, i);
     }
@@ -313,6 +312,14 @@ static void write_metrics(FILE *f, const struct mr_step_report *r) {
   fflush(f);
 }
 
+int mr_train_open_metrics(const struct mr_run_env *env, FILE **out) {
+  *out = NULL;
+  if (env->metrics_path != NULL && (*out = fopen(env->metrics_path, "a")) == NULL)
+    return mr_error_set(mr_from_errno(errno), "%s: cannot open for metrics: %s",
+                        env->metrics_path, strerror(errno));
+  return 0;
+}
+
 void mr_train_report_step(const struct mr_job *job, const struct mr_run_env *env,
                           FILE *metrics, const struct mr_step_report *r, int log) {
   if (metrics)
@@ -330,12 +337,8 @@ int mr_train_run(const struct mr_job *job, const struct mr_run_env *env) {
   int threads = env->threads > 0 ? env->threads : 1;
   MR_TRY(mr_trainer_new(job, threads, &t));
   FILE *mf = NULL;
-  int rc = 0;
-  if (env->metrics_path && !(mf = fopen(env->metrics_path, "a"))) {
-    rc = mr_error_set(mr_from_errno(errno), "%s: cannot open for metrics: %s",
-                      env->metrics_path, strerror(errno));
-    goto out;
-  }
+  int rc;
+  MR_TRY_GOTO(rc, mr_train_open_metrics(env, &mf), out);
   for (int64_t s = 1; s <= job->train.steps; s++) {
     if (env->reporter->stop_requested &&
         env->reporter->stop_requested(env->reporter->ctx))

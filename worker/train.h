@@ -64,6 +64,11 @@ struct mr_loss_scaler *mr_trainer_scaler(struct mr_trainer *t);
  * worker/dist_train.h instead.) */
 int mr_train_run(const struct mr_job *job, const struct mr_run_env *env);
 
+/* What every training loop opens first: env->metrics_path for appending
+ * into *out (NULL when there is none).  Returns 0 or an error naming the
+ * file. */
+int mr_train_open_metrics(const struct mr_run_env *env, FILE **out);
+
 /* What every training loop does after a step: appends r to metrics (a JSON
  * line; NULL: none), hands it to env->reporter and, when log is nonzero
  * and the step is on train.log_interval_steps, logs one line. */

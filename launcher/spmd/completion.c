@@ -102,17 +102,10 @@ static unsigned hinted(const struct mr_graph *g, const struct mr_op *op) {
   return h;
 }
 
-static void gather_in(const struct mr_graph *g, const struct mr_op *op,
-                      const struct mr_dist_attr *d, int ndim,
+static void gather_in(const struct mr_op *op, const struct mr_dist_attr *d, int ndim,
                       struct mr_dist_attr *in) {
-  for (int i = 0; i < op->n_in; i++) {
-    if (op->in[i] >= 0) {
-      in[i] = d[op->in[i]];
-    } else {
-      in[i] = mr_dist_replicated(ndim);
-    }
-  }
-  (void)g;
+  for (int i = 0; i < op->n_in; i++)
+    in[i] = op->in[i] >= 0 ? d[op->in[i]] : mr_dist_replicated(ndim);
 }
 
 /* One forward and one reverse sweep; returns how many tensors got a
@@ -131,7 +124,7 @@ static int sweep(const struct mr_graph *g, const struct mr_mesh *m,
     if (!all_in || !any_out_unknown)
       continue;
     const struct mr_spmd_rule *r = rule_of(op);
-    gather_in(g, op, d, m->ndim, in);
+    gather_in(op, d, m->ndim, in);
     MR_TRY(mr_spmd_infer(r, g, op, m, in, hinted(g, op), NULL, need, out));
     for (int j = 0; j < op->n_out; j++)
       if (!d[op->out[j]].known) {
@@ -269,7 +262,7 @@ int mr_spmd_complete(const struct mr_graph *g, const struct mr_mesh *m,
   struct mr_dist_attr in[MR_OP_MAX_IN], need[MR_OP_MAX_IN], out[MR_OP_MAX_OUT];
   for (int k = 0; k < g->n_ops; k++) {
     const struct mr_op *op = &g->ops[k];
-    gather_in(g, op, d, m->ndim, in);
+    gather_in(op, d, m->ndim, in);
     struct cost_ctx cc = {dg, o};
     struct mr_spmd_cost cost = {edge_cost, &cc};
     MR_TRY_GOTO(rc, mr_spmd_infer(rule_of(op), g, op, m, in, hinted(g, op),

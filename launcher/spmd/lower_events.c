@@ -67,9 +67,8 @@ static int is_collective(enum mr_reshard_kind k) {
          k == MR_RS_ALL_REDUCE;
 }
 
-/* Events of edge e's steps: all (only -1), those off mesh dim `only`'s
- * complement... that is: only == -1 every step, only >= 0 the steps on that
- * mesh dim, only == -2 - d the steps off mesh dim d. */
+/* Events of edge e's steps: every step (only == -1), the steps on mesh dim
+ * `only` (only >= 0), or the steps off mesh dim d (only == -2 - d). */
 static void edge_events(struct build *b, struct mr_ins *in, int e, int only,
                         int64_t *staging) {
   const struct mr_lowered *L = b->L;
@@ -101,10 +100,9 @@ int mr__lower_sync_edge(const struct mr_lowered *L, int t) {
   return -1;
 }
 
-static void small_allreduces(struct build *b, struct mr_ins *in, const char *what, int max) {
+static void small_allreduces(struct build *b, struct mr_ins *in, const char *what) {
   const struct mr_rank_program *p = b->p;
   const struct mr_group_desc *gs[3] = {&p->model_group, &p->data_group, &p->pipe_group};
-  (void)max;
   for (int i = 0; i < 3; i++)
     if (gs[i]->n > 1)
       mr__lower_add_event(b, in, MR_CEV_ALL_REDUCE, gs[i], -1, 1, MR_F32, 0, -1, what);
@@ -139,7 +137,7 @@ void mr__lower_events_of(struct build *b, struct mr_ins *in, int64_t *staging) {
     break;
   case MR_INS_GRAD: {
     struct mr_param_plan *pp = &p->params[p->param_of[in->tensor]];
-    int e = mr__lower_sync_edge(L, in->tensor);
+    int e = in->edge;
     snprintf(what, sizeof what, "gradient of %.80s", g->tensors[in->tensor].name);
     /* off the data dim (a slice to the parameter's shard, a sum over
      * sequence-parallel ranks): every micro-batch, before accumulating */
@@ -157,7 +155,7 @@ void mr__lower_events_of(struct build *b, struct mr_ins *in, int64_t *staging) {
     break;
   }
   case MR_INS_OPTIMIZER:
-    small_allreduces(b, in, "gradient norm", 0);
+    small_allreduces(b, in, "gradient norm");
     if (lay->zero == 1 || lay->zero == 2)
       for (int i = 0; i < p->n_params; i++) {
         if (p->params[i].replica_of >= 0)

@@ -13,8 +13,6 @@
 #define ALIGN 64
 #define ALIGNED(b) (((b) + ALIGN - 1) / ALIGN * ALIGN)
 
-
-
 static int64_t esize(const struct mr_graph *lg, int t) {
   return (int64_t)mr_dtype_size(lg->tensors[t].dtype);
 }
@@ -39,8 +37,9 @@ static struct mr_ins *push_ins(struct build *b, struct mr_ins **arr, int *n, int
   return &(*arr)[(*n)++];
 }
 
-static struct mr_ins ins(enum mr_ins_kind k) {
-  return (struct mr_ins){.kind = k, .pass = -1, .op = -1, .edge = -1, .tensor = -1,
+/* An instruction of pass `pass` (-1: of the step), every operand unset. */
+static struct mr_ins ins(enum mr_ins_kind k, int pass) {
+  return (struct mr_ins){.kind = k, .pass = pass, .op = -1, .edge = -1, .tensor = -1,
                          .peer = -1, .ev = -1};
 }
 
@@ -376,6 +375,14 @@ static void emit_tmpl(struct build *b, struct mr_ins in) {
   push_ins(b, &b->p->tmpl, &b->p->n_tmpl, &b->cap_tmpl, in);
 }
 
+/* Reshard edge e into its local tensor, in pass pi. */
+static void emit_reshard(struct build *b, int pi, int e) {
+  struct mr_ins in = ins(MR_INS_RESHARD, pi);
+  in.edge = e;
+  in.tensor = b->g->n_tensors + e;
+  emit_tmpl(b, in);
+}
+
 static int build_pass(struct build *b, int c, int dir) {
   struct mr_rank_program *p = b->p;
   const struct mr_lowered *L = b->L;
@@ -394,21 +401,17 @@ static int build_pass(struct build *b, int c, int dir) {
   }
   int n = receives(b, c, dir, list);
   for (int i = 0; i < n; i++) {
-    struct mr_ins in = ins(MR_INS_RECV);
-    in.pass = pi;
+    struct mr_ins in = ins(MR_INS_RECV, pi);
     in.tensor = list[i];
     in.peer = chunk_rank(b, b->prod_chunk[list[i]]);
     emit_tmpl(b, in);
   }
   if (!dir && (reads_input(b, c, L->model.input_ids) || reads_input(b, c, L->model.labels) ||
                (L->model.position_ids >= 0 && reads_input(b, c, L->model.position_ids)))) {
-    struct mr_ins in = ins(MR_INS_LOAD);
-    in.pass = pi;
-    emit_tmpl(b, in);
+    emit_tmpl(b, ins(MR_INS_LOAD, pi));
   }
   if (dir && reads_input(b, c, L->seed)) {
-    struct mr_ins in = ins(MR_INS_SEED);
-    in.pass = pi;
+    struct mr_ins in = ins(MR_INS_SEED, pi);
     in.tensor = L->seed;
     emit_tmpl(b, in);
   }
@@ -421,60 +424,43 @@ static int build_pass(struct build *b, int c, int dir) {
         int t = g->ops[k].in[i];
         if (t >= 0 && p->param_of[t] >= 0 && !gathered[t]) {
           gathered[t] = 1;
-          struct mr_ins in = ins(MR_INS_GATHER);
-          in.pass = pi;
+          struct mr_ins in = ins(MR_INS_GATHER, pi);
           in.tensor = t;
           emit_tmpl(b, in);
         }
       }
     }
     for (int e = 0; e < L->dg.n_edges; e++)
-      if (L->edge_at[e] == k) {
-        struct mr_ins in = ins(MR_INS_RESHARD);
-        in.pass = pi;
-        in.edge = e;
-        in.tensor = g->n_tensors + e;
-        emit_tmpl(b, in);
-      }
-    struct mr_ins kin = ins(MR_INS_KERNEL);
-    kin.pass = pi;
+      if (L->edge_at[e] == k)
+        emit_reshard(b, pi, e);
+    struct mr_ins kin = ins(MR_INS_KERNEL, pi);
     kin.op = k;
     emit_tmpl(b, kin);
     for (int j = 0; j < g->ops[k].n_out; j++) {
       int t = g->ops[k].out[j];
       if (t == g->loss) {
-        if (le >= 0) {
-          struct mr_ins in = ins(MR_INS_RESHARD);
-          in.pass = pi;
-          in.edge = le;
-          in.tensor = g->n_tensors + le;
-          emit_tmpl(b, in);
-        }
-        struct mr_ins in = ins(MR_INS_LOSS);
-        in.pass = pi;
+        if (le >= 0)
+          emit_reshard(b, pi, le);
+        struct mr_ins in = ins(MR_INS_LOSS, pi);
         in.tensor = le >= 0 ? g->n_tensors + le : t;
         emit_tmpl(b, in);
       }
       if (g->tensors[t].role == MR_ROLE_GRAD && g->tensors[t].grad_of >= 0 &&
           p->param_of[g->tensors[t].grad_of] >= 0) {
-        struct mr_ins in = ins(MR_INS_GRAD);
-        in.pass = pi;
+        struct mr_ins in = ins(MR_INS_GRAD, pi);
         in.tensor = g->tensors[t].grad_of;
+        in.edge = mr__lower_sync_edge(L, in.tensor); /* its synchronisation, or -1 */
         emit_tmpl(b, in);
         any_grad = 1;
       }
     }
   }
-  if (any_grad && L->lay.zero >= 2) {
-    struct mr_ins in = ins(MR_INS_GRAD_WAIT);
-    in.pass = pi;
-    emit_tmpl(b, in);
-  }
+  if (any_grad && L->lay.zero >= 2)
+    emit_tmpl(b, ins(MR_INS_GRAD_WAIT, pi));
   int *dest = list + L->n_local;
   n = sends(b, c, dir, list, dest);
   for (int i = 0; i < n; i++) {
-    struct mr_ins in = ins(MR_INS_SEND);
-    in.pass = pi;
+    struct mr_ins in = ins(MR_INS_SEND, pi);
     in.tensor = list[i];
     in.peer = chunk_rank(b, dest[i]);
     emit_tmpl(b, in);
@@ -484,6 +470,7 @@ static int build_pass(struct build *b, int c, int dir) {
   ps->n = p->n_tmpl - ps->first;
   return b->rc;
 }
+
 /* ---- schedule ---- */
 
 /* This rank's training schedule as (pass template, micro-batch) pairs;
@@ -518,7 +505,7 @@ static void expand(struct build *b, int pass, int micro) {
 }
 
 static void emit_step(struct build *b, enum mr_ins_kind k) {
-  struct mr_ins *x = push_ins(b, &b->p->step, &b->p->n_step, &b->cap_step, ins(k));
+  struct mr_ins *x = push_ins(b, &b->p->step, &b->p->n_step, &b->cap_step, ins(k, -1));
   if (x)
     mr__lower_events_of(b, x, &b->p->scratch_bytes);
 }
@@ -527,6 +514,7 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
   memset(p, 0, sizeof *p);
   struct build b = {.p = p, .L = L, .g = &L->model.graph};
   const struct mr_layout *lay = &L->lay;
+  int *sp = NULL, *sm = NULL, *fly = NULL; /* the schedule: pass, micro-batch */
   int rc;
   p->L = L;
   p->rank = rank;
@@ -535,72 +523,56 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
     p->coord[L->data_dim] = p->data;
   if (L->model_dim >= 0)
     p->coord[L->model_dim] = p->model;
-  MR_TRY_GOTO(rc, make_groups(p), err);
-  MR_TRY_GOTO(rc, local_graph(&b), err);
+  MR_TRY_GOTO(rc, make_groups(p), out);
+  MR_TRY_GOTO(rc, local_graph(&b), out);
   rc = MR_ENOMEM;
   b.my_chunk = calloc((size_t)L->n_chunks, sizeof *b.my_chunk);
   p->passes = calloc((size_t)(2 * L->n_chunks), sizeof *p->passes);
   if (!b.my_chunk || !p->passes)
-    goto err;
+    goto out;
   for (int c = 0; c < L->n_chunks; c++)
     b.my_chunk[c] = c % lay->pp == p->pipe;
-  MR_TRY_GOTO(rc, plan_params(&b), err);
+  MR_TRY_GOTO(rc, plan_params(&b), out);
   for (int i = 0; i < p->n_params; i++) {
     struct mr_param_plan *pp = &p->params[i];
     int e = mr__lower_sync_edge(L, pp->tensor);
     for (int s = 0; e >= 0 && s < L->dg.edges[e].plan.n_steps; s++)
       pp->off_data |= L->dg.edges[e].plan.steps[s].mesh_dim != L->data_dim;
   }
-  MR_TRY_GOTO(rc, producers(&b), err);
+  MR_TRY_GOTO(rc, producers(&b), out);
   int fpass[64], bpass[64];
   if (lay->vp > 64) {
     rc = mr_error_set(MR_ENOTSUP, "lowering: more than 64 virtual stages");
-    goto err;
+    goto out;
   }
   for (int j = 0; j < lay->vp; j++) {
     int c = j * lay->pp + p->pipe;
     fpass[j] = p->n_passes;
-    MR_TRY_GOTO(rc, build_pass(&b, c, 0), err);
+    MR_TRY_GOTO(rc, build_pass(&b, c, 0), out);
     bpass[j] = p->n_passes;
-    MR_TRY_GOTO(rc, build_pass(&b, c, 1), err);
+    MR_TRY_GOTO(rc, build_pass(&b, c, 1), out);
   }
   /* stash slots: micro-batches in flight per chunk under the schedule */
   int cap = 2 * lay->n_micro * lay->vp + 4;
-  int *sp = malloc((size_t)cap * sizeof *sp), *sm = malloc((size_t)cap * sizeof *sm);
-  int *fly = calloc((size_t)L->n_chunks, sizeof *fly);
+  sp = malloc((size_t)cap * sizeof *sp);
+  sm = malloc((size_t)cap * sizeof *sm);
+  fly = calloc((size_t)L->n_chunks, sizeof *fly);
   p->stash_slots = calloc((size_t)L->n_chunks, sizeof *p->stash_slots);
   if (!sp || !sm || !fly || !p->stash_slots) {
-    free(sp);
-    free(sm);
-    free(fly);
     rc = MR_ENOMEM;
-    goto err;
+    goto out;
   }
   int ns = schedule(&b, fpass, bpass, sp, sm);
-  if (ns < 0) {
-    free(sp);
-    free(sm);
-    free(fly);
-    rc = ns;
-    goto err;
-  }
+  MR_TRY_GOTO(rc, ns, out);
   for (int i = 0; i < ns; i++) {
     int c = p->passes[sp[i]].chunk;
     fly[c] += p->passes[sp[i]].backward ? -1 : 1;
     if (fly[c] > p->stash_slots[c])
       p->stash_slots[c] = fly[c];
   }
-  free(fly);
-  rc = mr__lower_plan_buffers(&b);
-  if (rc < 0) {
-    free(sp);
-    free(sm);
-    goto err;
-  }
+  MR_TRY_GOTO(rc, mr__lower_plan_buffers(&b), out);
   for (int i = 0; i < ns && b.rc == 0; i++)
     expand(&b, sp[i], sm[i]);
-  free(sp);
-  free(sm);
   emit_step(&b, MR_INS_SYNC_WAIT);
   emit_step(&b, MR_INS_OPTIMIZER);
   int tied = 0;
@@ -615,7 +587,7 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
   p->eval_micro = malloc((size_t)(lay->n_micro * lay->vp) * sizeof *p->eval_micro);
   if (!p->eval_passes || !p->eval_micro) {
     rc = MR_ENOMEM;
-    goto err;
+    goto out;
   }
   for (int m = 0; m < lay->n_micro; m++)
     for (int j = 0; j < lay->vp; j++) {
@@ -650,22 +622,19 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
       if (ALIGNED(p->params[i].block * 4) > p->zero_tmp_bytes)
         p->zero_tmp_bytes = ALIGNED(p->params[i].block * 4);
   }
-  if (b.rc < 0) {
-    rc = b.rc;
-    goto err;
-  }
-  for (int i = 0; i < p->n_step; i++) /* events name their instruction */
+  rc = b.rc;
+  for (int i = 0; i < p->n_step && rc == 0; i++) /* events name their instruction */
     for (int e = p->step[i].ev; e >= 0 && e < p->step[i].ev + p->step[i].n_ev; e++)
       p->ev[e].id = i;
+out:
+  free(sp);
+  free(sm);
+  free(fly);
   free(b.prod_chunk);
   free(b.prod_dir);
   free(b.my_chunk);
-  return 0;
-err:
-  free(b.prod_chunk);
-  free(b.prod_dir);
-  free(b.my_chunk);
-  mr_rank_program_close(p);
+  if (rc < 0)
+    mr_rank_program_close(p);
   return rc;
 }
 
