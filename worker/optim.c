@@ -3,6 +3,8 @@
 
 #include <math.h>
 
+#include "common/tunable.h"
+
 double mr_clip_factor(double norm, double max_norm) {
   if (max_norm <= 0)
     return 1.0;
@@ -47,4 +49,18 @@ int mr_loss_scaler_update(struct mr_loss_scaler *s, int found_overflow) {
     s->clean_steps = 0;
   }
   return 0;
+}
+
+struct mr_adamw mr_adamw_of_job(const struct mr_train_config *tc) {
+  struct mr_adamw h = mr_adamw_defaults();
+  h.beta1 = (float)tc->beta1;
+  h.beta2 = (float)tc->beta2;
+  h.eps = (float)tc->eps;
+  h.weight_decay = (float)tc->weight_decay;
+  return h;
+}
+
+void mr_loss_scaler_of_job(struct mr_loss_scaler *s, const struct mr_job *job, int fp16) {
+  double init = job->strategy.init_loss_scaling > 0 ? job->strategy.init_loss_scaling : 1024.0;
+  mr_loss_scaler_init(s, fp16, init, mr_tunable_int(MR_TUNABLE_LOSS_SCALE_GROWTH));
 }

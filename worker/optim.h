@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "common/job.h"
+#include "worker/backend/cpu/kernels.h"
 
 /* The clip factor for a total gradient norm (torch: max_norm / (norm +
  * 1e-6), capped at 1); 1 when max_norm <= 0 (clipping off). */
@@ -35,5 +36,14 @@ void mr_loss_scaler_init(struct mr_loss_scaler *s, int enabled,
 
 /* Records one step's outcome; returns 1 when the step must be skipped. */
 int mr_loss_scaler_update(struct mr_loss_scaler *s, int found_overflow);
+
+/* The job's AdamW settings: its betas, eps and weight decay over torch's
+ * defaults (the learning rate is set step by step). */
+struct mr_adamw mr_adamw_of_job(const struct mr_train_config *tc);
+
+/* The job's loss scaler: on for fp16, starting at
+ * strategy.amp.init_loss_scaling (1024 when unset), growing after the
+ * MESHRUN_LOSS_SCALE_GROWTH tunable's clean steps. */
+void mr_loss_scaler_of_job(struct mr_loss_scaler *s, const struct mr_job *job, int fp16);
 
 #endif

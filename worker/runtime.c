@@ -258,15 +258,8 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
     goto fail;
   }
   MR_TRY_GOTO(rc, mr__rt_init_params(rt), fail);
-  rt->adamw = mr_adamw_defaults();
-  rt->adamw.beta1 = (float)job->train.beta1;
-  rt->adamw.beta2 = (float)job->train.beta2;
-  rt->adamw.eps = (float)job->train.eps;
-  rt->adamw.weight_decay = (float)job->train.weight_decay;
-  double init_scale =
-      job->strategy.init_loss_scaling > 0 ? job->strategy.init_loss_scaling : 1024.0;
-  mr_loss_scaler_init(&rt->scaler, L->lay.amp == MR_AMP_FP16, init_scale,
-                      mr_tunable_int(MR_TUNABLE_LOSS_SCALE_GROWTH));
+  rt->adamw = mr_adamw_of_job(&job->train);
+  mr_loss_scaler_of_job(&rt->scaler, job, L->lay.amp == MR_AMP_FP16);
   rt->inject_step = mr_tunable_int(MR_TUNABLE_INJECT_OVERFLOW_STEP);
   rt->overlap = mr_tunable_int(MR_TUNABLE_GRAD_SYNC_OVERLAP) != 0;
   MR_TRY_GOTO(rc, mr_tokens_open(&rt->train, job->data_train, job->model.vocab_size), fail);

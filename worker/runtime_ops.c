@@ -293,7 +293,7 @@ int mr__rt_optimizer(struct mr_runtime *rt, int64_t step, struct mr_step_report 
     float *param = (float *)(rt->param + pp->store_offset) + (lay->zero >= 3 ? 0 : pp->begin);
     const float *acc = (const float *)(rt->acc + pp->acc_offset) + (lay->zero == 1 ? pp->begin : 0);
     float *m = (float *)(rt->optim + pp->state_offset);
-    float *v = m + ((pp->len * 4 + 63) / 64 * 64) / 4;
+    float *v = (float *)((char *)m + mr_param_moment_stride(pp));
     if (rt->off_pool == NULL) {
       MR_TRY(be->ops->adamw(be, param, acc, m, v, (size_t)pp->len, &h, opt_step));
       continue;

@@ -119,15 +119,8 @@ int mr_trainer_new(const struct mr_job *job, int threads,
     mr_weights_init(&t->model, &t->exec, tc->seed);
   else
     MR_TRY_GOTO(rc, mr_weights_load(&t->model, &t->exec, tc->init), fail);
-  t->adamw = mr_adamw_defaults();
-  t->adamw.beta1 = (float)tc->beta1;
-  t->adamw.beta2 = (float)tc->beta2;
-  t->adamw.eps = (float)tc->eps;
-  t->adamw.weight_decay = (float)tc->weight_decay;
-  double init_scale = job->strategy.init_loss_scaling > 0
-                          ? job->strategy.init_loss_scaling : 1024.0;
-  mr_loss_scaler_init(&t->scaler, amp == MR_AMP_ROUND_F16, init_scale,
-                      mr_tunable_int(MR_TUNABLE_LOSS_SCALE_GROWTH));
+  t->adamw = mr_adamw_of_job(tc);
+  mr_loss_scaler_of_job(&t->scaler, job, amp == MR_AMP_ROUND_F16);
   t->inject_step = mr_tunable_int(MR_TUNABLE_INJECT_OVERFLOW_STEP);
   MR_TRY_GOTO(rc, mr_tokens_open(&t->train, job->data_train,
                                  job->model.vocab_size), fail);

@@ -121,7 +121,8 @@ enum mr_ins_kind {
   MR_INS_RESHARD,    // reshard edge `edge` into local tensor n_tensors + edge
   MR_INS_KERNEL,     // graph op `op` on local shards
   MR_INS_LOSS,       // adds the (replicated) loss to the step's sum
-  MR_INS_GRAD,       // this micro-batch's gradient of parameter `tensor` is done
+  MR_INS_GRAD,       // this micro-batch's gradient of parameter `tensor` is
+                     // done; `edge` its synchronisation edge, -1: none
   MR_INS_GRAD_WAIT,  // ZeRO >= 2: the pass's reduce-scatters are done
   MR_INS_SEND,       // starts sending `tensor` to rank `peer` (detached)
   MR_INS_SYNC_WAIT,  // every gradient synchronisation and send is done
@@ -186,7 +187,7 @@ struct mr_param_plan {
   int64_t acc_offset;             // bytes into the accumulator region
   int64_t acc_floats;             // numel, or block under ZeRO >= 2
   int64_t state_offset;           // bytes into the optimizer region (m; v
-                                  // follows at + len floats)
+                                  // mr_param_moment_stride bytes after)
   int sync_ev;                    // first event of its synchronisation
   int replica_of;                 // a copy of a parameter another stage owns
                                   // (tied embeddings): the owner's rank, whose
@@ -197,6 +198,12 @@ struct mr_param_plan {
                                   // dim (run per micro-batch into the
                                   // gradient staging buffer)
 };
+
+/* Bytes from a parameter's first moment m to its second v in the
+ * optimizer region (m's len floats rounded up to 64 bytes). */
+static inline int64_t mr_param_moment_stride(const struct mr_param_plan *pp) {
+  return (pp->len * 4 + 63) / 64 * 64;
+}
 
 struct mr_group_desc {
   char name[64];                  // "data{0,2}"

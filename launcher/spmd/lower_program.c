@@ -228,7 +228,7 @@ static int plan_params(struct build *b) {
     pp->acc_offset = acc;
     acc += ALIGNED(pp->acc_floats * 4);
     pp->state_offset = opt;
-    opt += 2 * ALIGNED(pp->len * 4);
+    opt += 2 * mr_param_moment_stride(pp);
     pp->sync_ev = -1;
   }
   free(chunk);
