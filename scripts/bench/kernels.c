@@ -94,6 +94,14 @@ static void bench_matmul(struct mr_pool *pool, int threads) {
       {"h512 qkvo fwd   2048x512x512", 2048, 512, 512, 0, 1},
       {"h512 gate fwd   2048x1376x512", 2048, 1376, 512, 0, 1},
       {"h512 down dW    512x1376x2048", 512, 1376, 2048, 1, 0},
+      /* h256 split over 2 tensor-parallel ranks, the whole batch of 4096
+       * tokens on each: a rank's GEMMs are as many FLOPs as dp2's above */
+      {"h256/tp2 qkv fwd  4096x384x256", 4096, 384, 256, 0, 1},
+      {"h256/tp2 o fwd    4096x256x128", 4096, 256, 128, 0, 1},
+      {"h256/tp2 up fwd   4096x344x256", 4096, 344, 256, 0, 1},
+      {"h256/tp2 down dx  4096x344x256", 4096, 344, 256, 0, 0},
+      {"h256/tp2 qkv dW   384x256x4096", 384, 256, 4096, 1, 0},
+      {"h256/tp2 down dW  256x344x4096", 256, 344, 4096, 1, 0},
   };
   printf("matmul GFLOP/s (best of %d)            ours(%dT)  openblas(%dT)  openblas(1T)  ours/openblas\n",
          REPS, threads, threads);
