@@ -272,6 +272,41 @@ START_TEST(test_cost_layer_time_matches_korthikanti_table4) {
 }
 END_TEST
 
+START_TEST(test_cost_memory_bound_traffic_of_the_engine) {
+  /* LLaMA runs on meshrun's engine: a layer's memory-bound ops move what
+   * it writes per token, written once and read once forward, twice that
+   * backward.  C 512, K 256 (4 kv heads of 64), F 1376, H 8, t 2:
+   * 4C + 2 + (2C + 2K + 3F + H)/t = 2050 + (1024 + 512 + 4128 + 8)/2 =
+   * 4886 elements a token; micro-batch 2 × 128 tokens, fp32: 4886 × 256 ×
+   * 4 bytes.  Two memory bandwidths isolate that term of the forward. */
+  struct mr_cluster c1 = test_cluster(), c2 = test_cluster();
+  c2.memory_bandwidth = 4e12;
+  struct mr_model_config m;
+  memset(&m, 0, sizeof m);
+  m.family = MR_MODEL_LLAMA;
+  m.hidden_size = 512, m.intermediate_size = 1376, m.num_attention_heads = 8;
+  m.num_key_value_heads = 4, m.num_hidden_layers = 4, m.vocab_size = 1000;
+  m.max_position_embeddings = 128;
+  struct mr_workload w = {&m, 2, 128};
+  struct mr_strategy s;
+  memset(&s, 0, sizeof s);
+  s.dp = 1, s.tp = 2, s.pp = 1, s.micro_batch_size = 2, s.micro_batches = 1;
+  s.grad_accum_steps = 1, s.virtual_stages = 1, s.schedule = MR_PP_1F1B;
+  s.amp_dtype = MR_AMP_FP32, s.recompute = MR_RECOMPUTE_MODE_SELECTIVE;
+  s.recompute_every_n = 1;
+  ck_assert_int_eq(mr_cost_check(&w, &c1, &s), 0);
+  struct mr_cost_prep p1, p2;
+  mr_cost_prepare(&w, &c1, &s, &p1);
+  mr_cost_prepare(&w, &c2, &s, &p2);
+  double bytes = 4886.0 * 256 * 4, diff = 1 / 2e12 - 1 / 4e12;
+  NEAR(p1.lt.fwd - p2.lt.fwd, 2 * bytes * diff);
+  NEAR(p1.lt.bwd - p2.lt.bwd, 4 * bytes * diff);
+  /* selective recompute repeats the attention output and its lse:
+   * (C + H)/t = 260 elements a token */
+  NEAR(p1.lt.rc - p2.lt.rc, 2 * 260.0 * 256 * 4 * diff);
+}
+END_TEST
+
 static struct mr_strategy base_strategy(void) {
   struct mr_strategy s;
   memset(&s, 0, sizeof s);
@@ -409,6 +444,7 @@ static Suite *cost_suite(void) {
   tcase_add_test(tc, test_cost_partition_by_hand);
   tcase_add_test(tc, test_cost_partition_closed_form_equals_dp_and_brute_force);
   tcase_add_test(tc, test_cost_layer_time_matches_korthikanti_table4);
+  tcase_add_test(tc, test_cost_memory_bound_traffic_of_the_engine);
   tcase_add_test(tc, test_cost_step_time_identities);
   tcase_add_test(tc, test_cost_memory_by_hand);
   tcase_add_test(tc, test_cost_check_names_the_problem);

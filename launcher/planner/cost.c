@@ -220,7 +220,8 @@ static void layer_times(const struct mr_workload *w, const struct mr_cluster *c,
                 mr_cost_gemm_time(c, dt, 1, T, n_up * f / t, h) +
                 mr_cost_gemm_time(c, dt, 1, T, h, f / t);
   /* Memory-bound ops: every stored activation is written once and read
-   * once (2×), at the activation width of the run. */
+   * once (2×), at the activation width of the run: Korthikanti et al.'s
+   * count for the GPT family, the engine's own for LLaMA. */
   double scale = wb / 2.0;
   lt->act_none = scale * mr_cost_layer_activation_bytes(S, b, h, a, s->tp,
                                                         s->sequence_parallel,
@@ -228,7 +229,16 @@ static void layer_times(const struct mr_workload *w, const struct mr_cluster *c,
   lt->act_stored = scale * mr_cost_layer_activation_bytes(S, b, h, a, s->tp,
                                                           s->sequence_parallel, s->recompute);
   double att_bytes = scale * 5.0 * a * S / (h * t) * S * b * h;
-  double mem = 2.0 * lt->act_none / c->memory_bandwidth;
+  double traffic = lt->act_none;
+  if (m->family == MR_MODEL_LLAMA) {
+    /* meshrun's engine: what its tiled attention and SwiGLU write per
+     * token (no s×s scores), as its memory count; selective recompute
+     * repeats the attention output and its log-sum-exp */
+    traffic = T * wb * mr_cost_engine_layer_elems(m, s->tp, s->sequence_parallel,
+                                                  MR_RECOMPUTE_NONE);
+    att_bytes = T * wb * (h + a) / t;
+  }
+  double mem = 2.0 * traffic / c->memory_bandwidth;
   double mem_att = 2.0 * att_bytes / c->memory_bandwidth;
   struct mr_link tl = mr_cost_group_link(c, 1, s->tp);
   double msg = T * h * wb;
