@@ -77,6 +77,22 @@ __device__ __forceinline__ float mr_block_max(float v, float *smem) {
   return t;
 }
 
+/* The maximum of a row of V floats over the block, NaN when the row holds
+ * a NaN (so an overflow upstream reaches the loss); every thread gets it.
+ * smem: 32 floats. */
+__device__ __forceinline__ float mr_block_row_max(const float *x, int64_t V, float *smem) {
+  float m = -INFINITY, nan = 0.0f;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    float v = x[j];
+    if (v != v)
+      nan = 1.0f;
+    m = fmaxf(m, v);
+  }
+  m = mr_block_max(m, smem);
+  nan = mr_block_max(nan, smem);
+  return nan != 0.0f ? NAN : m;
+}
+
 #define MR_GRID_STRIDE(i, n)                                                 \
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);  \
        i += (int64_t)gridDim.x * blockDim.x)

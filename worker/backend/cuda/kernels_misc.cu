@@ -12,17 +12,9 @@ __global__ void xent_fwd_k(float *loss_rows, float *lse_out, const float *logits
   __shared__ float red[32];
   int64_t r = blockIdx.x;
   const float *x = logits + r * V;
-  float m = -INFINITY, nan = 0.0f;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    float v = x[j];
-    if (v != v)
-      nan = 1.0f;
-    m = fmaxf(m, v);
-  }
-  m = mr_block_max(m, red);
-  nan = mr_block_max(nan, red);
+  float m = mr_block_row_max(x, V, red);
   float l;
-  if (nan != 0.0f) {
+  if (m != m) {
     l = NAN;
   } else if (m == -INFINITY) {
     l = m;

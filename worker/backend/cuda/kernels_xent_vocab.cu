@@ -17,18 +17,9 @@ __device__ __forceinline__ int64_t xv_column(int32_t t, int64_t lo, int64_t V) {
 
 __global__ void xv_max_k(float *m, const float *logits, int64_t V) {
   __shared__ float red[32];
-  const float *x = logits + (int64_t)blockIdx.x * V;
-  float mx = -INFINITY, nan = 0.0f;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    float v = x[j];
-    if (v != v)
-      nan = 1.0f;
-    mx = fmaxf(mx, v);
-  }
-  mx = mr_block_max(mx, red);
-  nan = mr_block_max(nan, red);
+  float mx = mr_block_row_max(logits + (int64_t)blockIdx.x * V, V, red);
   if (threadIdx.x == 0)
-    m[blockIdx.x] = nan != 0.0f ? NAN : mx;
+    m[blockIdx.x] = mx;
 }
 
 __global__ void xv_sumexp_k(float *s, float *tl, const float *logits,
