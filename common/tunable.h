@@ -47,6 +47,8 @@
      "test hook: \"RANK:STEP\" stalls that rank at that step")             \
   XX(TEST_EXIT, "MESHRUN_TEST_EXIT", "",                                    \
      "test hook: \"RANK:STEP\" makes that rank exit 0 at that step, unreported") \
+  XX(TEST_PLAN_DIGEST, "MESHRUN_TEST_PLAN_DIGEST", "-1",                     \
+     "test hook: the launcher sends this rank a wrong program digest")      \
   XX(TEST_COMM_TRACE, "MESHRUN_TEST_COMM_TRACE", "",                        \
      "test hook: each rank appends every collective it issues to PATH.RANK") \
   XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \

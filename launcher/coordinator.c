@@ -192,6 +192,11 @@ static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
   plan.seed = o->job != NULL ? o->job->train.seed : 0;
   plan.resume_dir = co->resume_dir;
   plan.resume_step = co->resume_step;
+  if (o->program_digests != NULL) {
+    plan.program_digest = o->program_digests[rank];
+    if (rank == mr_tunable_int(MR_TUNABLE_TEST_PLAN_DIGEST))
+      plan.program_digest ^= 1; /* test hook: a worker that lowers otherwise */
+  }
   plan.steps = o->selfcheck ? mr_tunable_int(MR_TUNABLE_SELFCHECK_STEPS)
                             : (o->job != NULL ? o->job->train.steps : 0);
   Meshrun__Envelope penv = MESHRUN__ENVELOPE__INIT;

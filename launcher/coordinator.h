@@ -16,6 +16,8 @@
 #ifndef MR_COORDINATOR_H
 #define MR_COORDINATOR_H
 
+#include <stdint.h>
+
 #include "common/job.h"
 #include "common/discovery.h"
 
@@ -32,6 +34,8 @@ struct mr_launch_opts {
   const struct mr_job *job;     // borrowed; NULL only with selfcheck
   const char *metrics_path;     // JSON lines; NULL: log_dir/metrics.jsonl
   const struct mr_devices *devices; // borrowed
+  const uint64_t *program_digests; // [nproc] each rank's program as the
+                                   // launcher checked it; NULL: unchecked
 };
 
 /* Runs the job to completion.  Returns the process exit code: 0 when every

@@ -146,6 +146,8 @@ int mr_cmd_launch(int argc, char **argv) {
   if (threads < 1)
     threads = 1;
   int code = 0;
+  struct mr_strategy_choice choice;
+  memset(&choice, 0, sizeof choice);
   struct mr_devices devices;
   if (mr_discover_devices(&devices) < 0) {
     fprintf(stderr, "meshrun launch: device discovery failed: %s\n", mr_error_message());
@@ -216,7 +218,6 @@ int mr_cmd_launch(int argc, char **argv) {
   }
 
   if (job_path != NULL && !selfcheck) {
-    struct mr_strategy_choice choice;
     if (mr_strategy_choose(&job, (int)nproc, &choice) < 0) {
       fprintf(stderr, "meshrun launch: %s: %s\n", job_path, mr_error_message());
       code = 2;
@@ -268,9 +269,11 @@ int mr_cmd_launch(int argc, char **argv) {
       .job = job_path != NULL ? &job : NULL,
       .metrics_path = metrics,
       .devices = &devices,
+      .program_digests = choice.program_digests,
   };
   code = mr_coordinator_run(&opts);
 done:
+  mr_strategy_choice_close(&choice);
   mr_devices_close(&devices);
   mr_job_close(&job);
   return code;

@@ -21,11 +21,13 @@ static int job_with(const struct mr_job *job, const struct mr_strategy *st, stru
   return rc;
 }
 
-/* Whether st lowers to rank programs whose communication fits together. */
-static int runs(const struct mr_job *job, const struct mr_strategy *st, int world) {
+/* Whether st lowers to rank programs whose communication fits together;
+ * their digests into digests[world] when not NULL. */
+static int runs(const struct mr_job *job, const struct mr_strategy *st, int world,
+                uint64_t *digests) {
   struct mr_job j;
   MR_TRY(job_with(job, st, &j));
-  int rc = mr_lower_check_all(&j, world);
+  int rc = mr_lower_check_all(&j, world, digests);
   mr_job_close(&j);
   return rc;
 }
@@ -37,6 +39,9 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
     return mr_error_set(MR_ENOENT, "cluster \"%s\": no such spec", name);
   struct mr_cluster cluster;
   MR_TRY(mr_cluster_load(out->cluster_path, &cluster));
+  out->program_digests = calloc((size_t)(world > 0 ? world : 1), sizeof *out->program_digests);
+  if (out->program_digests == NULL)
+    return MR_ENOMEM;
   /* More CPU ranks than the spec's cores: ranks share the cores, each
    * getting its fraction of their compute and memory bandwidth. */
   int devices = cluster.nodes * cluster.devices_per_node;
@@ -55,7 +60,7 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
     MR_TRY(mr_plan_choose(&req, &out->chosen));
     out->best = out->chosen;
     out->have_best = 1;
-    return runs(job, &out->chosen.strategy, world);
+    return runs(job, &out->chosen.strategy, world, out->program_digests);
   }
   struct mr_plan_result *res = calloc(1, sizeof *res);
   if (res == NULL)
@@ -70,7 +75,7 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
   rc = MR_ENOFIT;
   char first_err[512] = "";
   for (int i = 0; i < res->n_top; i++) {
-    int r = runs(job, &res->top[i].strategy, world);
+    int r = runs(job, &res->top[i].strategy, world, out->program_digests);
     if (r == 0) {
       out->chosen = res->top[i];
       out->best = res->top[0];
@@ -86,6 +91,11 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
     return mr_error_set(MR_ENOFIT, "none of the planner's best strategies can be run: %s",
                         first_err);
   return 0;
+}
+
+void mr_strategy_choice_close(struct mr_strategy_choice *c) {
+  free(c->program_digests);
+  c->program_digests = NULL;
 }
 
 cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling) {
@@ -180,7 +190,7 @@ int mr_plan_dump_rank(const struct mr_job *job, const struct mr_strategy *s, int
   struct mr_rank_program p;
   memset(&j, 0, sizeof j);
   int rc = job_with(job, s, &j);
-  if (rc == 0 && (rc = mr_lower_check_all(&j, world)) == 0 &&
+  if (rc == 0 && (rc = mr_lower_check_all(&j, world, NULL)) == 0 &&
       (rc = mr_lower_graph(&j, world, &L)) == 0) {
     if ((rc = mr_rank_program_build(&L, rank, &p)) == 0) {
       fprintf(f, "\ncommunication check: every rank's program fits together (%d ranks)\n",

@@ -10,6 +10,7 @@
 #define MR_STRATEGY_CHOICE_H
 
 #include <cjson/cJSON.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "common/job.h"
@@ -20,6 +21,7 @@ struct mr_strategy_choice {
   struct mr_plan_candidate best;     // the planner's unconstrained best
   int have_best;
   char cluster_path[4096];
+  uint64_t *program_digests;         // [world]: each rank's program as checked
 };
 
 /* Chooses for job on world ranks.  Returns 0, MR_ENOFIT, MR_EINVAL /
@@ -27,6 +29,9 @@ struct mr_strategy_choice {
  * programs do not fit together; the message names why), or a cluster
  * error. */
 int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_choice *out);
+
+/* Frees what a choice holds (the digests). */
+void mr_strategy_choice_close(struct mr_strategy_choice *c);
 
 /* The strategy as a job file's "strategy" object (manual mode, every field
  * set; init_loss_scaling only when > 0), for the plan body and `meshrun

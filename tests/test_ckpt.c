@@ -354,6 +354,26 @@ START_TEST(test_ckpt_rank_exiting_early_is_a_failure) {
 }
 END_TEST
 
+START_TEST(test_ckpt_worker_lowering_another_program_stops) {
+  /* the launcher sends each rank the digest of the program it checked; a
+   * worker that lowers another one (here: told a wrong digest) stops with
+   * both digests named, and the job fails */
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "d.json", 6, 100, "ck");
+  static char hook[] = "MESHRUN_TEST_PLAN_DIGEST=1";
+  char *env[] = {hook, NULL};
+  struct mr_tproc p;
+  start(&p, dir, "d.json", "d", 2, 0, env);
+  int code = mr_t_wait(&p, 60);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
+  ck_assert_msg(strstr(err, "rank 1: the program this worker lowered from the plan") != NULL &&
+                    strstr(err, "is not the one the launcher checked") != NULL, "%s", err);
+  free(err);
+}
+END_TEST
+
 static Suite *ckpt_suite(void) {
   Suite *s = suite_create("ckpt");
   TCase *tc = tcase_create("recovery");
@@ -365,6 +385,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed);
   tcase_add_test(tc, test_ckpt_hang_in_pipeline_receive_diagnosed);
   tcase_add_test(tc, test_ckpt_rank_exiting_early_is_a_failure);
+  tcase_add_test(tc, test_ckpt_worker_lowering_another_program_stops);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -32,7 +32,7 @@ static void job_for(struct mr_job *job, const char *strategy, int layers, int ti
 static void check_layout(const char *strategy, int world) {
   struct mr_job job;
   job_for(&job, strategy, 4, 0);
-  int rc = mr_lower_check_all(&job, world);
+  int rc = mr_lower_check_all(&job, world, NULL);
   ck_assert_msg(rc == 0, "%s on %d ranks: %s", strategy, world, mr_error_message());
   /* every (chunk, micro) forward runs before its backward, once each */
   struct mr_lowered L;
@@ -139,6 +139,44 @@ START_TEST(test_lower_mesh_mapping_numbers_ranks) {
 }
 END_TEST
 
+START_TEST(test_lower_program_digests) {
+  /* what the launcher sends each rank to compare with the program it
+   * lowers itself: the same plan gives the same digest, every rank of
+   * dp2 x pp2 its own (stages differ; so do the data groups' ranks), and
+   * one more micro-batch another */
+  const char *st = "\"data_parallel\": {\"degree\": 2}, "
+                   "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}";
+  const char *st4 = "\"data_parallel\": {\"degree\": 2}, "
+                    "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 4}";
+  struct mr_job job, again, more;
+  job_for(&job, st, 4, 0);
+  job_for(&again, st, 4, 0);
+  job_for(&more, st4, 4, 0);
+  uint64_t a[4], b[4], c[4];
+  ck_assert_int_eq(mr_lower_check_all(&job, 4, a), 0);
+  ck_assert_int_eq(mr_lower_check_all(&again, 4, b), 0);
+  ck_assert_int_eq(mr_lower_check_all(&more, 4, c), 0);
+  for (int r = 0; r < 4; r++) {
+    ck_assert(a[r] != 0);
+    ck_assert(a[r] == b[r]);
+    ck_assert(a[r] != c[r]);
+    for (int q = 0; q < r; q++)
+      ck_assert_msg(a[r] != a[q], "ranks %d and %d: the same digest", q, r);
+  }
+  /* the worker's side: the program it builds itself */
+  struct mr_lowered L;
+  ck_assert_int_eq(mr_lower_graph(&job, 4, &L), 0);
+  struct mr_rank_program p;
+  ck_assert_int_eq(mr_rank_program_build(&L, 3, &p), 0);
+  ck_assert(mr_rank_program_digest(&p) == a[3]);
+  mr_rank_program_close(&p);
+  mr_lowered_close(&L);
+  mr_job_close(&job);
+  mr_job_close(&again);
+  mr_job_close(&more);
+}
+END_TEST
+
 /* Parameter + optimizer bytes of rank 0 under a strategy. */
 static int64_t model_state(const char *strategy, int world, int64_t *stash) {
   struct mr_job job;
@@ -199,7 +237,7 @@ END_TEST
 START_TEST(test_lower_tied_embeddings_across_stages) {
   struct mr_job job;
   job_for(&job, "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}", 4, 1);
-  ck_assert_msg(mr_lower_check_all(&job, 2) == 0, "%s", mr_error_message());
+  ck_assert_msg(mr_lower_check_all(&job, 2, NULL) == 0, "%s", mr_error_message());
   mr_job_close(&job);
   job_for(&job, "\"pipeline_parallel\": {\"degree\": 2}, \"data_parallel\": {\"degree\": 2}, "
                 "\"sharding\": {\"stage\": 3}", 4, 1);
@@ -269,6 +307,7 @@ static Suite *lower_suite(void) {
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, test_lower_layouts_check);
   tcase_add_test(tc, test_lower_mesh_mapping_numbers_ranks);
+  tcase_add_test(tc, test_lower_program_digests);
   tcase_add_test(tc, test_lower_zero3_quarter_of_dp8_state);
   tcase_add_test(tc, test_lower_recompute_keeps_fewer_activations);
   tcase_add_test(tc, test_lower_1f1b_in_flight);

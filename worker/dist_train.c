@@ -22,6 +22,14 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
   FILE *mf = NULL;
   int rc = 0;
   MR_TRY_GOTO(rc, mr_runtime_new(job, &L, env->rank, be, comm, &rt), out);
+  uint64_t digest = mr_rank_program_digest(mr_runtime_program(rt));
+  if (env->program_digest != 0 && digest != env->program_digest) {
+    rc = mr_error_set(MR_EPLAN, "rank %d: the program this worker lowered from the plan "
+                      "(digest %016llx) is not the one the launcher checked (%016llx); are "
+                      "meshrun and meshrun-worker the same build on every node?", env->rank,
+                      (unsigned long long)digest, (unsigned long long)env->program_digest);
+    goto out;
+  }
   mr_runtime_set_reporter(rt, env->reporter);
   MR_TRY_GOTO(rc, mr_train_open_metrics(env, &mf), out);
   if (job->checkpoint.dir != NULL)

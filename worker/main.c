@@ -136,6 +136,7 @@ static int run_training(struct mr_client *c) {
       .reporter = &rep,
       .resume_dir = plan->resume_dir != NULL && plan->resume_dir[0] != '\0' ? plan->resume_dir
                                                                              : NULL,
+      .program_digest = plan->program_digest,
   };
   rc = mr_dist_train_run(&job, &env, be, comm);
   mr_client_set_blocked_probe(c, NULL, NULL);

@@ -54,6 +54,8 @@ struct mr_run_env {
   const char *weights_out;      // final weights (safetensors); NULL: none
   struct mr_reporter *reporter; // never NULL
   const char *resume_dir;       // checkpoint folder to start from; NULL: none
+  uint64_t program_digest;      // the launcher's digest of this rank's
+                                // program; 0: not checked
 };
 
 #endif

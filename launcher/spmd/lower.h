@@ -266,9 +266,16 @@ int64_t mr_rank_program_peak_bytes(const struct mr_rank_program *p);
 struct mr_comm_trace mr_rank_program_trace(const struct mr_rank_program *p, int eval);
 
 /* Lowers every rank of world and checks that their communication fits
- * together for a step and for an evaluation batch.  Returns 0, MR_EPLAN
+ * together for a step and for an evaluation batch; with digests ([world])
+ * not NULL, each rank's program digest goes there.  Returns 0, MR_EPLAN
  * naming the first mismatch, or a lowering error. */
-int mr_lower_check_all(const struct mr_job *job, int world);
+int mr_lower_check_all(const struct mr_job *job, int world, uint64_t *digests);
+
+/* A 64-bit digest (XXH3) of what p executes: its step's instructions, its
+ * communication, its regions and its parameters' places.  The launcher
+ * sends each rank the digest of the program it checked; a worker that
+ * lowers a different one from the same plan stops (never 0). */
+uint64_t mr_rank_program_digest(const struct mr_rank_program *p);
 
 /* Prints p: the layout, buffers, passes and the step's instructions. */
 void mr_rank_program_dump(const struct mr_rank_program *p, FILE *f);

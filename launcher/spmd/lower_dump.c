@@ -3,13 +3,55 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
 #include "common/error.h"
 #include "common/fit.h"
 #include "common/ops.h"
 #include "launcher/spmd/lower_internal.h"
 
-int mr_lower_check_all(const struct mr_job *job, int world) {
+static void put_i64(XXH3_state_t *h, int64_t v) { XXH3_64bits_update(h, &v, sizeof v); }
+
+uint64_t mr_rank_program_digest(const struct mr_rank_program *p) {
+  XXH3_state_t *h = XXH3_createState();
+  if (h == NULL)
+    return 1; /* no memory to hash with: nothing to compare */
+  XXH3_64bits_reset(h);
+  const int64_t regions[] = {p->rank, p->param_bytes, p->acc_bytes, p->optim_bytes,
+                             p->arena_bytes, p->send_bytes, p->zero_tmp_bytes,
+                             p->scratch_bytes, p->grad_stage_bytes, p->n_step, p->n_ev,
+                             p->n_params};
+  for (size_t i = 0; i < sizeof regions / sizeof regions[0]; i++)
+    put_i64(h, regions[i]);
+  for (int i = 0; i < p->n_step; i++) {
+    const struct mr_ins *in = &p->step[i];
+    const int64_t f[] = {in->kind, in->pass, in->micro, in->slot, in->op,
+                         in->edge, in->tensor, in->peer};
+    XXH3_64bits_update(h, f, sizeof f);
+  }
+  for (int i = 0; i < p->n_ev; i++) {
+    const struct mr_comm_event *e = &p->ev[i];
+    const int64_t f[] = {e->kind, e->n_ranks, e->peer, e->count, e->dtype, e->root, e->batch};
+    XXH3_64bits_update(h, f, sizeof f);
+    XXH3_64bits_update(h, e->group, strlen(e->group));
+    for (int k = 0; k < e->n_ranks; k++)
+      put_i64(h, e->ranks[k]);
+  }
+  for (int i = 0; i < p->n_params; i++) {
+    const struct mr_param_plan *pp = &p->params[i];
+    const int64_t f[] = {pp->tensor, pp->numel, pp->begin, pp->len, pp->store_offset,
+                         pp->acc_offset, pp->state_offset};
+    XXH3_64bits_update(h, f, sizeof f);
+    size_t nd = (size_t)p->L->model.graph.tensors[pp->tensor].ndim;
+    XXH3_64bits_update(h, pp->goff, nd * sizeof *pp->goff);
+    XXH3_64bits_update(h, pp->glen, nd * sizeof *pp->glen);
+  }
+  uint64_t d = XXH3_64bits_digest(h);
+  XXH3_freeState(h);
+  return d != 0 ? d : 1;
+}
+
+int mr_lower_check_all(const struct mr_job *job, int world, uint64_t *digests) {
   struct mr_lowered L;
   MR_TRY(mr_lower_graph(job, world, &L));
   struct mr_rank_program *ps = calloc((size_t)world, sizeof *ps);
@@ -17,8 +59,11 @@ int mr_lower_check_all(const struct mr_job *job, int world) {
   int rc = MR_ENOMEM, built = 0;
   if (!ps || !tr)
     goto out;
-  for (; built < world; built++)
+  for (; built < world; built++) {
     MR_TRY_GOTO(rc, mr_rank_program_build(&L, built, &ps[built]), out);
+    if (digests != NULL)
+      digests[built] = mr_rank_program_digest(&ps[built]);
+  }
   for (int eval = 0; eval < 2; eval++) {
     for (int r = 0; r < world; r++)
       tr[r] = mr_rank_program_trace(&ps[r], eval);
