@@ -1,4 +1,5 @@
 /* rpc.c - envelope codec, validation and blocking socket I/O. */
+#include "common/clock.h"
 #include "common/rpc.h"
 
 #include <errno.h>
@@ -143,15 +144,9 @@ int mr_rpc_send_fd(int fd, const Meshrun__Envelope *env) {
   return rc;
 }
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 int mr_rpc_recv_fd(int fd, struct mr_frame_reader *r, int timeout_ms,
                    Meshrun__Envelope **env) {
-  int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+  int64_t deadline = timeout_ms < 0 ? -1 : mr_clock_ms() + timeout_ms;
   for (;;) {
     const uint8_t *payload;
     size_t len;
@@ -162,7 +157,7 @@ int mr_rpc_recv_fd(int fd, struct mr_frame_reader *r, int timeout_ms,
       return mr_rpc_decode(payload, len, env);
     int wait = -1;
     if (deadline >= 0) {
-      int64_t left = deadline - now_ms();
+      int64_t left = deadline - mr_clock_ms();
       if (left <= 0)
         return MR_ETIMEDOUT;
       wait = (int)left;

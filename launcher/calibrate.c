@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/jsonv.h"
 #include "common/tunable.h"
@@ -37,12 +38,6 @@ static void usage(FILE *f) {
           "  --base SPEC   spec whose unmeasured fields are kept (default cpu-local)\n");
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 #if defined(__x86_64__)
 /* FMA peak of one core: 12 independent FMA chains of `width` floats,
  * enough to cover two pipes' latency. */
@@ -55,7 +50,7 @@ static double now_s(void) {
     const long iters = 10000000;                                                   \
     double best = 0;                                                               \
     for (int rep = 0; rep < 5; rep++) {                                            \
-      double t0 = now_s();                                                         \
+      double t0 = mr_clock_s();                                                         \
       for (long k = 0; k < iters; k++) {                                           \
         c0 = fmadd(c0, a, b), c1 = fmadd(c1, a, b), c2 = fmadd(c2, a, b);           \
         c3 = fmadd(c3, a, b), c4 = fmadd(c4, a, b), c5 = fmadd(c5, a, b);           \
@@ -65,7 +60,7 @@ static double now_s(void) {
                          "+v"(c5), "+v"(c6), "+v"(c7), "+v"(c8), "+v"(c9), "+v"(ca), \
                          "+v"(cb));                                                \
       }                                                                            \
-      double r = (double)iters * 12 * (width) * 2 / (now_s() - t0);                \
+      double r = (double)iters * 12 * (width) * 2 / (mr_clock_s() - t0);                \
       best = r > best ? r : best;                                                  \
     }                                                                              \
     return best;                                                                   \
@@ -92,9 +87,9 @@ static int gemm_rate(struct mr_pool *pool, int m, int n, int k, double *out) {
   double flops = 2.0 * m * n * k, best = 0;
   int rc = 0;
   for (int rep = 0; rep < 8 && rc == 0; rep++) {
-    double t0 = now_s();
+    double t0 = mr_clock_s();
     rc = mr_cpu_gemm(pool, false, false, m, n, k, 1.0f, a, k, b, n, 0.0f, c, n);
-    double dt = now_s() - t0;
+    double dt = mr_clock_s() - t0;
     if (rep > 0 && flops / dt > best)
       best = flops / dt;
   }
@@ -114,9 +109,9 @@ static double memcpy_bandwidth(void) {
   memset(dst, 2, bytes);
   double best = 0;
   for (int rep = 0; rep < 4; rep++) {
-    double t0 = now_s();
+    double t0 = mr_clock_s();
     memcpy(dst, src, bytes);
-    double dt = now_s() - t0;
+    double dt = mr_clock_s() - t0;
     if (rep > 0 && bytes / dt > best)
       best = bytes / dt;
   }
@@ -154,21 +149,21 @@ static void comm_rank(int rank, int world, struct mr_bootstrap_local *bl, const 
   double t_small = 1e30, t_large = 1e30;
   for (int rep = 0; rep < 5; rep++) {
     int iters = 200;
-    double t0 = now_s();
+    double t0 = mr_clock_s();
     for (int i = 0; i < iters; i++) {
       if (mr_comm_all_reduce(g, buf, buf, 1024, MR_F32, MR_RED_SUM, &req) != 0 ||
           mr_comm_wait(req) != 0)
         _exit(1);
     }
-    double dt = (now_s() - t0) / iters;
+    double dt = (mr_clock_s() - t0) / iters;
     t_small = dt < t_small ? dt : t_small;
   }
   for (int rep = 0; rep < 4; rep++) {
-    double t0 = now_s();
+    double t0 = mr_clock_s();
     if (mr_comm_all_reduce(g, buf, buf, big, MR_F32, MR_RED_SUM, &req) != 0 ||
         mr_comm_wait(req) != 0)
       _exit(1);
-    double dt = now_s() - t0;
+    double dt = mr_clock_s() - t0;
     if (rep > 0)
       t_large = dt < t_large ? dt : t_large;
   }

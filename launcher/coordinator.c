@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/auth.h"
 #include "common/checksum.h"
 #include "common/ckpt.h"
@@ -110,7 +111,7 @@ static void begin_stop(struct coordinator *co) {
   if (co->phase == PHASE_STOPPING)
     return;
   co->phase = PHASE_STOPPING;
-  co->stop_started_ms = mr_now_ms();
+  co->stop_started_ms = mr_clock_ms();
   co->killed = 0;
   mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__STOP);
   mr_ranks_signal_all(&co->ranks, SIGTERM);
@@ -136,7 +137,7 @@ static void on_signal(uv_signal_t *h, int signum) {
       co->phase == PHASE_RUNNING && !co->opts->selfcheck && job != NULL &&
       job->checkpoint.dir != NULL) {
     co->preempting = 1;
-    co->preempt_started_ms = mr_now_ms();
+    co->preempt_started_ms = mr_clock_ms();
     MR_WARN("launch", "SIGTERM: writing a checkpoint, then stopping");
     mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
     return;
@@ -220,7 +221,7 @@ static void on_hello(struct coordinator *co, struct mr_conn *c,
   c->rank = rank;
   r->conn = c;
   r->registered = 1;
-  r->last_seen_ms = mr_now_ms();
+  r->last_seen_ms = mr_clock_ms();
   MR_DEBUG("launch", "rank %d registered (pid %u, host %s, %zu devices)", rank, h->pid,
            h->host, h->n_devices);
   send_welcome_and_plan(co, c, rank);
@@ -449,7 +450,7 @@ static void on_message(void *ctx, struct mr_conn *c, const Meshrun__Envelope *en
       mr_conn_close(c, "expected hello after authenticating");
     return;
   }
-  co->ranks.r[c->rank].last_seen_ms = mr_now_ms();
+  co->ranks.r[c->rank].last_seen_ms = mr_clock_ms();
   switch (env->msg_case) {
   case MESHRUN__ENVELOPE__MSG_HEARTBEAT:
     mr_ranks_heartbeat(&co->ranks, c->rank, env->heartbeat);
@@ -630,7 +631,7 @@ static void group_stopped(struct coordinator *co) {
       backoff *= 2;
     MR_WARN("launch", "restarting the group (restart %d of %d)%s", co->restart,
             co->opts->max_restarts, backoff > 0 ? " after a pause" : "");
-    co->restart_at_ms = mr_now_ms() + backoff;
+    co->restart_at_ms = mr_clock_ms() + backoff;
     co->phase = PHASE_RUNNING;
     co->failed_rank = -1;
     if (backoff <= 0)
@@ -661,7 +662,7 @@ static void on_rank_exit(void *ctx, int rank, int64_t status, int signal) {
 
 static void on_tick(uv_timer_t *t) {
   struct coordinator *co = t->data;
-  int64_t now = mr_now_ms();
+  int64_t now = mr_clock_ms();
   if (co->phase == PHASE_RUNNING && co->ranks.waiting_restart) {
     if (now >= co->restart_at_ms) {
       co->ranks.waiting_restart = 0;

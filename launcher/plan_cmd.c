@@ -10,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/job.h"
 #include "common/mesh.h"
@@ -47,12 +48,6 @@ static void usage(FILE *f) {
           "                   issues, after checking every rank's programs fit together\n"
           "  --rank R         the rank --dump prints (default 0)\n",
           MR_PLAN_TOP_MAX);
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 static int is_dir(const char *p) {
@@ -393,7 +388,7 @@ int mr_cmd_plan(int argc, char **argv) {
     mr_job_close(&job);
     return 1;
   }
-  double t0 = now_s();
+  double t0 = mr_clock_s();
   if (job.strategy.auto_mode == MR_AUTO_MANUAL) {
     rc = mr_plan_manual(&req, &res->top[0].strategy);
     if (rc == 0) {
@@ -412,7 +407,7 @@ int mr_cmd_plan(int argc, char **argv) {
   } else {
     rc = mr_plan_search(&req, res);
   }
-  double search_s = now_s() - t0;
+  double search_s = mr_clock_s() - t0;
   if (rc < 0 && rc != MR_ENOFIT) {
     if (mesh_arg != NULL)
       fprintf(stderr, "meshrun plan: %s: --mesh \"%s\": %s\n", job_path, mesh_arg,

@@ -9,18 +9,13 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/tunable.h"
 #include "launcher/conn.h"
 
 extern char **environ;
-
-int64_t mr_now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, const char *log_dir,
                   void *ctx, void (*on_exit)(void *, int, int64_t, int)) {
@@ -34,7 +29,7 @@ int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, const char *log_di
   s->ctx = ctx;
   s->on_exit = on_exit;
   s->tty = isatty(STDOUT_FILENO);
-  s->start_ms = mr_now_ms();
+  s->start_ms = mr_clock_ms();
   for (int i = 0; i < n; i++) {
     s->r[i].set = s;
     s->r[i].rank = i;
@@ -237,7 +232,7 @@ static int spawn_one(struct mr_ranks *s, int i, const struct mr_spawn_env *e) {
   r->pid = r->proc.pid;
   r->conn = NULL;
   r->registered = 0;
-  r->spawn_ms = r->last_seen_ms = r->progress_ms = mr_now_ms();
+  r->spawn_ms = r->last_seen_ms = r->progress_ms = mr_clock_ms();
   r->last_done = 0;
   r->step = 0;
   r->waiting_on = -1;
@@ -300,7 +295,7 @@ int mr_ranks_all_closed(const struct mr_ranks *s) {
 void mr_ranks_heartbeat(struct mr_ranks *s, int rank, const Meshrun__Heartbeat *hb) {
   struct mr_rank *r = &s->r[rank];
   if (hb->step != r->step || hb->last_done != r->last_done)
-    r->progress_ms = mr_now_ms();
+    r->progress_ms = mr_clock_ms();
   r->step = hb->step;
   r->last_done = hb->last_done;
   r->waiting_on = hb->waiting_on;
@@ -410,7 +405,7 @@ void mr_ranks_print_summary(struct mr_ranks *s) {
   clear_progress(s);
   if (!s->have_last)
     return;
-  double secs = (double)(mr_now_ms() - s->start_ms) / 1000.0;
+  double secs = (double)(mr_clock_ms() - s->start_ms) / 1000.0;
   printf("meshrun: done: %lld steps in %.1f s, final loss %.4f, %.0f tokens/s\n",
          (long long)s->last.step, secs, s->last.loss, s->last.tokens_per_s);
   fflush(stdout);

@@ -78,8 +78,6 @@ struct mr_ranks {
   int have_last;
 };
 
-/* Monotonic milliseconds. */
-int64_t mr_now_ms(void);
 
 /* Prepares n ranks; opens nothing yet.  on_exit is called once per worker
  * exit.  Returns 0 or MR_ENOMEM. */

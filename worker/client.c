@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/discovery.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -21,12 +22,6 @@ struct mr_rdv_result {
   Meshrun__Envelope *env;      // a RendezvousDone, owned
   struct mr_rdv_result *next;
 };
-
-static uint64_t now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
-}
 
 static uint64_t rss_bytes(void) {
   FILE *f = fopen("/proc/self/statm", "r");
@@ -160,7 +155,7 @@ static void send_heartbeat(struct mr_client *c) {
   }
   hb.waiting_detail = detail;
   hb.memory_bytes = rss_bytes();
-  hb.time_us = now_us();
+  hb.time_us = (uint64_t)mr_clock_us();
   Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
   env.msg_case = MESHRUN__ENVELOPE__MSG_HEARTBEAT;
   env.heartbeat = &hb;
@@ -206,9 +201,9 @@ static void handle(struct mr_client *c, Meshrun__Envelope *env) {
 static void *rpc_main(void *arg) {
   struct mr_client *c = arg;
   int interval = (int)mr_tunable_int(MR_TUNABLE_HEARTBEAT_MS);
-  uint64_t next = now_us();
+  uint64_t next = (uint64_t)mr_clock_us();
   while (!atomic_load(&c->shutting_down)) {
-    uint64_t t = now_us();
+    uint64_t t = (uint64_t)mr_clock_us();
     if (t >= next) {
       send_heartbeat(c);
       next = t + (uint64_t)interval * 1000u;
@@ -227,7 +222,7 @@ static void *rpc_main(void *arg) {
         handle(c, env);
       continue;
     }
-    int wait_ms = (int)((next - now_us()) / 1000u) + 1;
+    int wait_ms = (int)((next - (uint64_t)mr_clock_us()) / 1000u) + 1;
     struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
     int pr = poll(&pfd, 1, wait_ms);
     if (pr < 0 && errno != EINTR)

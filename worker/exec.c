@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/fit.h"
 #include "common/log.h"
@@ -106,12 +107,6 @@ void mr_exec_close(struct mr_exec *x) {
   memset(x, 0, sizeof *x);
 }
 
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 int mr_exec_run(struct mr_exec *x, int from, int to) {
   const struct mr_graph *g = x->g;
   void *bufs[MR_OP_MAX_IN + MR_OP_MAX_OUT];
@@ -122,7 +117,7 @@ int mr_exec_run(struct mr_exec *x, int from, int to) {
       bufs[n++] = op->in[j] >= 0 ? x->buf[op->in[j]] : NULL;
     for (int j = 0; j < op->n_out; j++)
       bufs[n++] = x->buf[op->out[j]];
-    double t0 = x->op_seconds ? now() : 0;
+    double t0 = x->op_seconds ? mr_clock_s() : 0;
     int rc = mr_op_kernel(op->kind, MR_BACKEND_CPU)(&x->cpu, g, op, bufs);
     if (rc < 0) {
       MR_ERROR("exec", "op %d (%s -> %s): %s", i, mr_op_def(op->kind)->name,
@@ -130,7 +125,7 @@ int mr_exec_run(struct mr_exec *x, int from, int to) {
       return rc;
     }
     if (x->op_seconds)
-      x->op_seconds[i] += now() - t0;
+      x->op_seconds[i] += mr_clock_s() - t0;
   }
   return 0;
 }

@@ -4,13 +4,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/clock.h"
 #include "common/error.h"
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 int mr_box_copy(struct mr_backend *be, int ndim, const int64_t *len, void *dst,
                 const int64_t *dshape, const int64_t *doff, const void *src,
@@ -72,9 +67,9 @@ static enum mr_red_op red(enum mr_reduce_op op) {
 }
 
 static int wait_req(struct mr_reshard_ctx *x, struct mr_comm_req *req) {
-  double t0 = now();
+  double t0 = mr_clock_s();
   int rc = mr_comm_wait(req);
-  x->wait_s += now() - t0;
+  x->wait_s += mr_clock_s() - t0;
   return rc;
 }
 

@@ -7,17 +7,12 @@
 #include <time.h>
 
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/ops.h"
 #include "common/tunable.h"
 #include "worker/backend/cpu/pool.h"
 #include "worker/runtime_internal.h"
-
-double mr__rt_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* ---- memory ---- */
 
@@ -97,9 +92,9 @@ void mr__rt_done(struct mr_runtime *rt, int idx) {
 }
 
 int mr__rt_wait_req(struct mr_runtime *rt, struct mr_comm_req *req) {
-  double t0 = mr__rt_now();
+  double t0 = mr_clock_s();
   int rc = mr_comm_wait(req);
-  rt->comm_wait_s += mr__rt_now() - t0;
+  rt->comm_wait_s += mr_clock_s() - t0;
   return rc;
 }
 
@@ -328,7 +323,7 @@ static int exec(struct mr_runtime *rt, const struct mr_ins *in, int idx, int64_t
 
 int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *r) {
   const struct mr_rank_program *p = &rt->p;
-  double t0 = mr__rt_now();
+  double t0 = mr_clock_s();
   memset(r, 0, sizeof *r);
   r->step = step;
   r->val_loss = NAN;
@@ -360,7 +355,7 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
     mr__rt_wait_all(rt, rt->step_req, &rt->n_step_req);
     return rc;
   }
-  r->step_time_s = mr__rt_now() - t0;
+  r->step_time_s = mr_clock_s() - t0;
   r->comm_wait_s = rt->comm_wait_s;
   r->tokens_per_s = (double)(rt->job->train.global_batch * rt->job->train.seq_len) /
                     r->step_time_s;

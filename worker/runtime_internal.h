@@ -58,7 +58,6 @@ struct mr_runtime {
 };
 
 
-double mr__rt_now(void);
 /* Device memory counted in the peak (bytes may be 0). */
 int mr__rt_alloc(struct mr_runtime *rt, int64_t bytes, char **out);
 /* Where local tensor t lives in pass ps for stash slot `slot`. */

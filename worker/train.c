@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/autodiff.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -40,12 +41,6 @@ struct mr_trainer {
   int accum;
   float **acc;
 };
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 void mr_trainer_free(struct mr_trainer *t) {
   if (!t)
@@ -190,7 +185,7 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
                     struct mr_step_report *r) {
   const struct mr_train_config *tc = &t->job->train;
   struct mr_graph *g = &t->model.graph;
-  double t0 = now();
+  double t0 = mr_clock_s();
   memset(r, 0, sizeof *r);
   r->step = step;
   r->val_loss = NAN;
@@ -254,7 +249,7 @@ int mr_trainer_step(struct mr_trainer *t, int64_t step,
                                (size_t)mr_tensor_numel(p), &h, opt_step));
     }
   }
-  r->step_time_s = now() - t0;
+  r->step_time_s = mr_clock_s() - t0;
   r->tokens_per_s =
       (double)(t->model.batch * t->accum * t->model.seq) / r->step_time_s;
   r->peak_memory_bytes = peak_bytes(t);

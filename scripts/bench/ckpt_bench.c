@@ -38,6 +38,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/ckpt.h"
 #include "common/error.h"
 #include "common/job.h"
@@ -49,12 +50,6 @@
 #include "worker/runtime.h"
 
 #define MAX_TRIALS 64
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static double cpu_now(void) {
   struct rusage ru;
@@ -125,13 +120,13 @@ static int time_save(struct mr_ckpt_saver *sv, struct mr_runtime *tr, struct coo
                      const struct mr_reporter *rep, int64_t step, double *dt, double *snap,
                      double *cpu, long long *bytes) {
   atomic_store(&co->done, 0);
-  double c0 = cpu_now(), t0 = now();
+  double c0 = cpu_now(), t0 = mr_clock_s();
   if (mr_ckpt_save(sv, tr, step, rep) < 0)
     return -1;
-  double t1 = now();
+  double t1 = mr_clock_s();
   if (mr_ckpt_saver_wait(sv) < 0 || co->rc < 0 || !atomic_load(&co->done))
     return -1;
-  *dt = now() - t0;
+  *dt = mr_clock_s() - t0;
   *snap = t1 - t0;
   *cpu = cpu_now() - c0;
   char dir[4096], p[4200];
@@ -147,7 +142,7 @@ static int time_save(struct mr_ckpt_saver *sv, struct mr_runtime *tr, struct coo
 /* The peer: bytes from memory to path by 8 MiB write(2) calls, one fsync;
  * direct: with O_DIRECT (buf and bytes aligned to 4 KiB). */
 static double time_write_loop(const char *path, const char *buf, size_t bytes, int direct) {
-  double t0 = now();
+  double t0 = mr_clock_s();
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | (direct ? O_DIRECT : 0), 0644);
   if (fd < 0)
     return -1;
@@ -161,17 +156,17 @@ static double time_write_loop(const char *path, const char *buf, size_t bytes, i
   }
   int rc = fsync(fd);
   close(fd);
-  return rc == 0 ? now() - t0 : -1;
+  return rc == 0 ? mr_clock_s() - t0 : -1;
 }
 
 static double time_dd(const char *path, long long blocks) {
   char cmd[4400];
   snprintf(cmd, sizeof cmd, "dd if=/dev/zero of='%s' bs=8M count=%lld conv=fsync status=none",
            path, blocks);
-  double t0 = now();
+  double t0 = mr_clock_s();
   if (system(cmd) != 0)
     return -1;
-  return now() - t0;
+  return mr_clock_s() - t0;
 }
 
 static int write_tokens(const char *path, int n) {
@@ -352,32 +347,32 @@ int main(int argc, char **argv) {
   double base_cpu = 0, base_wall = 0;
   for (int k = 0; k <= saves; k++) {
     for (int i = 0; i < base_steps; i++) {
-      double c0 = cpu_now(), t0 = now();
+      double c0 = cpu_now(), t0 = mr_clock_s();
       if (mr_runtime_step(tr, ++step, &r) < 0)
         goto step_failed;
-      runs[k][i] = base_all[n_base_all++] = now() - t0;
-      base_wall += now() - t0;
+      runs[k][i] = base_all[n_base_all++] = mr_clock_s() - t0;
+      base_wall += mr_clock_s() - t0;
       base_cpu += cpu_now() - c0;
     }
     if (k == saves)
       break;
     atomic_store(&co.done, 0);
-    double t0 = now();
+    double t0 = mr_clock_s();
     if (mr_ckpt_save(sv, tr, step, &rep) < 0) {
       fprintf(stderr, "ckpt_bench: save: %s\n", mr_error_message());
       return 1;
     }
-    save_snap[k] = now() - t0;
+    save_snap[k] = mr_clock_s() - t0;
     int n = 0;
     double sum = 0;
     while (!atomic_load(&co.done)) {
-      double s0 = now();
+      double s0 = mr_clock_s();
       if (mr_runtime_step(tr, ++step, &r) < 0)
         goto step_failed;
-      sum += now() - s0;
+      sum += mr_clock_s() - s0;
       n++;
     }
-    durable[k] = now() - t0;
+    durable[k] = mr_clock_s() - t0;
     inflight[k] = n;
     if (mr_ckpt_saver_wait(sv) < 0 || co.rc < 0) {
       fprintf(stderr, "ckpt_bench: save: %s\n", mr_error_message());

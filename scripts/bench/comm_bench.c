@@ -18,15 +18,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/tunable.h"
 #include "worker/comm/comm.h"
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
 
 static int iters_for(size_t bytes) {
   size_t it = (size_t)(2u << 30) / (bytes ? bytes : 1);
@@ -94,12 +89,12 @@ static int rank_main(int rank, struct mr_bootstrap_local *bl, const char *mode,
     }
     mr_comm_barrier(g, &req);
     mr_comm_wait(req);
-    double t0 = now();
+    double t0 = mr_clock_s();
     for (int i = 0; i < iters; i++) {
       start(g, op, send, recv, count, &req);
       mr_comm_wait(req);
     }
-    double t = (now() - t0) / iters;
+    double t = (mr_clock_s() - t0) / iters;
     int ar = strcmp(op, "allreduce") == 0;
     float want = strcmp(op, "allgather") == 0 ? 3.5f
                  : (float)((7 + (ar ? 0 : rank * count / 2)) % 1000) * 0.5f *

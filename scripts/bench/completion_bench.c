@@ -10,16 +10,11 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/clock.h"
 #include "common/autodiff.h"
 #include "common/error.h"
 #include "common/model.h"
 #include "launcher/spmd/completion.h"
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 int main(int argc, char **argv) {
   const char *spec = argc > 1 ? argv[1] : "data=2,model=4";
@@ -59,12 +54,12 @@ int main(int argc, char **argv) {
     double best = 1e30;
     for (int r = 0; r < 5; r++) {
       struct mr_dist_graph dg;
-      double t0 = now();
+      double t0 = mr_clock_s();
       if (mr_spmd_complete(&mo.graph, &m, &o, &dg) < 0) {
         fprintf(stderr, "%s\n", mr_error_message());
         return 1;
       }
-      double dt = now() - t0;
+      double dt = mr_clock_s() - t0;
       best = dt < best ? dt : best;
       mr_dist_graph_close(&dg);
     }

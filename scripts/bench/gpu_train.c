@@ -24,6 +24,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/clock.h"
 #include "common/autodiff.h"
 #include "common/error.h"
 #include "common/model.h"
@@ -39,12 +40,6 @@ struct opts {
   int64_t batch, seq;
   struct mr_model_config cfg;
 };
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static uint64_t mix(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -258,9 +253,9 @@ static int bench(const struct opts *o) {
   int timed = 0;
   for (int s = 0; s < o->warmup + o->steps; s++) {
     float loss = NAN;
-    double t0 = now_s();
+    double t0 = mr_clock_s();
     rc = run_step(&r, o, s, &loss);
-    double dt = now_s() - t0;
+    double dt = mr_clock_s() - t0;
     if (rc < 0) {
       fprintf(stderr, "gpu_train: step %d: %s\n", s, mr_error_message());
       break;

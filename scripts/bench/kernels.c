@@ -16,15 +16,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/backend/cpu/sgemm.h"
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static float *randf(size_t n) {
   float *x = aligned_alloc(64, (n * 4 + 63) / 64 * 64);
@@ -50,24 +45,24 @@ struct mm {
 
 static double time_ours(struct mr_pool *pool, const struct mm *m, const float *A,
                         const float *B, float *C) {
-  double t0 = now();
+  double t0 = mr_clock_s();
   int rc = mr_cpu_gemm(pool, m->ta, m->tb, m->M, m->N, m->K, 1.0f, A,
                        m->ta ? m->M : m->K, B, m->tb ? m->K : m->N, 0.0f, C, m->N);
   if (rc < 0) {
     fprintf(stderr, "gemm: %s\n", mr_error_message());
     exit(1);
   }
-  return now() - t0;
+  return mr_clock_s() - t0;
 }
 
 static double time_blas(int threads, const struct mm *m, const float *A,
                         const float *B, float *C) {
   openblas_set_num_threads(threads);
-  double t0 = now();
+  double t0 = mr_clock_s();
   cblas_sgemm(CblasRowMajor, m->ta ? CblasTrans : CblasNoTrans,
               m->tb ? CblasTrans : CblasNoTrans, m->M, m->N, m->K, 1.0f, A,
               m->ta ? m->M : m->K, B, m->tb ? m->K : m->N, 0.0f, C, m->N);
-  double t = now() - t0;
+  double t = mr_clock_s() - t0;
   openblas_set_num_threads(1);
   return t;
 }
@@ -143,11 +138,11 @@ static void bench_attention(struct mr_pool *pool, int B, int T, int H, int Hkv, 
   float *lse = randf((size_t)B * H * T);
   double tf = 1e9, tb = 1e9;
   for (int r = 0; r < REPS; r++) {
-    double t0 = now();
+    double t0 = mr_clock_s();
     mr_cpu_attention_fwd(pool, o, lse, q, k, v, &s);
-    double t1 = now();
+    double t1 = mr_clock_s();
     mr_cpu_attention_bwd(pool, dq, dk, dv, dout, q, k, v, o, lse, &s);
-    double t2 = now();
+    double t2 = mr_clock_s();
     tf = fmin(tf, t1 - t0);
     tb = fmin(tb, t2 - t1);
   }
@@ -191,24 +186,24 @@ static void bench_streaming(struct mr_pool *pool) {
   };
   double s;
   for (int rep = 0; rep < REPS; rep++) {
-    double t0 = now();
+    double t0 = mr_clock_s();
     mr_cpu_rmsnorm_fwd(pool, y, r, x, w, N, C, 1e-6f);
-    double t1 = now();
+    double t1 = mr_clock_s();
     mr_cpu_rmsnorm_bwd(pool, z, dw, y, x, w, r, N, C, false);
-    double t2 = now();
+    double t2 = mr_clock_s();
     mr_cpu_swiglu_fwd(pool, z, x, y, nf);
-    double t3 = now();
+    double t3 = mr_clock_s();
     mr_cpu_swiglu_bwd(pool, a, b, z, x, y, nf, false);
-    double t4 = now();
+    double t4 = mr_clock_s();
     mr_cpu_add(pool, z, x, y, nc);
-    double t5 = now();
+    double t5 = mr_clock_s();
     mr_cpu_xent_fwd(pool, a, r, x, t, N, V, NULL);
     mr_cpu_xent_bwd(pool, y, x, r, t, NULL, 1.0f / N, N, V);
-    double t6 = now();
+    double t6 = mr_clock_s();
     mr_cpu_adamw_step(pool, p, g, m, vv, np, &h, rep + 1);
-    double t7 = now();
+    double t7 = mr_clock_s();
     memcpy(m, g, np * 4);
-    double t8 = now();
+    double t8 = mr_clock_s();
     double d[] = {t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6, t8 - t7};
     for (int i = 0; i < 8; i++)
       cs[i].t = fmin(cs[i].t, d[i]);
@@ -257,7 +252,7 @@ static void bench_llama_step(struct mr_pool *pool, const struct llama *m) {
   struct mr_adamw h = mr_adamw_defaults();
   double best = 1e9, t_attn = 0, t_mm = 0;
   for (int rep = 0; rep < (REPS + 1) / 2; rep++) {
-    double t0 = now(), ta = 0, tm = 0, q0;
+    double t0 = mr_clock_s(), ta = 0, tm = 0, q0;
     float *emb = P + (size_t)m->L * per_layer, *head = emb + (size_t)m->V * C;
     CHECK(mr_cpu_embedding_fwd(pool, x, emb, tok, N, m->V, C));
     for (int l = 0; l < m->L; l++) {
@@ -270,41 +265,41 @@ static void bench_llama_step(struct mr_pool *pool, const struct llama *m) {
             *g = h2 + (size_t)N * C, *u = g + (size_t)N * F, *sw = u + (size_t)N * F,
             *r1 = sw + (size_t)N * F, *r2 = r1 + N;
       CHECK(mr_cpu_rmsnorm_fwd(pool, hn, r1, x, n1, N, C, 1e-6f));
-      q0 = now();
+      q0 = mr_clock_s();
       CHECK(mr_cpu_linear_fwd(pool, q, hn, wq, NULL, N, C, C));
       CHECK(mr_cpu_linear_fwd(pool, k, hn, wk, NULL, N, KV, C));
       CHECK(mr_cpu_linear_fwd(pool, v, hn, wv, NULL, N, KV, C));
-      tm += now() - q0;
+      tm += mr_clock_s() - q0;
       CHECK(mr_cpu_rope_fwd(pool, q, cs, sn, NULL, m->B, m->T, m->H, D, m->T, 0));
       CHECK(mr_cpu_rope_fwd(pool, k, cs, sn, NULL, m->B, m->T, m->Hkv, D, m->T, 0));
-      q0 = now();
+      q0 = mr_clock_s();
       CHECK(mr_cpu_attention_fwd(pool, o, lse_a + (size_t)l * m->B * m->H * m->T, q, k, v, &as));
-      ta += now() - q0;
-      q0 = now();
+      ta += mr_clock_s() - q0;
+      q0 = mr_clock_s();
       CHECK(mr_cpu_linear_fwd(pool, t1, o, wo, NULL, N, C, C));
-      tm += now() - q0;
+      tm += mr_clock_s() - q0;
       CHECK(mr_cpu_add(pool, x, x, t1, (size_t)N * C));
       CHECK(mr_cpu_rmsnorm_fwd(pool, h2, r2, x, n2, N, C, 1e-6f));
-      q0 = now();
+      q0 = mr_clock_s();
       CHECK(mr_cpu_linear_fwd(pool, g, h2, wg, NULL, N, F, C));
       CHECK(mr_cpu_linear_fwd(pool, u, h2, wu, NULL, N, F, C));
-      tm += now() - q0;
+      tm += mr_clock_s() - q0;
       CHECK(mr_cpu_swiglu_fwd(pool, sw, g, u, (size_t)N * F));
-      q0 = now();
+      q0 = mr_clock_s();
       CHECK(mr_cpu_linear_fwd(pool, t1, sw, wd, NULL, N, C, F));
-      tm += now() - q0;
+      tm += mr_clock_s() - q0;
       CHECK(mr_cpu_add(pool, x, x, t1, (size_t)N * C));
     }
-    q0 = now();
+    q0 = mr_clock_s();
     CHECK(mr_cpu_linear_fwd(pool, logits, x, head, NULL, N, m->V, C));
-    tm += now() - q0;
+    tm += mr_clock_s() - q0;
     CHECK(mr_cpu_xent_fwd(pool, loss, lse, logits, tok, N, m->V, NULL));
     CHECK(mr_cpu_xent_bwd(pool, logits, logits, lse, tok, NULL, 1.0f / N, N, m->V));
     float *gemb = G + (size_t)m->L * per_layer, *ghead = gemb + (size_t)m->V * C;
-    q0 = now();
+    q0 = mr_clock_s();
     CHECK(mr_cpu_linear_bwd_w(pool, ghead, NULL, logits, x, N, m->V, C));
     CHECK(mr_cpu_linear_bwd_x(pool, dx, logits, head, N, m->V, C, false));
-    tm += now() - q0;
+    tm += mr_clock_s() - q0;
     for (int l = m->L - 1; l >= 0; l--) {
       float *w = P + (size_t)l * per_layer, *gw = G + (size_t)l * per_layer;
       float *wq = w, *wk = wq + (size_t)C * C, *wv = wk + (size_t)KV * C, *wo = wv + (size_t)KV * C,
@@ -318,45 +313,45 @@ static void bench_llama_step(struct mr_pool *pool, const struct llama *m) {
             *g = h2 + (size_t)N * C, *u = g + (size_t)N * F, *sw = u + (size_t)N * F,
             *r1 = sw + (size_t)N * F, *r2 = r1 + N;
       /* MLP */
-      q0 = now();
+      q0 = mr_clock_s();
       CHECK(mr_cpu_linear_bwd_w(pool, gd, NULL, dx, sw, N, C, F));
       CHECK(mr_cpu_linear_bwd_x(pool, t1, dx, wd, N, C, F, false));
-      tm += now() - q0;
+      tm += mr_clock_s() - q0;
       CHECK(mr_cpu_swiglu_bwd(pool, t2, t3, t1, g, u, (size_t)N * F, false));
-      q0 = now();
+      q0 = mr_clock_s();
       CHECK(mr_cpu_linear_bwd_w(pool, gg, NULL, t2, h2, N, F, C));
       CHECK(mr_cpu_linear_bwd_w(pool, gu, NULL, t3, h2, N, F, C));
       CHECK(mr_cpu_linear_bwd_x(pool, t1, t2, wg, N, F, C, false));
       CHECK(mr_cpu_linear_bwd_x(pool, t1, t3, wu, N, F, C, true));
-      tm += now() - q0;
+      tm += mr_clock_s() - q0;
       CHECK(mr_cpu_rmsnorm_bwd(pool, dx, gn2, t1, x, n2, r2, N, C, true));
       /* attention */
-      q0 = now();
+      q0 = mr_clock_s();
       CHECK(mr_cpu_linear_bwd_w(pool, go, NULL, dx, o, N, C, C));
       CHECK(mr_cpu_linear_bwd_x(pool, t1, dx, wo, N, C, C, false));
-      tm += now() - q0;
+      tm += mr_clock_s() - q0;
       float *dq = t2, *dk = t3, *dv = t3 + (size_t)N * KV;
-      q0 = now();
+      q0 = mr_clock_s();
       CHECK(mr_cpu_attention_bwd(pool, dq, dk, dv, t1, q, k, v, o,
                                  lse_a + (size_t)l * m->B * m->H * m->T, &as));
-      ta += now() - q0;
+      ta += mr_clock_s() - q0;
       CHECK(mr_cpu_rope_bwd(pool, dq, cs, sn, NULL, m->B, m->T, m->H, D, m->T, 0));
       CHECK(mr_cpu_rope_bwd(pool, dk, cs, sn, NULL, m->B, m->T, m->Hkv, D, m->T, 0));
-      q0 = now();
+      q0 = mr_clock_s();
       CHECK(mr_cpu_linear_bwd_w(pool, gq, NULL, dq, hn, N, C, C));
       CHECK(mr_cpu_linear_bwd_w(pool, gk, NULL, dk, hn, N, KV, C));
       CHECK(mr_cpu_linear_bwd_w(pool, gv, NULL, dv, hn, N, KV, C));
       CHECK(mr_cpu_linear_bwd_x(pool, t1, dq, wq, N, C, C, false));
       CHECK(mr_cpu_linear_bwd_x(pool, t1, dk, wk, N, KV, C, true));
       CHECK(mr_cpu_linear_bwd_x(pool, t1, dv, wv, N, KV, C, true));
-      tm += now() - q0;
+      tm += mr_clock_s() - q0;
       CHECK(mr_cpu_rmsnorm_bwd(pool, dx, gn1, t1, x, n1, r1, N, C, true));
     }
     CHECK(mr_cpu_embedding_bwd(pool, gemb, dx, tok, N, m->V, C));
     double ss;
     CHECK(mr_cpu_sumsq(pool, &ss, G, nparam));
     CHECK(mr_cpu_adamw_step(pool, P, G, M1, M2, nparam, &h, rep + 1));
-    double t = now() - t0;
+    double t = mr_clock_s() - t0;
     if (t < best) {
       best = t;
       t_attn = ta;
@@ -385,10 +380,10 @@ static void bench_pool(struct mr_pool *pool) {
   enum { JOBS = 20000 };
   double best = 1e9;
   for (int rep = 0; rep < 3; rep++) {
-    double t0 = now();
+    double t0 = mr_clock_s();
     for (int i = 0; i < JOBS; i++)
       mr_pool_run(pool, mr_pool_threads(pool), nop_task, sink);
-    best = fmin(best, (now() - t0) / JOBS);
+    best = fmin(best, (mr_clock_s() - t0) / JOBS);
   }
   printf("pool: one job of %d empty tasks, dispatch + join: %.2f us\n",
          mr_pool_threads(pool), best * 1e6);

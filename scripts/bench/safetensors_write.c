@@ -12,14 +12,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/safetensors.h"
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static int write_file(const char *path, int n_big, float *big, float *small,
                       enum mr_dtype file_dtype, double *bytes) {
@@ -47,7 +42,7 @@ static int write_file(const char *path, int n_big, float *big, float *small,
 }
 
 static double raw_write(const char *path, const void *buf, size_t bytes) {
-  double t0 = now();
+  double t0 = mr_clock_s();
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0)
     return -1;
@@ -59,7 +54,7 @@ static double raw_write(const char *path, const void *buf, size_t bytes) {
   }
   fsync(fd);
   close(fd);
-  double dt = now() - t0;
+  double dt = mr_clock_s() - t0;
   remove(path);
   return dt;
 }
@@ -94,12 +89,12 @@ int main(int argc, char **argv) {
       double peer = 0, written = 0;
       if (r % 2 == 1 && (peer = raw_write(argv[1], big, (size_t)bytes)) < 0)
         return 1;
-      double t0 = now();
+      double t0 = mr_clock_s();
       if (write_file(argv[1], n_big, big, small, kinds[k], &written) != 0) {
         fprintf(stderr, "%s\n", mr_error_message());
         return 1;
       }
-      double dt = now() - t0;
+      double dt = mr_clock_s() - t0;
       remove(argv[1]);
       if (written != bytes)
         return 1;

@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 
 struct slot_hdr {
@@ -41,12 +42,6 @@ static uint64_t fnv1a(const char *s) {
   for (; *s; s++)
     h = (h ^ (unsigned char)*s) * 1099511628211ull;
   return h;
-}
-
-static int64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
 static size_t hdr_bytes(int world) {
@@ -97,13 +92,13 @@ static int local_allgather(void *ctx, const char *key, const void *blob,
   memcpy(mine, &hd, sizeof hd);
   memcpy(mine + sizeof hd, blob, len);
   atomic_store_explicit(&a->arrived[bl->rank], r + 1, memory_order_release);
-  int64_t deadline = now_ns() + (int64_t)bl->timeout_ms * 1000000;
+  int64_t deadline = mr_clock_ns() + (int64_t)bl->timeout_ms * 1000000;
   for (int i = 0; i < a->world; i++) {
     unsigned spins = 0;
     while (atomic_load_explicit(&a->arrived[i], memory_order_acquire) < r + 1) {
       if (++spins < 1000)
         continue;
-      if (now_ns() > deadline) {
+      if (mr_clock_ns() > deadline) {
         char who[256];
         size_t off = 0;
         for (int j = 0; j < a->world && off < sizeof who - 12; j++)

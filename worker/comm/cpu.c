@@ -24,6 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/tunable.h"
@@ -53,12 +54,6 @@ struct mr__cpu {
                                   off while data moves */
   FILE *trace;                 /* MESHRUN_TEST_COMM_TRACE: every op issued */
 };
-
-int64_t mr__now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 const char *mr__op_name(enum mr__op_kind k) {
   static const char *names[] = {"AllReduce", "ReduceScatter", "AllGather",
@@ -138,12 +133,12 @@ static int progress_group(struct mr__group *g) {
       /* the clock is read only once an op has to wait, and then on every
        * 64th poll: the fast path of a small op never reads it */
       if (op->start_ns == 0) {
-        op->start_ns = mr__now_ns();
+        op->start_ns = mr_clock_ns();
         return 1;
       }
       if ((++op->polls & 63) != 0)
         return 1;
-      int64_t waited = mr__now_ns() - op->start_ns;
+      int64_t waited = mr_clock_ns() - op->start_ns;
       if (waited <= g->cpu->info.timeout_ms * 1000000)
         return 1;
       char who[256];
@@ -462,7 +457,7 @@ static const char *cpu_blocked(struct mr_comm *cc, char *buf, size_t len) {
     struct mr__op *op = oldest->head;
     snprintf(buf, len, "%s #%llu on group %s: %.1f s, waiting for rank%s %s",
              mr__op_name(op->kind), (unsigned long long)op->seq, oldest->desc,
-             (double)(mr__now_ns() - op->start_ns) / 1e9,
+             (double)(mr_clock_ns() - op->start_ns) / 1e9,
              count_waiting(oldest) == 1 ? "" : "s", who);
   }
   pthread_mutex_unlock(&c->lock);
@@ -727,7 +722,7 @@ static int cpu_open(const struct mr_bootstrap *bs, struct mr_comm **out) {
   advertised_addr(mine.p.addr, sizeof mine.p.addr);
   mine.p.port = port;
   if (getrandom(&mine.nonce, sizeof mine.nonce, 0) != sizeof mine.nonce)
-    mine.nonce = (uint64_t)mr__now_ns() ^ ((uint64_t)getpid() << 32);
+    mine.nonce = (uint64_t)mr_clock_ns() ^ ((uint64_t)getpid() << 32);
   all = calloc((size_t)bs->world_size, sizeof *all);
   if (all == NULL) {
     rc = mr_error_set(MR_ENOMEM, "comm open: out of memory");

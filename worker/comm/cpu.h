@@ -119,8 +119,6 @@ const struct mr__cpu_info *mr__cpu_info(const struct mr__group *g);
  * its groups in the same order).  Returns -1 when out of memory. */
 int mr__group_occurrence(struct mr__group *g);
 
-/* Monotonic time in ns. */
-int64_t mr__now_ns(void);
 
 /* "AllReduce", "ReduceScatter", ... */
 const char *mr__op_name(enum mr__op_kind k);

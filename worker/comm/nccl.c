@@ -39,6 +39,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/tunable.h"
@@ -105,12 +106,6 @@ static ncclResult_t group_end(ncclResult_t res) {
   return NCCL_OK(res) ? end : res;
 }
 
-static int64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 static void nap(void) {
   struct timespec ts = {0, 50000};
   nanosleep(&ts, NULL);
@@ -160,7 +155,7 @@ static int nccl_failed(struct nccl_group *g, ncclResult_t r, const char *call) {
 
 /* Polls the communicator until its last call has settled. */
 static int settle(struct nccl_group *g, const char *what, uint64_t seq, int peer) {
-  int64_t start = now_ns();
+  int64_t start = mr_clock_ns();
   for (;;) {
     ncclResult_t st = ncclSuccess;
     ncclResult_t r = ncclCommGetAsyncError(g->nc, &st);
@@ -170,14 +165,14 @@ static int settle(struct nccl_group *g, const char *what, uint64_t seq, int peer
       return 0;
     if (st != ncclInProgress)
       return nccl_failed(g, st, what);
-    if (now_ns() - start > g->c->timeout_ns) {
+    if (mr_clock_ns() - start > g->c->timeout_ns) {
       char peers[256];
       peers_text(g, peer, peers, sizeof peers);
       return group_break(g, MR_ETIMEDOUT,
                          "%s #%llu on group %s: not settled after %.1f s "
                          "(MESHRUN_COMM_TIMEOUT_MS); waiting for %s; the "
                          "communicator was aborted", what, (unsigned long long)seq,
-                         g->desc, (double)(now_ns() - start) / 1e9, peers);
+                         g->desc, (double)(mr_clock_ns() - start) / 1e9, peers);
     }
     nap();
   }
@@ -261,7 +256,7 @@ static int op_begin(struct nccl_group *g, const char *op, int peer,
   r->op = op;
   r->peer = peer;
   r->seq = ++g->seq;
-  r->start_ns = now_ns();
+  r->start_ns = mr_clock_ns();
   *out = r;
   return 0;
 }
@@ -386,7 +381,7 @@ static void req_poll(struct nccl_req *r) {
     r->rc = nccl_failed(g, st, r->op);
     return;
   }
-  int64_t waited = now_ns() - r->start_ns;
+  int64_t waited = mr_clock_ns() - r->start_ns;
   if (waited > g->c->timeout_ns) {
     char peers[256];
     peers_text(g, r->peer, peers, sizeof peers);
@@ -448,7 +443,7 @@ static const char *nc_blocked(struct mr_comm *cc, char *buf, size_t len) {
     peers_text(r->g, r->peer, peers, sizeof peers);
     snprintf(buf, len, "%s #%llu on group %s: %.1f s, waiting for %s (NCCL)", r->op,
              (unsigned long long)r->seq, r->g->desc,
-             (double)(now_ns() - r->start_ns) / 1e9, peers);
+             (double)(mr_clock_ns() - r->start_ns) / 1e9, peers);
     break;
   }
   pthread_mutex_unlock(&c->lock);

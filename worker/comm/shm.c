@@ -31,6 +31,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/tunable.h"
@@ -613,7 +614,7 @@ static int shm_open_group(struct mr__group *g) {
   size_t hdr = 4096, cb = ctl_bytes(n);
   size_t stride = cb + 2 * s->slot_bytes + s->heap_bytes;
   s->bytes = hdr + (size_t)n * stride;
-  int64_t deadline = mr__now_ns() + ci->timeout_ms * 1000000;
+  int64_t deadline = mr_clock_ns() + ci->timeout_ms * 1000000;
   if (s->me == 0) {
     fd = shm_open(s->name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0 || ftruncate(fd, (off_t)s->bytes) != 0) {
@@ -625,7 +626,7 @@ static int shm_open_group(struct mr__group *g) {
     }
   } else {
     while ((fd = shm_open(s->name, O_RDWR, 0600)) < 0) {
-      if (errno != ENOENT || mr__now_ns() > deadline) {
+      if (errno != ENOENT || mr_clock_ns() > deadline) {
         rc = mr_error_set(errno == ENOENT ? MR_ETIMEDOUT : MR_ESYS,
                           "comm group %s: segment %s from rank %d: %s",
                           g->desc, s->name, g->ranks[0],
@@ -637,7 +638,7 @@ static int shm_open_group(struct mr__group *g) {
     }
     struct stat st;
     while (fstat(fd, &st) == 0 && (size_t)st.st_size < s->bytes &&
-           mr__now_ns() < deadline) {
+           mr_clock_ns() < deadline) {
       struct timespec ts = {0, 100000};
       nanosleep(&ts, NULL);
     }
@@ -661,7 +662,7 @@ static int shm_open_group(struct mr__group *g) {
     atomic_store_explicit(&h->magic, SEG_MAGIC, memory_order_release);
   } else {
     while (atomic_load_explicit(&h->magic, memory_order_acquire) != SEG_MAGIC) {
-      if (mr__now_ns() > deadline) {
+      if (mr_clock_ns() > deadline) {
         rc = mr_error_set(MR_ETIMEDOUT, "comm group %s: segment %s never "
                           "initialized", g->desc, s->name);
         goto err;
@@ -694,7 +695,7 @@ static int shm_open_group(struct mr__group *g) {
     shm_unlink(s->name); /* everyone has it mapped: nothing can leak now */
   while (atomic_load_explicit(&h->mapped, memory_order_acquire) <
          (uint32_t)n) {
-    if (mr__now_ns() > deadline) {
+    if (mr_clock_ns() > deadline) {
       char who[256];
       size_t off = 0;
       for (int i = 0; i < n && off < sizeof who - 12; i++)

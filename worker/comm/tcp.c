@@ -24,6 +24,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "worker/comm/cpu.h"
 #include "worker/comm/reduce.h"
@@ -281,7 +282,7 @@ static int full_io(int fd, void *p, size_t len, int writing,
     }
     if (k == 0 || (errno != EINTR && errno != EAGAIN))
       return -1;
-    if (mr__now_ns() > deadline)
+    if (mr_clock_ns() > deadline)
       return -1;
     struct pollfd pf = {fd, (short)(writing ? POLLOUT : POLLIN), 0};
     poll(&pf, 1, 10);
@@ -305,7 +306,7 @@ static int connect_to(const struct mr__peer_info *p, int64_t deadline) {
       return fd;
     int e = errno;
     close(fd);
-    if (mr__now_ns() > deadline || (e != ECONNREFUSED && e != EINTR)) {
+    if (mr_clock_ns() > deadline || (e != ECONNREFUSED && e != EINTR)) {
       errno = e;
       return -1;
     }
@@ -358,7 +359,7 @@ static int tcp_open_group(struct mr__group *g) {
     t->fd[i] = -1;
   int occ = mr__group_occurrence(g);
   uint64_t key = fnv1a(g->desc) ^ ((uint64_t)occ * 0x9e3779b97f4a7c15ull);
-  int64_t deadline = mr__now_ns() + ci->timeout_ms * 1000000;
+  int64_t deadline = mr_clock_ns() + ci->timeout_ms * 1000000;
   int rc = 0;
   for (int i = 0; i < g->me; i++) {
     const struct mr__peer_info *p = &ci->peers[g->ranks[i]];
@@ -378,7 +379,7 @@ static int tcp_open_group(struct mr__group *g) {
     int fd;
     while ((fd = take_stashed(ci->nonce, key, j)) < 0) {
       struct pollfd pf = {ci->listen_fd, POLLIN, 0};
-      if (mr__now_ns() > deadline) {
+      if (mr_clock_ns() > deadline) {
         rc = mr_error_set(MR_ETIMEDOUT, "comm group %s: timed out after %.1f "
                           "s creating the group: rank %d has not arrived",
                           g->desc, (double)ci->timeout_ms / 1000, g->ranks[j]);
