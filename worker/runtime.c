@@ -159,7 +159,6 @@ void mr_runtime_free(struct mr_runtime *rt) {
   for (int c = 0; rt->stash && c < rt->L->n_chunks; c++)
     free_region(rt, rt->stash[c]);
   free(rt->stash);
-  free(rt->zero_tmp_off);
   free(rt->host_ids);
   free(rt->host_labels);
   free(rt->host_pos);
@@ -228,8 +227,7 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
     rt->rs.scratch[i] = s;
   }
   rt->stash = calloc((size_t)L->n_chunks, sizeof *rt->stash);
-  rt->zero_tmp_off = calloc((size_t)(p->n_params > 0 ? p->n_params : 1), sizeof(int64_t));
-  if (!rt->stash || !rt->zero_tmp_off) {
+  if (!rt->stash) {
     rc = MR_ENOMEM;
     goto fail;
   }
@@ -237,13 +235,6 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
     if (c % L->lay.pp == p->pipe)
       MR_TRY_GOTO(rc, mr__rt_alloc(rt, p->stash_bytes[c] * p->stash_slots[c], &rt->stash[c]),
                   fail);
-  if (L->lay.zero >= 2) {
-    int64_t off = 0;
-    for (int i = 0; i < p->n_params; i++) {
-      rt->zero_tmp_off[i] = off;
-      off += (p->params[i].block * 4 + 63) / 64 * 64;
-    }
-  }
   int64_t n_in = p->buf[L->model.input_ids].numel;
   rt->host_ids = malloc((size_t)(n_in + 1) * sizeof(int32_t));
   rt->host_labels = malloc((size_t)(n_in + 1) * sizeof(int32_t));

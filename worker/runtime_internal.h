@@ -29,7 +29,6 @@ struct mr_runtime {
   char **stash;                 // [n_chunks]
   float *scalar;                // one float on the device: the small
                                 // all-reduces and the loss broadcast
-  int64_t *zero_tmp_off;        // [n_params] ZeRO-2/3 landing block
   int64_t allocated;            // device memory held: every region lives
                                 // until mr_runtime_free, so also the peak
   int offload_host;             // optim is host memory (offload)

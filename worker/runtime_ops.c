@@ -133,7 +133,7 @@ int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
     int64_t padded = pp->block * lay->dp;
     if (padded > pp->numel)
       MR_TRY(be->ops->memset(be, NULL, gr + pp->numel, 0, (size_t)(padded - pp->numel) * 4));
-    MR_TRY(mr_comm_reduce_scatter(rt->data_g, gr, rt->zero_tmp + rt->zero_tmp_off[pi],
+    MR_TRY(mr_comm_reduce_scatter(rt->data_g, gr, rt->zero_tmp + pp->zero_tmp_offset,
                                   (size_t)pp->block, MR_F32, MR_RED_SUM, &req));
     MR_TRY(mr__rt_push_req(rt, rt->pass_req, &rt->n_pass_req, req, pi));
     if (pp->off_data) /* the staging buffer is needed again: land it now */
@@ -175,7 +175,7 @@ int mr__rt_grad_wait(struct mr_runtime *rt, const struct mr_ins *in) {
   for (int i = 0; i < n; i++) {
     const struct mr_param_plan *pp = &rt->p.params[list[i]];
     MR_TRY(rt->be->ops->axpby(rt->be, (float *)(rt->acc + pp->acc_offset),
-                              (const float *)(rt->zero_tmp + rt->zero_tmp_off[list[i]]),
+                              (const float *)(rt->zero_tmp + pp->zero_tmp_offset),
                               in->micro == 0 ? 0.0f : scale, scale, (size_t)pp->block));
   }
   return 0;
@@ -317,7 +317,7 @@ int mr__rt_optimizer(struct mr_runtime *rt, int64_t step, struct mr_step_report 
       if (pp->replica_of >= 0)
         continue;
       char *full = rt->param + pp->store_offset;
-      char *mine = lay->zero == 2 ? rt->zero_tmp + rt->zero_tmp_off[i] : rt->zero_tmp;
+      char *mine = lay->zero == 2 ? rt->zero_tmp + pp->zero_tmp_offset : rt->zero_tmp;
       MR_TRY(be->ops->memset(be, NULL, mine, 0, (size_t)pp->block * 4));
       MR_TRY(be->ops->copy2d(be, mine, 0, full + pp->begin * 4, 0, (size_t)pp->len * 4, 1));
       struct mr_comm_req *req;

@@ -185,6 +185,8 @@ struct mr_param_plan {
                                   // this rank stores: the local tensor, or
                                   // its block under ZeRO-3
   int64_t acc_offset;             // bytes into the accumulator region
+  int64_t zero_tmp_offset;        // ZeRO-2/3: bytes into the landing region
+                                  // of its reduce-scatter block
   int64_t acc_floats;             // numel, or block under ZeRO >= 2
   int64_t state_offset;           // bytes into the optimizer region (m; v
                                   // mr_param_moment_stride bytes after)

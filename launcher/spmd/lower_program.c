@@ -607,8 +607,10 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
   p->scratch_bytes = ALIGNED(p->scratch_bytes * 4);
   if (lay->zero >= 2) { /* reduce-scatter landing blocks, one per parameter */
     int64_t z = 0;
-    for (int i = 0; i < p->n_params; i++)
+    for (int i = 0; i < p->n_params; i++) {
+      p->params[i].zero_tmp_offset = z;
       z += ALIGNED(p->params[i].block * 4);
+    }
     p->zero_tmp_bytes = z;
   }
   for (int i = 0; i < p->n_params; i++) {
