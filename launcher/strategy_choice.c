@@ -110,7 +110,10 @@ cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling) {
   cJSON *pp = cJSON_AddObjectToObject(st, "pipeline_parallel");
   cJSON_AddNumberToObject(pp, "degree", s->pp);
   int v = s->virtual_stages > 1 ? s->virtual_stages : 1;
-  cJSON_AddStringToObject(pp, "schedule", schedules[v > 1 ? MR_PP_INTERLEAVED : s->schedule]);
+  enum mr_pp_schedule sched = v > 1 ? MR_PP_INTERLEAVED : s->schedule;
+  if (sched == MR_PP_INTERLEAVED && (s->pp < 2 || v < 2))
+    sched = MR_PP_1F1B; /* one chunk per stage: interleaving is plain 1F1B */
+  cJSON_AddStringToObject(pp, "schedule", schedules[sched]);
   cJSON_AddNumberToObject(pp, "virtual_stages", v);
   cJSON_AddNumberToObject(pp, "micro_batches", s->micro_batches > 0 ? s->micro_batches : 1);
   cJSON_AddStringToObject(st, "mesh_mapping",
