@@ -430,19 +430,22 @@ END_TEST
  * three with sequence parallelism. */
 START_TEST(test_dist_train_tied_embeddings_and_gpt2) {
   static const char *const models[2] = {TINY_LLAMA_TIED, TINY_GPT2};
-  const char *names[] = {"pp2", "tp2", "dp2tp2pp2"};
+  const char *names[] = {"pp2", "tp2", "dp2tp2pp2", "dp2pp2zero3"};
   const char *st[] = {
       "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}",
       "\"tensor_parallel\": {\"degree\": 2}",
       "\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
       "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}, "
-      "\"sequence_parallel\": {\"enable\": true}"};
-  const int np[] = {2, 2, 8};
+      "\"sequence_parallel\": {\"enable\": true}",
+      /* the tied embedding sharded over data on both stages it is used on */
+      "\"data_parallel\": {\"degree\": 2}, \"sharding\": {\"stage\": 3}, "
+      "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}"};
+  const int np[] = {2, 2, 8, 4};
   for (int k = 0; k < 2; k++) {
     model_json = models[k];
     struct fixture f;
     reference(&f);
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
       char job[80], m[200];
       snprintf(job, sizeof job, "%s.json", names[i]);
       write_job_named(f.dir, job, st[i], 16);

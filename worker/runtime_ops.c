@@ -288,7 +288,7 @@ int mr__rt_optimizer(struct mr_runtime *rt, int64_t step, struct mr_step_report 
   int64_t opt_step = step - rt->scaler.skipped;
   for (int i = 0; i < rt->p.n_params; i++) {
     const struct mr_param_plan *pp = &rt->p.params[i];
-    if (pp->len == 0)
+    if (pp->len == 0 || pp->replica_of >= 0)
       continue;
     float *param = (float *)(rt->param + pp->store_offset) + (lay->zero >= 3 ? 0 : pp->begin);
     const float *acc = (const float *)(rt->acc + pp->acc_offset) + (lay->zero == 1 ? pp->begin : 0);
@@ -328,23 +328,25 @@ int mr__rt_optimizer(struct mr_runtime *rt, int64_t step, struct mr_step_report 
 }
 
 /* Tied parameters: each owner sends its updated values to the stages
- * holding copies, which receive them. */
+ * holding copies, which receive them (under ZeRO-3 its block, to the copy
+ * at the same data coordinate). */
 int mr__rt_param_sync(struct mr_runtime *rt) {
   int rc = 0;
   for (int i = 0; i < rt->p.n_params && rc == 0; i++) {
     const struct mr_param_plan *pp = &rt->p.params[i];
     void *buf = rt->param + pp->store_offset;
+    size_t n = (size_t)mr_param_sync_count(&rt->L->lay, pp);
     struct mr_comm_req *req;
     int peer, d, t;
     if (pp->replica_of >= 0) {
       mr_lower_coords(&rt->L->lay, pp->replica_of, &peer, &d, &t);
-      rc = mr_comm_recv(rt->pipe_g, buf, (size_t)pp->numel, MR_F32, peer, &req);
+      rc = mr_comm_recv(rt->pipe_g, buf, n, MR_F32, peer, &req);
       if (rc == 0)
         rc = mr__rt_wait_req(rt, req);
     }
     for (int k = 0; k < pp->n_replicas && rc == 0; k++) {
       mr_lower_coords(&rt->L->lay, pp->replicas[k], &peer, &d, &t);
-      rc = mr_comm_send(rt->pipe_g, buf, (size_t)pp->numel, MR_F32, peer, &req);
+      rc = mr_comm_send(rt->pipe_g, buf, n, MR_F32, peer, &req);
       if (rc == 0)
         rc = mr__rt_push_req(rt, rt->step_req, &rt->n_step_req, req, i);
     }

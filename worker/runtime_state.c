@@ -134,7 +134,8 @@ int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out) {
           .name = t->name, .ndim = t->ndim, .shape = t->shape, .goff = pp->goff,
           .glen = pp->glen, .numel = pp->numel, .param = (float *)(rt->param + pp->store_offset),
           .pbegin = z3 ? pp->begin : 0, .plen = z3 ? pp->len : pp->numel, .m = m,
-          .v = (float *)((char *)m + mr_param_moment_stride(pp)), .begin = pp->begin, .len = pp->len,
+          .v = (float *)((char *)m + mr_param_moment_stride(pp)), .begin = pp->begin,
+          .len = pp->replica_of >= 0 ? 0 : pp->len,
           .state_on_host = rt->offload_host,
           .keeps_param = model_ok && (z3 || rt->p.data == 0) && pp->replica_of < 0,
           .keeps_state = model_ok && (rt->L->lay.zero >= 1 || rt->p.data == 0)};

@@ -429,35 +429,6 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
           }
     }
   }
-  /* a parameter read on several chunks (tied embeddings across pipeline
-   * stages) is updated by the chunk its gradient is summed on and sent to
-   * the others after each step; under ZeRO-3 it would be gathered apart on
-   * each stage, which the lowering does not do */
-  if (L->lay.zero >= 3 && L->lay.pp > 1) {
-    int *pchunk = malloc((size_t)g->n_tensors * sizeof *pchunk);
-    if (!pchunk)
-      goto err;
-    for (int t = 0; t < g->n_tensors; t++)
-      pchunk[t] = -1;
-    rc = 0;
-    for (int k = 0; k < g->n_ops && rc == 0; k++)
-      for (int i = 0; i < g->ops[k].n_in; i++) {
-        int t = g->ops[k].in[i];
-        if (t < 0 || g->tensors[t].role != MR_ROLE_PARAM)
-          continue;
-        if (pchunk[t] >= 0 && pchunk[t] % L->lay.pp != L->op_chunk[k] % L->lay.pp) {
-          rc = mr_error_set(MR_ENOTSUP, "%s: parameter %s is used on pipeline stages %d and %d, "
-                            "which ZeRO-3 does not support (tied embeddings: use sharding.stage "
-                            "<= 2 or tie_word_embeddings false)", job->path, g->tensors[t].name,
-                            pchunk[t] % L->lay.pp, L->op_chunk[k] % L->lay.pp);
-          break;
-        }
-        pchunk[t] = L->op_chunk[k];
-      }
-    free(pchunk);
-    if (rc < 0)
-      goto err;
-  }
   return 0;
 err:
   mr_lowered_close(L);

@@ -201,6 +201,13 @@ struct mr_param_plan {
                                   // gradient staging buffer)
 };
 
+/* Elements a tied parameter's owner sends each copy after the update: the
+ * whole parameter, or under ZeRO-3 the block each side stores. */
+static inline int64_t mr_param_sync_count(const struct mr_layout *lay,
+                                          const struct mr_param_plan *pp) {
+  return lay->zero >= 3 ? pp->block : pp->numel;
+}
+
 /* Bytes from a parameter's first moment m to its second v in the
  * optimizer region (m's len floats rounded up to 64 bytes). */
 static inline int64_t mr_param_moment_stride(const struct mr_param_plan *pp) {

@@ -169,11 +169,12 @@ void mr__lower_events_of(struct build *b, struct mr_ins *in, int64_t *staging) {
     for (int i = 0; i < p->n_params; i++) {
       const struct mr_param_plan *pp = &p->params[i];
       snprintf(what, sizeof what, "updated %.80s", g->tensors[pp->tensor].name);
+      int64_t n = mr_param_sync_count(lay, pp);
       if (pp->replica_of >= 0)
-        mr__lower_add_event(b, in, MR_CEV_RECV, &p->pipe_group, pp->replica_of, pp->numel, MR_F32, 0, -1,
+        mr__lower_add_event(b, in, MR_CEV_RECV, &p->pipe_group, pp->replica_of, n, MR_F32, 0, -1,
                   what);
       for (int k = 0; k < pp->n_replicas; k++)
-        mr__lower_add_event(b, in, MR_CEV_SEND, &p->pipe_group, pp->replicas[k], pp->numel, MR_F32, 0,
+        mr__lower_add_event(b, in, MR_CEV_SEND, &p->pipe_group, pp->replicas[k], n, MR_F32, 0,
                   MR_CEV_DETACHED, what);
     }
     break;

@@ -215,9 +215,12 @@ static int plan_params(struct build *b) {
     if (L->model_dim >= 0 && L->dg.tensor[t].p[L->model_dim].kind != MR_SHARD && p->model != 0)
       norm = 0;
     pp->norm = norm;
-    if (pp->replica_of >= 0) { /* a copy: no gradient, no state, not counted */
+    if (pp->replica_of >= 0) { /* a copy: no gradient, no state, not counted;
+                                * under ZeRO-3 it stores its block, which the
+                                * owner's update replaces and a gather reads */
       pp->norm = 0;
-      pp->len = 0;
+      if (lay->zero < 3)
+        pp->len = 0;
       pp->acc_floats = 0;
       pp->acc_offset = acc;
       pp->state_offset = opt;
