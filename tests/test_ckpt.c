@@ -348,43 +348,39 @@ START_TEST(test_ckpt_hang_in_pipeline_receive_diagnosed) {
 }
 END_TEST
 
+/* Runs a 6-step job on 2 ranks, no restarts, with one test hook set
+ * ("NAME=VALUE"): it must fail (exit 1) with both fragments on stderr. */
+static void fails_with(const char *hook, const char *want1, const char *want2) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "f.json", 6, 100, "ck");
+  char env0[96];
+  snprintf(env0, sizeof env0, "%s", hook);
+  char *env[] = {env0, NULL};
+  struct mr_tproc p;
+  start(&p, dir, "f.json", "f", 2, 0, env);
+  int code = mr_t_wait(&p, 60);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
+  ck_assert_msg(strstr(err, want1) != NULL && strstr(err, want2) != NULL, "%s", err);
+  free(err);
+}
+
 /* A rank that exits 0 without reporting its job done is a failure, judged
  * once its connection has been read to the end (a clean exit right after
  * the last report is not one). */
 START_TEST(test_ckpt_rank_exiting_early_is_a_failure) {
-  char dir[64];
-  setup(dir, sizeof dir);
-  write_job(dir, "e.json", 6, 100, "ck");
-  static char hook[] = "MESHRUN_TEST_EXIT=1:3";
-  char *env[] = {hook, NULL};
-  struct mr_tproc p;
-  start(&p, dir, "e.json", "e", 2, 0, env);
-  int code = mr_t_wait(&p, 60);
-  char *err = mr_t_slurp(p.err_path);
-  ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
-  ck_assert_msg(strstr(err, "job failed after 0 restarts: rank 1 (pid") != NULL &&
-                    strstr(err, "exited before finishing its job") != NULL, "%s", err);
-  free(err);
+  fails_with("MESHRUN_TEST_EXIT=1:3", "job failed after 0 restarts: rank 1 (pid",
+             "exited before finishing its job");
 }
 END_TEST
 
+/* The launcher sends each rank the digest of the program it checked; a
+ * worker that lowers another one (here: told a wrong digest) stops with
+ * both digests named, and the job fails. */
 START_TEST(test_ckpt_worker_lowering_another_program_stops) {
-  /* the launcher sends each rank the digest of the program it checked; a
-   * worker that lowers another one (here: told a wrong digest) stops with
-   * both digests named, and the job fails */
-  char dir[64];
-  setup(dir, sizeof dir);
-  write_job(dir, "d.json", 6, 100, "ck");
-  static char hook[] = "MESHRUN_TEST_PLAN_DIGEST=1";
-  char *env[] = {hook, NULL};
-  struct mr_tproc p;
-  start(&p, dir, "d.json", "d", 2, 0, env);
-  int code = mr_t_wait(&p, 60);
-  char *err = mr_t_slurp(p.err_path);
-  ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
-  ck_assert_msg(strstr(err, "rank 1: the program this worker lowered from the plan") != NULL &&
-                    strstr(err, "is not the one the launcher checked") != NULL, "%s", err);
-  free(err);
+  fails_with("MESHRUN_TEST_PLAN_DIGEST=1", "rank 1: the program this worker lowered from the plan",
+             "is not the one the launcher checked");
 }
 END_TEST
 
