@@ -481,6 +481,52 @@ START_TEST(test_plan_cli_bad_mesh_exits_2_naming_it) {
 }
 END_TEST
 
+/* The digest on a --dump's "program digest: " line (16 hex digits). */
+static unsigned long long dumped_digest(const char *out) {
+  const char *d = strstr(out, "program digest: ");
+  ck_assert_msg(d != NULL, "%s", out);
+  char hex[17] = {0};
+  memcpy(hex, d + strlen("program digest: "), 16);
+  ck_assert_int_eq(strspn(hex, "0123456789abcdef"), 16);
+  return strtoull(hex, NULL, 16);
+}
+
+START_TEST(test_plan_cli_dump_shows_a_rank_program) {
+  /* dp 2 x tp 2 x pp 2 with ranks numbered "tp,pp,dp": rank 3 = (data 0,
+   * pipe 1, model 1); its groups pipe {1,3}, data {3,7}, model {2,3}; each
+   * rank's program its own digest; a rank past the world is bad usage */
+  mr_t_tmpdir(dir, sizeof dir);
+  char job[400];
+  write_file("d.json",
+             "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 32,"
+             " \"intermediate_size\": 56, \"num_hidden_layers\": 4, \"num_attention_heads\": 8,"
+             " \"num_key_value_heads\": 4, \"max_position_embeddings\": 64},"
+             " \"data\": {\"train\": \"train.bin\"},"
+             " \"train\": {\"steps\": 4, \"global_batch\": 16, \"seq_len\": 16},"
+             " \"strategy\": {\"auto_mode\": \"manual\", \"data_parallel\": {\"degree\": 2},"
+             " \"tensor_parallel\": {\"degree\": 2}, \"pipeline_parallel\": {\"degree\": 2,"
+             " \"micro_batches\": 2}, \"mesh_mapping\": \"tp,pp,dp\"}}",
+             job, sizeof job);
+  char *out, *err;
+  const char *a3[] = {job, "--nproc", "8", "--dump", "--rank", "3", NULL};
+  ck_assert_msg(run_plan(a3, &out, &err) == 0, "%s", err);
+  ck_assert_msg(strstr(out, "rank 3 of 8: pipeline stage 1, data 0, model 1") != NULL, "%s", out);
+  ck_assert_msg(strstr(out, "groups: pipe{1,3} data{3,7} model{2,3}") != NULL, "%s", out);
+  ck_assert_msg(strstr(out, "mesh tp,pp,dp") != NULL, "%s", out);
+  unsigned long long d3 = dumped_digest(out);
+  free(out), free(err);
+  const char *a2[] = {job, "--nproc", "8", "--dump", "--rank", "2", NULL};
+  ck_assert_int_eq(run_plan(a2, &out, &err), 0);
+  ck_assert(dumped_digest(out) != d3);
+  free(out), free(err);
+  const char *a8[] = {job, "--nproc", "8", "--dump", "--rank", "8", NULL};
+  ck_assert_int_eq(run_plan(a8, &out, &err), 2);
+  ck_assert_msg(strstr(err, "--rank 8: expected a rank below the world size 8") != NULL, "%s",
+                err);
+  free(out), free(err);
+}
+END_TEST
+
 static Suite *plan_cli_suite(void) {
   Suite *s = suite_create("plan_cli");
   TCase *tc = tcase_create("cli");
@@ -494,6 +540,7 @@ static Suite *plan_cli_suite(void) {
   tcase_add_test(tc, test_plan_cli_explain_vocab_parallel_loss);
   tcase_add_test(tc, test_plan_cli_explain_follows_the_search_and_the_alias);
   tcase_add_test(tc, test_plan_cli_bad_mesh_exits_2_naming_it);
+  tcase_add_test(tc, test_plan_cli_dump_shows_a_rank_program);
   suite_add_tcase(s, tc);
   return s;
 }

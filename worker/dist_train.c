@@ -25,9 +25,10 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
   uint64_t digest = mr_rank_program_digest(mr_runtime_program(rt));
   if (env->program_digest != 0 && digest != env->program_digest) {
     rc = mr_error_set(MR_EPLAN, "rank %d: the program this worker lowered from the plan "
-                      "(digest %016llx) is not the one the launcher checked (%016llx); are "
-                      "meshrun and meshrun-worker the same build on every node?", env->rank,
-                      (unsigned long long)digest, (unsigned long long)env->program_digest);
+                      "(digest %016llx) is not the one the launcher checked (%016llx, `meshrun "
+                      "plan --dump --rank %d` prints it); are meshrun and meshrun-worker the same "
+                      "build on every node?", env->rank, (unsigned long long)digest,
+                      (unsigned long long)env->program_digest, env->rank);
     goto out;
   }
   mr_runtime_set_reporter(rt, env->reporter);

@@ -129,6 +129,7 @@ void mr_rank_program_dump(const struct mr_rank_program *p, FILE *f) {
   fprintf(f, "rank %d of %d: pipeline stage %d, data %d, model %d\nlayout: %s\n", p->rank,
           L->lay.world, p->pipe, p->data, p->model, lay);
   fprintf(f, "groups: %s %s %s\n", p->pipe_group.name, p->data_group.name, p->model_group.name);
+  fprintf(f, "program digest: %016llx\n", (unsigned long long)mr_rank_program_digest(p));
   fprintf(f, "chunks:");
   for (int c = p->pipe; c < L->n_chunks; c += L->lay.pp)
     fprintf(f, " %d (layers %d..%d, %d micro-batches in flight, %lld bytes each)", c,
