@@ -731,7 +731,7 @@ static void on_tick(uv_timer_t *t) {
 
 /* ---- setup ----------------------------------------------------------- */
 
-static int parse_bind(const char *bind, char *host, size_t hn, int *port) {
+int mr_bind_parse(const char *bind, char *host, size_t hn, int *port) {
   const char *colon = strrchr(bind, ':');
   if (colon == NULL || colon == bind || (size_t)(colon - bind) >= hn)
     return mr_error_set(MR_EINVAL, "--bind %s: expected HOST:PORT", bind);
@@ -748,6 +748,10 @@ static int parse_bind(const char *bind, char *host, size_t hn, int *port) {
       host[l - 2] = '\0';
   }
   *port = (int)p;
+  struct sockaddr_storage sa;
+  if (uv_ip4_addr(host, *port, (struct sockaddr_in *)&sa) != 0 &&
+      uv_ip6_addr(host, *port, (struct sockaddr_in6 *)&sa) != 0)
+    return mr_error_set(MR_EINVAL, "--bind %s: not an IP address", bind);
   return 0;
 }
 
@@ -768,7 +772,7 @@ static int listen_all(struct coordinator *co) {
 
   char host[64];
   int port = 0;
-  MR_TRY(parse_bind(co->opts->bind, host, sizeof host, &port));
+  MR_TRY(mr_bind_parse(co->opts->bind, host, sizeof host, &port));
   struct sockaddr_storage sa;
   if (uv_ip4_addr(host, port, (struct sockaddr_in *)&sa) != 0 &&
       uv_ip6_addr(host, port, (struct sockaddr_in6 *)&sa) != 0)

@@ -38,6 +38,11 @@ struct mr_launch_opts {
                                    // launcher checked it; NULL: unchecked
 };
 
+/* Splits a --bind value "HOST:PORT" (an IPv4 or IPv6 address, "[::1]"
+ * bracketed; port 0..65535, 0: any) into host[hn] and *port.  Returns 0 or
+ * MR_EINVAL naming the value. */
+int mr_bind_parse(const char *bind, char *host, size_t hn, int *port);
+
 /* Runs the job to completion.  Returns the process exit code: 0 when every
  * rank finished, 1 when the group failed past its restarts, 130/143 when
  * stopped by SIGINT/SIGTERM. */

@@ -125,6 +125,12 @@ int mr_cmd_launch(int argc, char **argv) {
       return 2;
     }
   }
+  char bind_host[64];
+  int bind_port;
+  if (mr_bind_parse(bind, bind_host, sizeof bind_host, &bind_port) < 0) {
+    fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
+    return 2;
+  }
   int rest = argc - optind;
   if (rest > 1 || (rest == 0 && !selfcheck)) {
     fprintf(stderr, rest == 0 ? "meshrun launch: missing JOB.json\n"

@@ -398,6 +398,59 @@ START_TEST(test_launch_killed_rank_leaves_no_shared_memory) {
 }
 END_TEST
 
+START_TEST(test_launch_bind_and_metrics_flags) {
+  /* a malformed --bind is bad usage (exit 2, the value named); a good one
+   * is where the coordinator listens; --metrics is where the steps go */
+  char dir[64], path[200];
+  mr_t_tmpdir(dir, sizeof dir);
+  static const char *const bad[] = {"nonsense", "127.0.0.1:99999", "300.1.1.1:5", ":80"};
+  for (int i = 0; i < 4; i++) {
+    char *flags[] = {"--bind", (char *)bad[i], NULL};
+    struct mr_tproc p;
+    launch(&p, dir, 1, "2", flags);
+    int code = mr_t_wait(&p, 20);
+    char *err = mr_t_slurp(p.err_path);
+    char want[64];
+    snprintf(want, sizeof want, "--bind %s:", bad[i]);
+    ck_assert_msg(code == 2 && strstr(err, want) != NULL, "%s: exit %d: %s", bad[i], code, err);
+    free(err);
+  }
+  char *good[] = {"--bind", "127.0.0.1:0", NULL};
+  struct mr_tproc p;
+  launch(&p, dir, 2, "2", good);
+  ck_assert_int_eq(mr_t_wait(&p, 30), 0);
+  snprintf(path, sizeof path, "%s/logs/coordinator.json", dir);
+  char *c = mr_t_slurp(path);
+  ck_assert_msg(strstr(c, "\"tcp\": \"tcp:127.0.0.1:") != NULL, "%s", c);
+  free(c);
+  /* a training job's metrics where --metrics says, a line per step */
+  snprintf(path, sizeof path, "%s/train.bin", dir);
+  mr_t_write_tokens(path, 4000);
+  snprintf(path, sizeof path, "%s/job.json", dir);
+  FILE *f = fopen(path, "w");
+  fprintf(f, "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 16,"
+             " \"intermediate_size\": 24, \"num_hidden_layers\": 1, \"num_attention_heads\": 2,"
+             " \"max_position_embeddings\": 16},"
+             " \"data\": {\"train\": \"train.bin\"},"
+             " \"train\": {\"steps\": 3, \"global_batch\": 2, \"seq_len\": 8}}\n");
+  fclose(f);
+  char logdir[160], metrics[160];
+  snprintf(logdir, sizeof logdir, "%s/run", dir);
+  snprintf(metrics, sizeof metrics, "%s/elsewhere.jsonl", dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--log-dir", logdir,
+                  "--metrics", metrics, path, NULL};
+  mr_t_spawn(&p, dir, argv, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 60), 0);
+  double loss[4];
+  ck_assert_int_eq(mr_t_read_losses(metrics, loss, 4), 3);
+  for (int s = 0; s < 3; s++)
+    ck_assert(loss[s] > 0 && loss[s] < 10);
+  char deflt[200];
+  snprintf(deflt, sizeof deflt, "%s/metrics.jsonl", logdir);
+  ck_assert_int_ne(access(deflt, F_OK), 0);
+}
+END_TEST
+
 static Suite *launch_suite(void) {
   Suite *s = suite_create("launch");
   TCase *tc = tcase_create("e2e");
@@ -411,6 +464,7 @@ static Suite *launch_suite(void) {
   tcase_add_test(tc, test_launch_bad_clients_refused_job_still_finishes);
   tcase_add_test(tc, test_launch_hang_diagnosed_naming_rank_and_operation);
   tcase_add_test(tc, test_launch_killed_rank_leaves_no_shared_memory);
+  tcase_add_test(tc, test_launch_bind_and_metrics_flags);
   suite_add_tcase(s, tc);
   return s;
 }
