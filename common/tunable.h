@@ -47,6 +47,9 @@
      "test hook: \"RANK:STEP\" stalls that rank at that step")             \
   XX(TEST_EXIT, "MESHRUN_TEST_EXIT", "",                                    \
      "test hook: \"RANK:STEP\" makes that rank exit 0 at that step, unreported") \
+  XX(PROFILE, "MESHRUN_PROFILE", "0",                                        \
+     "1: each rank times its instructions (the device synchronized after "  \
+     "each) and logs seconds per step by instruction and op kind")          \
   XX(TEST_PLAN_DIGEST, "MESHRUN_TEST_PLAN_DIGEST", "-1",                     \
      "test hook: the launcher sends this rank a wrong program digest")      \
   XX(TEST_COMM_TRACE, "MESHRUN_TEST_COMM_TRACE", "",                        \

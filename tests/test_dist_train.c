@@ -502,6 +502,51 @@ START_TEST(test_dist_train_mixed_precision) {
 }
 END_TEST
 
+START_TEST(test_dist_train_profile_accounts_for_the_step) {
+  /* MESHRUN_PROFILE=1: each rank logs its time per step by instruction and
+   * op kind.  The instructions make up the step, so their total is the
+   * measured step time (the mean of the run's metrics) within 5%; the
+   * results are those of the one-rank run (profiling only synchronizes) */
+  struct fixture f;
+  reference(&f);
+  write_job_named(f.dir, "prof.json", "\"tensor_parallel\": {\"degree\": 2}", 16);
+  char job[160], logdir[160];
+  snprintf(job, sizeof job, "%s/prof.json", f.dir);
+  snprintf(logdir, sizeof logdir, "%s/prof", f.dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--threads", "1",
+                  "--log-dir", logdir, job, NULL};
+  static char on[] = "MESHRUN_PROFILE=1";
+  char *env[] = {on, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, f.dir, argv, env);
+  ck_assert_int_eq(mr_t_wait(&p, 240), 0);
+  same_run(f.dir, f.ref, "prof");
+  char path[200];
+  snprintf(path, sizeof path, "%s/metrics.jsonl", logdir);
+  char *m = mr_t_slurp(path);
+  double sum = 0;
+  int n = 0;
+  for (char *s = strstr(m, "\"step_time_s\": "); s != NULL; s = strstr(s + 1, "\"step_time_s\": "))
+    sum += atof(s + strlen("\"step_time_s\": ")), n++;
+  free(m);
+  ck_assert_int_eq(n, STEPS);
+  snprintf(path, sizeof path, "%s/rank-0.log", logdir);
+  char *log = mr_t_slurp(path);
+  char *line = strstr(log, "ms per step over ");
+  ck_assert_msg(line != NULL, "%s", log);
+  int steps = 0;
+  double total = 0;
+  ck_assert_int_eq(sscanf(line, "ms per step over %d steps: %lf in all", &steps, &total), 2);
+  ck_assert_int_eq(steps, STEPS);
+  double mean = 1e3 * sum / n;
+  ck_assert_msg(fabs(total - mean) <= 0.05 * mean, "profiled %.2f ms a step, measured %.2f",
+                total, mean);
+  ck_assert_msg(strstr(line, "(kernels: ") != NULL && strstr(line, "matmul ") != NULL &&
+                    strstr(line, "; reshard ") != NULL, "%s", line);
+  free(log);
+}
+END_TEST
+
 START_TEST(test_dist_train_batch_not_divisible_is_a_clear_error) {
   char dir[64];
   mr_t_tmpdir(dir, sizeof dir);
@@ -539,6 +584,7 @@ static Suite *dist_train_suite(void) {
   tcase_add_test(tc, test_dist_train_tied_embeddings_and_gpt2);
   tcase_add_test(tc, test_dist_train_mixed_precision);
   tcase_add_test(tc, test_dist_train_batch_not_divisible_is_a_clear_error);
+  tcase_add_test(tc, test_dist_train_profile_accounts_for_the_step);
   suite_add_tcase(s, tc);
   return s;
 }

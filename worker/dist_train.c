@@ -87,6 +87,9 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
   }
   if (saver != NULL)
     MR_TRY_GOTO(rc, mr_ckpt_saver_wait(saver), out);
+  char prof[1024];
+  if (mr_runtime_profile(rt, prof, sizeof prof))
+    MR_INFO("profile", "rank %d: %s", env->rank, prof);
   int stopped = env->reporter->stop_requested != NULL &&
                 env->reporter->stop_requested(env->reporter->ctx);
   if (env->weights_out && !stopped) /* collective: a stopped group has left */

@@ -163,6 +163,7 @@ void mr_runtime_free(struct mr_runtime *rt) {
   free(rt->host_labels);
   free(rt->host_pos);
   free(rt->views);
+  free(rt->prof_op);
   mr_tokens_close(&rt->train);
   mr_tokens_close(&rt->val);
   mr_rank_program_close(&rt->p);
@@ -248,6 +249,11 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
   mr_loss_scaler_of_job(&rt->scaler, job, L->lay.amp == MR_AMP_FP16);
   rt->inject_step = mr_tunable_int(MR_TUNABLE_INJECT_OVERFLOW_STEP);
   rt->overlap = mr_tunable_int(MR_TUNABLE_GRAD_SYNC_OVERLAP) != 0;
+  if (mr_tunable_int(MR_TUNABLE_PROFILE) &&
+      (rt->prof_op = calloc((size_t)mr_op_count(), sizeof *rt->prof_op)) == NULL) {
+    rc = MR_ENOMEM;
+    goto fail;
+  }
   MR_TRY_GOTO(rc, mr_tokens_open(&rt->train, job->data_train, job->model.vocab_size), fail);
   if (job->data_val) {
     MR_TRY_GOTO(rc, mr_tokens_open(&rt->val, job->data_val, job->model.vocab_size), fail);
@@ -312,6 +318,59 @@ static int exec(struct mr_runtime *rt, const struct mr_ins *in, int idx, int64_t
   }
 }
 
+/* MESHRUN_PROFILE: charges the time since t0 to in's kind (and op), once
+ * the device has finished what it queued. */
+static int profile(struct mr_runtime *rt, const struct mr_ins *in, double t0) {
+  MR_TRY(rt->be->ops->synchronize(rt->be, NULL));
+  double dt = mr_clock_s() - t0;
+  rt->prof_kind[in->kind] += dt;
+  if (in->kind == MR_INS_KERNEL)
+    rt->prof_op[rt->L->model.graph.ops[in->op].kind] += dt;
+  return 0;
+}
+
+int mr_runtime_profile(const struct mr_runtime *rt, char *buf, size_t n) {
+  if (rt->prof_op == NULL || rt->prof_steps == 0 || n == 0)
+    return 0;
+  double per = 1e3 / (double)rt->prof_steps, total = 0;
+  for (int k = 0; k < MR_INS_KIND_COUNT; k++)
+    total += rt->prof_kind[k];
+  int len = snprintf(buf, n, "ms per step over %lld steps: %.2f in all", (long long)rt->prof_steps,
+                     total * per);
+  /* instruction kinds, then op kinds, each largest first */
+  int done_k[MR_INS_KIND_COUNT] = {0};
+  for (;;) {
+    int best = -1;
+    for (int k = 0; k < MR_INS_KIND_COUNT; k++)
+      if (!done_k[k] && rt->prof_kind[k] > 0 && (best < 0 || rt->prof_kind[k] > rt->prof_kind[best]))
+        best = k;
+    if (best < 0 || (size_t)len >= n)
+      break;
+    done_k[best] = 1;
+    len += snprintf(buf + len, n - (size_t)len, "; %s %.2f", mr_ins_kind_name((enum mr_ins_kind)best),
+                    rt->prof_kind[best] * per);
+  }
+  int nop = mr_op_count();
+  char *done_o = calloc((size_t)nop, 1);
+  if (done_o == NULL)
+    return 1;
+  for (int first = 1;; first = 0) {
+    int best = -1;
+    for (int k = 0; k < nop; k++)
+      if (!done_o[k] && rt->prof_op[k] > 0 && (best < 0 || rt->prof_op[k] > rt->prof_op[best]))
+        best = k;
+    if (best < 0 || (size_t)len >= n)
+      break;
+    done_o[best] = 1;
+    len += snprintf(buf + len, n - (size_t)len, "%s%s %.2f", first ? " (kernels: " : ", ",
+                    mr_op_def(best)->name, rt->prof_op[best] * per);
+  }
+  if ((size_t)len < n && len > 0 && buf[len - 1] != ')' && strstr(buf, "(kernels: ") != NULL)
+    snprintf(buf + len, n - (size_t)len, ")");
+  free(done_o);
+  return 1;
+}
+
 int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *r) {
   const struct mr_rank_program *p = &rt->p;
   double t0 = mr_clock_s();
@@ -325,6 +384,7 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
   int rc = 0;
   for (int i = 0; i < p->n_step && rc == 0; i++) {
     const struct mr_ins *in = &p->step[i];
+    double ti = rt->prof_op != NULL ? mr_clock_s() : 0;
     if (in->kind == MR_INS_OPTIMIZER) {
       mr__rt_waiting(rt, i, in, "optimizer");
       rc = mr__rt_optimizer(rt, step, r);
@@ -338,9 +398,12 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
     } else {
       rc = exec(rt, in, i, step, -1);
     }
+    if (rc == 0 && rt->prof_op != NULL)
+      rc = profile(rt, in, ti);
     if (rc == 0)
       mr__rt_done(rt, i);
   }
+  rt->prof_steps++;
   if (rc < 0) { /* nothing may stay in flight on buffers about to be reused */
     mr__rt_wait_all(rt, rt->pass_req, &rt->n_pass_req);
     mr__rt_wait_all(rt, rt->step_req, &rt->n_step_req);

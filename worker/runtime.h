@@ -38,6 +38,11 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
 
 void mr_runtime_free(struct mr_runtime *rt);
 
+/* Under MESHRUN_PROFILE: writes "ms per step over N steps: T in all;
+ * kernel …; reshard … (kernels: matmul …, attention …)" into buf and
+ * returns 1; else returns 0. */
+int mr_runtime_profile(const struct mr_runtime *rt, char *buf, size_t n);
+
 /* Optional: where to report the instruction being waited on. */
 void mr_runtime_set_reporter(struct mr_runtime *rt, const struct mr_reporter *rep);
 

@@ -54,6 +54,9 @@ struct mr_runtime {
   const struct mr_reporter *rep;
   int64_t cur_step;
   struct mr_rt_param *views;
+  double *prof_op;              // MESHRUN_PROFILE: s per op kind, else NULL
+  double prof_kind[MR_INS_KIND_COUNT]; // s per instruction kind
+  int64_t prof_steps;
 };
 
 

@@ -286,6 +286,9 @@ int mr_lower_check_all(const struct mr_job *job, int world, uint64_t *digests);
  * lowers a different one from the same plan stops (never 0). */
 uint64_t mr_rank_program_digest(const struct mr_rank_program *p);
 
+/* "kernel", "reshard", ... */
+const char *mr_ins_kind_name(enum mr_ins_kind k);
+
 /* Prints p: the layout, buffers, passes and the step's instructions. */
 void mr_rank_program_dump(const struct mr_rank_program *p, FILE *f);
 

@@ -83,6 +83,10 @@ static const char *const kind_names[MR_INS_KIND_COUNT] = {
     "recv", "load", "seed", "gather", "reshard", "kernel", "loss", "grad",
     "grad_wait", "send", "sync_wait", "optimizer", "param_sync", "step_end"};
 
+const char *mr_ins_kind_name(enum mr_ins_kind k) {
+  return k >= 0 && k < MR_INS_KIND_COUNT ? kind_names[k] : "?";
+}
+
 void mr_ins_describe(const struct mr_rank_program *p, const struct mr_ins *in, char *buf,
                      size_t n) {
   const struct mr_graph *g = &p->L->model.graph;
