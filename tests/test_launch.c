@@ -35,6 +35,22 @@ static void launch(struct mr_tproc *p, const char *dir, int nproc, const char *s
   mr_t_spawn(p, dir, argv, env);
 }
 
+/* A one-layer LLaMA training job of `steps` steps in dir (tokens beside
+ * it); its path into path[n]. */
+static void tiny_job(const char *dir, int steps, char *path, size_t n) {
+  snprintf(path, n, "%s/train.bin", dir);
+  mr_t_write_tokens(path, 4000);
+  snprintf(path, n, "%s/job.json", dir);
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fprintf(f, "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 16,"
+             " \"intermediate_size\": 24, \"num_hidden_layers\": 1, \"num_attention_heads\": 2,"
+             " \"max_position_embeddings\": 16},"
+             " \"data\": {\"train\": \"train.bin\"},"
+             " \"train\": {\"steps\": %d, \"global_batch\": 2, \"seq_len\": 8}}\n", steps);
+  fclose(f);
+}
+
 /* Waits until every rank has registered (its log shows the job started). */
 static void wait_registered(const char *dir, int nproc) {
   for (int i = 0; i < nproc; i++) {
@@ -353,16 +369,7 @@ END_TEST
 START_TEST(test_launch_killed_rank_leaves_no_shared_memory) {
   char dir[64], path[160];
   mr_t_tmpdir(dir, sizeof dir);
-  snprintf(path, sizeof path, "%s/train.bin", dir);
-  mr_t_write_tokens(path, 4000);
-  snprintf(path, sizeof path, "%s/job.json", dir);
-  FILE *f = fopen(path, "w");
-  fprintf(f, "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 16,"
-             " \"intermediate_size\": 24, \"num_hidden_layers\": 1, \"num_attention_heads\": 2,"
-             " \"max_position_embeddings\": 16},"
-             " \"data\": {\"train\": \"train.bin\"},"
-             " \"train\": {\"steps\": 50, \"global_batch\": 2, \"seq_len\": 8}}\n");
-  fclose(f);
+  tiny_job(dir, 50, path, sizeof path);
   static char stall[] = "MESHRUN_TEST_STALL=1:3";
   char logdir[160];
   snprintf(logdir, sizeof logdir, "%s/logs", dir);
@@ -424,16 +431,7 @@ START_TEST(test_launch_bind_and_metrics_flags) {
   ck_assert_msg(strstr(c, "\"tcp\": \"tcp:127.0.0.1:") != NULL, "%s", c);
   free(c);
   /* a training job's metrics where --metrics says, a line per step */
-  snprintf(path, sizeof path, "%s/train.bin", dir);
-  mr_t_write_tokens(path, 4000);
-  snprintf(path, sizeof path, "%s/job.json", dir);
-  FILE *f = fopen(path, "w");
-  fprintf(f, "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 16,"
-             " \"intermediate_size\": 24, \"num_hidden_layers\": 1, \"num_attention_heads\": 2,"
-             " \"max_position_embeddings\": 16},"
-             " \"data\": {\"train\": \"train.bin\"},"
-             " \"train\": {\"steps\": 3, \"global_batch\": 2, \"seq_len\": 8}}\n");
-  fclose(f);
+  tiny_job(dir, 3, path, sizeof path);
   char logdir[160], metrics[160];
   snprintf(logdir, sizeof logdir, "%s/run", dir);
   snprintf(metrics, sizeof metrics, "%s/elsewhere.jsonl", dir);

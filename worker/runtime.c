@@ -329,6 +329,17 @@ static int profile(struct mr_runtime *rt, const struct mr_ins *in, double t0) {
   return 0;
 }
 
+/* The largest v[k] > 0 not yet taken (marking it), or -1. */
+static int next_largest(const double *v, char *taken, int n) {
+  int best = -1;
+  for (int k = 0; k < n; k++)
+    if (!taken[k] && v[k] > 0 && (best < 0 || v[k] > v[best]))
+      best = k;
+  if (best >= 0)
+    taken[best] = 1;
+  return best;
+}
+
 int mr_runtime_profile(const struct mr_runtime *rt, char *buf, size_t n) {
   if (rt->prof_op == NULL || rt->prof_steps == 0 || n == 0)
     return 0;
@@ -338,36 +349,21 @@ int mr_runtime_profile(const struct mr_runtime *rt, char *buf, size_t n) {
   int len = snprintf(buf, n, "ms per step over %lld steps: %.2f in all", (long long)rt->prof_steps,
                      total * per);
   /* instruction kinds, then op kinds, each largest first */
-  int done_k[MR_INS_KIND_COUNT] = {0};
-  for (;;) {
-    int best = -1;
-    for (int k = 0; k < MR_INS_KIND_COUNT; k++)
-      if (!done_k[k] && rt->prof_kind[k] > 0 && (best < 0 || rt->prof_kind[k] > rt->prof_kind[best]))
-        best = k;
-    if (best < 0 || (size_t)len >= n)
-      break;
-    done_k[best] = 1;
-    len += snprintf(buf + len, n - (size_t)len, "; %s %.2f", mr_ins_kind_name((enum mr_ins_kind)best),
-                    rt->prof_kind[best] * per);
-  }
   int nop = mr_op_count();
-  char *done_o = calloc((size_t)nop, 1);
-  if (done_o == NULL)
+  char *taken = calloc((size_t)(nop > MR_INS_KIND_COUNT ? nop : MR_INS_KIND_COUNT), 1);
+  if (taken == NULL)
     return 1;
-  for (int first = 1;; first = 0) {
-    int best = -1;
-    for (int k = 0; k < nop; k++)
-      if (!done_o[k] && rt->prof_op[k] > 0 && (best < 0 || rt->prof_op[k] > rt->prof_op[best]))
-        best = k;
-    if (best < 0 || (size_t)len >= n)
-      break;
-    done_o[best] = 1;
+  for (int k; (size_t)len < n && (k = next_largest(rt->prof_kind, taken, MR_INS_KIND_COUNT)) >= 0;)
+    len += snprintf(buf + len, n - (size_t)len, "; %s %.2f", mr_ins_kind_name((enum mr_ins_kind)k),
+                    rt->prof_kind[k] * per);
+  memset(taken, 0, (size_t)nop);
+  for (int k, first = 1; (size_t)len < n && (k = next_largest(rt->prof_op, taken, nop)) >= 0;
+       first = 0)
     len += snprintf(buf + len, n - (size_t)len, "%s%s %.2f", first ? " (kernels: " : ", ",
-                    mr_op_def(best)->name, rt->prof_op[best] * per);
-  }
-  if ((size_t)len < n && len > 0 && buf[len - 1] != ')' && strstr(buf, "(kernels: ") != NULL)
+                    mr_op_def(k)->name, rt->prof_op[k] * per);
+  if ((size_t)len < n && strstr(buf, "(kernels: ") != NULL)
     snprintf(buf + len, n - (size_t)len, ")");
-  free(done_o);
+  free(taken);
   return 1;
 }
 
