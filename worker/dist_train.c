@@ -22,8 +22,8 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
   FILE *mf = NULL;
   int rc = 0;
   MR_TRY_GOTO(rc, mr_runtime_new(job, &L, env->rank, be, comm, &rt), out);
-  uint64_t digest = mr_rank_program_digest(mr_runtime_program(rt));
-  if (env->program_digest != 0 && digest != env->program_digest) {
+  uint64_t digest = env->program_digest != 0 ? mr_rank_program_digest(mr_runtime_program(rt)) : 0;
+  if (digest != env->program_digest) {
     rc = mr_error_set(MR_EPLAN, "rank %d: the program this worker lowered from the plan "
                       "(digest %016llx) is not the one the launcher checked (%016llx, `meshrun "
                       "plan --dump --rank %d` prints it); are meshrun and meshrun-worker the same "
