@@ -15,10 +15,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "common/clock.h"
 #include "common/auth.h"
 #include "common/checksum.h"
 #include "common/ckpt.h"
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/rpc.h"

@@ -2,7 +2,6 @@
 #include "worker/reshard_run.h"
 
 #include <string.h>
-#include <time.h>
 
 #include "common/clock.h"
 #include "common/error.h"

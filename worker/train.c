@@ -6,11 +6,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
-#include "common/clock.h"
 #include "common/autodiff.h"
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/ops.h"

@@ -35,11 +35,10 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
-#include "common/clock.h"
 #include "common/ckpt.h"
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/job.h"
 #include "common/checksum.h"

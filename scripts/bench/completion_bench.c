@@ -8,10 +8,9 @@
  * microseconds per op. */
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
-#include "common/clock.h"
 #include "common/autodiff.h"
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/model.h"
 #include "launcher/spmd/completion.h"

@@ -22,10 +22,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#include "common/clock.h"
 #include "common/autodiff.h"
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/model.h"
 #include "common/ops.h"
