@@ -70,6 +70,7 @@ int mr_client_connect(struct mr_client *c, const char *address,
   c->fd = -1;
   pthread_mutex_init(&c->send_lock, NULL);
   pthread_mutex_init(&c->pos_lock, NULL);
+  pthread_mutex_init(&c->probe_lock, NULL);
   pthread_mutex_init(&c->rdv_lock, NULL);
   pthread_cond_init(&c->rdv_cond, NULL);
   c->waiting_on = -1;
@@ -137,11 +138,13 @@ static void send_heartbeat(struct mr_client *c) {
   hb.waiting_on = c->waiting_on;
   hb.state = c->state;
   memcpy(detail, c->waiting_detail, sizeof detail);
-  const char *(*probe)(void *, char *, size_t) = c->blocked_probe;
-  void *probe_ctx = c->blocked_ctx;
   pthread_mutex_unlock(&c->pos_lock);
-  char comm[160];
-  if (probe != NULL && probe(probe_ctx, comm, sizeof comm)[0] != '\0') {
+  char comm[160] = "", buf[160];
+  pthread_mutex_lock(&c->probe_lock);
+  if (c->blocked_probe != NULL)
+    snprintf(comm, sizeof comm, "%s", c->blocked_probe(c->blocked_ctx, buf, sizeof buf));
+  pthread_mutex_unlock(&c->probe_lock);
+  if (comm[0] != '\0') {
     /* what the comm backend is blocked on (the operation, and who has not
      * arrived) first, then the instruction waiting for it */
     char instr[160];
@@ -265,10 +268,10 @@ void mr_client_set_position(struct mr_client *c, int64_t step, int64_t last_done
 void mr_client_set_blocked_probe(struct mr_client *c,
                                  const char *(*probe)(void *ctx, char *buf, size_t len),
                                  void *ctx) {
-  pthread_mutex_lock(&c->pos_lock);
+  pthread_mutex_lock(&c->probe_lock);
   c->blocked_probe = probe;
   c->blocked_ctx = ctx;
-  pthread_mutex_unlock(&c->pos_lock);
+  pthread_mutex_unlock(&c->probe_lock);
 }
 
 void mr_client_set_state(struct mr_client *c, Meshrun__Heartbeat__State state) {

@@ -37,9 +37,11 @@ struct mr_client {
   char waiting_detail[160];
   Meshrun__Heartbeat__State state;
   /* what the job is blocked on, asked at each heartbeat (e.g. the comm
-   * backend's blocked()); NULL: only the published position */
+   * backend's blocked()); NULL: only the published position.  probe_lock
+   * is held across each call, so a probe removed is no longer running */
   const char *(*blocked_probe)(void *ctx, char *buf, size_t len);
   void *blocked_ctx;
+  pthread_mutex_t probe_lock;
   /* rendezvous answers */
   pthread_mutex_t rdv_lock;
   pthread_cond_t rdv_cond;
@@ -70,7 +72,9 @@ void mr_client_set_position(struct mr_client *c, int64_t step, int64_t last_done
 void mr_client_set_state(struct mr_client *c, Meshrun__Heartbeat__State state);
 
 /* Installs a probe the heartbeat asks what the job is blocked on; its
- * answer (when not empty) is reported as the instruction waited on. */
+ * answer (when not empty) is reported as the instruction waited on.  On
+ * return no call of the previous probe is in flight: its context may be
+ * freed. */
 void mr_client_set_blocked_probe(struct mr_client *c,
                                  const char *(*probe)(void *ctx, char *buf, size_t len),
                                  void *ctx);
