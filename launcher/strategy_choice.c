@@ -70,8 +70,8 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
     free(res);
     return rc;
   }
-  /* the fastest candidate the runtime can lower (a group of more than 64
-   * ranks cannot, for one) */
+  /* the fastest candidate the runtime can lower (more than 64 virtual
+   * stages cannot, for one) */
   rc = MR_ENOFIT;
   char first_err[512] = "";
   for (int i = 0; i < res->n_top; i++) {

@@ -4,7 +4,7 @@
  * (manual mode: the job's strategy, evaluated).  The launcher takes the
  * fastest candidate that lowers to rank programs whose communication fits
  * together (launcher/spmd/lower.h, checked for every rank before any
- * worker starts); one that does not lower (a group of more than 64 ranks,
+ * worker starts); one that does not lower (more than 64 virtual stages,
  * say) gives way to the next. */
 #ifndef MR_STRATEGY_CHOICE_H
 #define MR_STRATEGY_CHOICE_H

@@ -40,6 +40,7 @@
   " \"n_head\": 8, \"n_positions\": 64}"
 
 static const char *model_json = TINY_LLAMA;
+static int job_steps = STEPS;
 
 static void write_job_named(const char *dir, const char *name, const char *strategy, int batch) {
   char path[160];
@@ -51,7 +52,7 @@ static void write_job_named(const char *dir, const char *name, const char *strat
           " \"train\": {\"steps\": %d, \"global_batch\": %d, \"seq_len\": 16, \"lr\": 0.002,"
           " \"seed\": 3, \"eval_interval_steps\": 10, \"eval_batches\": 1},"
           " \"strategy\": {\"auto_mode\": \"manual\"%s%s}}\n",
-          model_json, STEPS, batch, strategy[0] ? ", " : "", strategy);
+          model_json, job_steps, batch, strategy[0] ? ", " : "", strategy);
   fclose(f);
 }
 
@@ -570,6 +571,36 @@ START_TEST(test_dist_train_batch_not_divisible_is_a_clear_error) {
 }
 END_TEST
 
+/* More ranks in a group than the runtime once allowed (64): a data group
+ * of 66 ranks under ZeRO-3 — every parameter gathered from 66 blocks, every
+ * gradient reduce-scattered over them — gives the one-rank run's losses and
+ * weights (batch 66, 4 steps: 66 processes share this machine's cores). */
+START_TEST(test_dist_train_a_group_of_more_than_64_ranks) {
+  enum { RANKS = 66, N = 4 };
+  char dir[64], data[160], m[200];
+  mr_t_tmpdir(dir, sizeof dir);
+  snprintf(data, sizeof data, "%s/train.bin", dir);
+  mr_t_write_tokens(data, 30000);
+  job_steps = N;
+  write_job_named(dir, "ref.json", "", RANKS);
+  write_job_named(dir, "dp66.json",
+                  "\"data_parallel\": {\"degree\": 66}, \"sharding\": {\"stage\": 3}", RANKS);
+  job_steps = STEPS;
+  ck_assert_int_eq(run_named(dir, "ref.json", "ref", 1), 0);
+  ck_assert_int_eq(run_named(dir, "dp66.json", "dp66", RANKS), 0);
+  double ref[N], got[N];
+  snprintf(m, sizeof m, "%s/ref/metrics.jsonl", dir);
+  ck_assert_int_eq(mr_t_read_losses(m, ref, N), N);
+  snprintf(m, sizeof m, "%s/dp66/metrics.jsonl", dir);
+  ck_assert_int_eq(mr_t_read_losses(m, got, N), N);
+  for (int st = 0; st < N; st++)
+    ck_assert_msg(close_rel(got[st], ref[st], 1e-4), "dp66 step %d: %.7f vs one rank %.7f",
+                  st + 1, got[st], ref[st]);
+  ck_assert_msg(ref[N - 1] < ref[0], "the model did not learn: %g -> %g", ref[0], ref[N - 1]);
+  same_weights(dir, "ref", "dp66", 1e-4);
+}
+END_TEST
+
 static Suite *dist_train_suite(void) {
   Suite *s = suite_create("dist_train");
   TCase *tc = tcase_create("strategies");
@@ -585,6 +616,7 @@ static Suite *dist_train_suite(void) {
   tcase_add_test(tc, test_dist_train_mixed_precision);
   tcase_add_test(tc, test_dist_train_batch_not_divisible_is_a_clear_error);
   tcase_add_test(tc, test_dist_train_profile_accounts_for_the_step);
+  tcase_add_test(tc, test_dist_train_a_group_of_more_than_64_ranks);
   suite_add_tcase(s, tc);
   return s;
 }

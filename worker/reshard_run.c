@@ -1,6 +1,7 @@
 /* reshard_run.c - reshard steps on local shards. */
 #include "worker/reshard_run.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/clock.h"
@@ -96,30 +97,30 @@ static int step(struct mr_reshard_ctx *x, const struct mr_reshard_step *s,
     return mr_box_copy(be, ndim, alen, dst, alen, zero, cur, len, so, es);
   }
   case MR_RS_ALL_GATHER: {
-    size_t counts[64];
-    int64_t lens[64];
-    if (k > 64)
-      return mr_error_set(MR_ENOTSUP, "reshard: AllGather over more than 64 ranks");
-    size_t total = 0;
+    size_t *counts = malloc((size_t)k * sizeof *counts);
+    if (counts == NULL)
+      return MR_ENOMEM;
+    int64_t o2[MR_TENSOR_MAX_DIMS], l2[MR_TENSOR_MAX_DIMS];
     for (int i = 0; i < k; i++) {
-      int64_t o2[MR_TENSOR_MAX_DIMS], l2[MR_TENSOR_MAX_DIMS];
       peer_local(x, s->mesh_dim, i, before, ndim, shape, o2, l2);
-      lens[i] = l2[s->tdim];
       counts[i] = (size_t)numel(ndim, l2);
-      total += counts[i];
     }
     void *tmp = x->scratch[2];
-    MR_TRY(mr_comm_all_gather(grp, cur, tmp, n_in, counts, dt, &req));
-    MR_TRY(wait_req(x, req));
+    int rc = mr_comm_all_gather(grp, cur, tmp, n_in, counts, dt, &req);
+    if (rc == 0)
+      rc = wait_req(x, req);
+    free(counts);
+    MR_TRY(rc);
     size_t at = 0;
     int64_t doff[MR_TENSOR_MAX_DIMS] = {0};
-    for (int i = 0; i < k; i++) {
+    for (int i = 0; i < k; i++) { /* each peer's box, in mesh order along tdim */
+      peer_local(x, s->mesh_dim, i, before, ndim, shape, o2, l2);
       int64_t plen[MR_TENSOR_MAX_DIMS];
       memcpy(plen, len, sizeof plen);
-      plen[s->tdim] = lens[i];
+      plen[s->tdim] = l2[s->tdim];
       MR_TRY(mr_box_copy(be, ndim, plen, dst, alen, doff, (char *)tmp + at * es, plen, zero, es));
-      doff[s->tdim] += lens[i];
-      at += counts[i];
+      doff[s->tdim] += plen[s->tdim];
+      at += (size_t)numel(ndim, l2);
     }
     return 0;
   }

@@ -215,8 +215,8 @@ static inline int64_t mr_param_moment_stride(const struct mr_param_plan *pp) {
 }
 
 struct mr_group_desc {
-  char name[64];                  // "data{0,2}"
-  int ranks[64];                  // global ranks in group order
+  char name[64];                  // "data{0,2}" (cut short with "." past 64)
+  int *ranks;                     // [n] global ranks in group order; owned
   int n;
 };
 

@@ -45,7 +45,9 @@ static struct mr_ins ins(enum mr_ins_kind k, int pass) {
 
 /* ---- coordinates, groups, local graph ---- */
 
-static void group_desc(struct mr_group_desc *gd, const char *kind, const int *ranks, int n) {
+static int group_desc(struct mr_group_desc *gd, const char *kind, const int *ranks, int n) {
+  if ((gd->ranks = malloc((size_t)n * sizeof *gd->ranks)) == NULL)
+    return MR_ENOMEM;
   gd->n = n;
   int k = snprintf(gd->name, sizeof gd->name, "%s{", kind);
   for (int i = 0; i < n; i++) {
@@ -57,23 +59,29 @@ static void group_desc(struct mr_group_desc *gd, const char *kind, const int *ra
   }
   if (k < (int)sizeof gd->name - 1)
     snprintf(gd->name + k, sizeof gd->name - (size_t)k, "}");
+  return 0;
 }
 
 static int make_groups(struct mr_rank_program *p) {
   const struct mr_layout *lay = &p->L->lay;
-  int r[64];
-  if (lay->pp > 64 || lay->dp > 64 || lay->tp > 64)
-    return mr_error_set(MR_ENOTSUP, "lowering: a group of more than 64 ranks");
+  int most = lay->pp > lay->dp ? lay->pp : lay->dp;
+  most = lay->tp > most ? lay->tp : most;
+  int *r = malloc((size_t)most * sizeof *r);
+  if (r == NULL)
+    return MR_ENOMEM;
   for (int q = 0; q < lay->pp; q++)
     r[q] = mr_lower_rank(lay, q, p->data, p->model);
-  group_desc(&p->pipe_group, "pipe", r, lay->pp);
+  int rc = group_desc(&p->pipe_group, "pipe", r, lay->pp);
   for (int d = 0; d < lay->dp; d++)
     r[d] = mr_lower_rank(lay, p->pipe, d, p->model);
-  group_desc(&p->data_group, "data", r, lay->dp);
+  if (rc == 0)
+    rc = group_desc(&p->data_group, "data", r, lay->dp);
   for (int t = 0; t < lay->tp; t++)
     r[t] = mr_lower_rank(lay, p->pipe, p->data, t);
-  group_desc(&p->model_group, "model", r, lay->tp);
-  return 0;
+  if (rc == 0)
+    rc = group_desc(&p->model_group, "model", r, lay->tp);
+  free(r);
+  return rc;
 }
 
 /* The group of a mesh dim of L->mesh. */
@@ -667,6 +675,9 @@ void mr_rank_program_close(struct mr_rank_program *p) {
   free(p->ev_what);
   free(p->ev);
   free(p->send_off);
+  free(p->pipe_group.ranks);
+  free(p->data_group.ranks);
+  free(p->model_group.ranks);
   memset(p, 0, sizeof *p);
 }
 
