@@ -6,6 +6,7 @@
 #include <sodium.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -109,6 +110,21 @@ int mr_auth_token_write_file(const char *path,
   if (w != 65)
     return mr_error_set(MR_EIO, "job token file %s: short write", path);
   return 0;
+}
+
+int mr_auth_token_memfd(const uint8_t token[MR_TOKEN_BYTES]) {
+  int fd = memfd_create("meshrun-token", MFD_CLOEXEC);
+  if (fd < 0)
+    return mr_error_set(MR_ESYS, "memfd_create: %s", strerror(errno));
+  char hex[65];
+  mr_auth_token_hex(token, hex);
+  ssize_t w = write(fd, hex, 64);
+  sodium_memzero(hex, sizeof hex);
+  if (w != 64) {
+    close(fd);
+    return mr_error_set(MR_EIO, "writing the job token: %s", strerror(errno));
+  }
+  return fd;
 }
 
 int mr_auth_client_handshake(int fd, struct mr_frame_reader *r,

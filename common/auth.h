@@ -61,6 +61,11 @@ int mr_auth_token_read_file(const char *path, uint8_t token[MR_TOKEN_BYTES]);
 int mr_auth_token_write_file(const char *path,
                              const uint8_t token[MR_TOKEN_BYTES]);
 
+/* An anonymous in-memory file (close-on-exec) holding the token in hex,
+ * for workers to inherit as a descriptor.  Returns the descriptor or an
+ * error. */
+int mr_auth_token_memfd(const uint8_t token[MR_TOKEN_BYTES]);
+
 /* Runs the worker side of the handshake on a blocking fd, using r for
  * buffered input.  Returns 0, or MR_EAUTH when the coordinator refuses us
  * or fails to prove it knows the token. */

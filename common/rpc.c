@@ -74,6 +74,9 @@ int mr_rpc_validate(const Meshrun__Envelope *env) {
     if (env->hello->requested_rank < -1)
       return mr_error_set(MR_EPROTO, "hello asks for rank %d",
                           env->hello->requested_rank);
+    if (env->hello->node_rank < 0 || (env->hello->node_rank > 0 && env->hello->node_ranks < 1))
+      return mr_error_set(MR_EPROTO, "hello from node %d with %d ranks",
+                          env->hello->node_rank, env->hello->node_ranks);
     return 0;
   case MESHRUN__ENVELOPE__MSG_WELCOME:
     if (env->welcome->world_size <= 0 || env->welcome->rank < 0 ||
@@ -81,10 +84,16 @@ int mr_rpc_validate(const Meshrun__Envelope *env) {
       return mr_error_set(MR_EPROTO, "welcome gives rank %d of %d",
                           env->welcome->rank, env->welcome->world_size);
     return 0;
+  case MESHRUN__ENVELOPE__MSG_CONTROL:
+    if (env->control->kind != MESHRUN__CONTROL__KIND__STOP &&
+        env->control->kind != MESHRUN__CONTROL__KIND__CHECKPOINT_NOW &&
+        env->control->kind != MESHRUN__CONTROL__KIND__START &&
+        env->control->kind != MESHRUN__CONTROL__KIND__FINISH)
+      return mr_error_set(MR_EPROTO, "control of unknown kind %d", (int)env->control->kind);
+    return 0;
   case MESHRUN__ENVELOPE__MSG_PLAN:
   case MESHRUN__ENVELOPE__MSG_HEARTBEAT:
   case MESHRUN__ENVELOPE__MSG_METRICS:
-  case MESHRUN__ENVELOPE__MSG_CONTROL:
   case MESHRUN__ENVELOPE__MSG_RENDEZVOUS_DONE:
     return 0;
   case MESHRUN__ENVELOPE__MSG_REPORT:

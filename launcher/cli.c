@@ -39,6 +39,24 @@ int mr_cli_num(const char *cmd, const char *flag, const char *value, double min,
   return 0;
 }
 
+int mr_cli_host_port(const char *value, char *host, unsigned long hn, int *port) {
+  const char *colon = strrchr(value, ':');
+  char *end;
+  long p = colon != NULL ? strtol(colon + 1, &end, 10) : 0;
+  const char *h = value, *he = colon;
+  if (colon != NULL && value[0] == '[' && colon > value && colon[-1] == ']') {
+    h = value + 1;
+    he = colon - 1;
+  }
+  if (colon == NULL || he <= h || (unsigned long)(he - h) >= hn || colon[1] == '\0' ||
+      *end != '\0' || p < 1 || p > 65535)
+    return mr_error_set(MR_EINVAL, "expected HOST:PORT with a port of 1..65535");
+  memcpy(host, h, (size_t)(he - h));
+  host[he - h] = '\0';
+  *port = (int)p;
+  return 0;
+}
+
 int mr_cli_find_sibling(const char *name, const char *build_subdir, char *buf,
                         unsigned long n) {
   char self[PATH_MAX];

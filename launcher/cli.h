@@ -19,6 +19,11 @@ int mr_cli_int(const char *cmd, const char *flag, const char *value, long min, l
 int mr_cli_num(const char *cmd, const char *flag, const char *value, double min,
                double max, double *out);
 
+/* Splits "HOST:PORT" (a name or address, an IPv6 one bracketed; port
+ * 1..65535) into host[hn] (brackets removed) and *port.  Returns 0 or
+ * MR_EINVAL with a message saying what was expected. */
+int mr_cli_host_port(const char *value, char *host, unsigned long hn, int *port);
+
 /* The path of a program installed beside `meshrun` (e.g. meshrun-worker),
  * found next to our own executable, in the build tree, or on PATH.  Writes
  * into buf; returns 0 or -1. */

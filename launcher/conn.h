@@ -46,6 +46,7 @@ struct mr_conn {
   int handles_open;               // closes still pending before free
   int id;                         // for logs
   int rank;                       // -1 until the coordinator binds it
+  int node;                       // > 0: the launcher of that node
   char peer[64];                  // "unix" or "127.0.0.1:5555"
 };
 

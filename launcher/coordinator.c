@@ -11,7 +11,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -62,9 +61,12 @@ struct coordinator {
   char job_id[17];
   char sock_dir[64];
   char unix_path[128];
+  char unix_address[140];   // "unix:" unix_path
   char master_addr[64];
   int master_port;
   struct mr_ranks ranks;
+  int nnodes, node_ranks;   // nodes of the job, ranks on each
+  struct mr_conn **agents;  // [nnodes] the other nodes' launchers (0: unused)
   enum phase phase;
   int restart;              // group restarts so far
   int stop_signal;          // SIGINT/SIGTERM that stopped us, or 0
@@ -107,6 +109,20 @@ static void rendezvous_clear(struct coordinator *co) {
 static void group_fail(struct coordinator *co, int rank, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* Tells the launcher of node k (when connected) to start its ranks for the
+ * current group, or to stop them. */
+static void send_node_control(struct coordinator *co, int k, Meshrun__Control__Kind kind) {
+  if (co->agents == NULL || co->agents[k] == NULL)
+    return;
+  Meshrun__Control ctl = MESHRUN__CONTROL__INIT;
+  ctl.kind = kind;
+  ctl.restart = (uint32_t)co->restart;
+  Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
+  env.msg_case = MESHRUN__ENVELOPE__MSG_CONTROL;
+  env.control = &ctl;
+  mr_conn_send(co->agents[k], &env);
+}
+
 static void begin_stop(struct coordinator *co) {
   if (co->phase == PHASE_STOPPING)
     return;
@@ -115,6 +131,11 @@ static void begin_stop(struct coordinator *co) {
   co->killed = 0;
   mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__STOP);
   mr_ranks_signal_all(&co->ranks, SIGTERM);
+  for (int k = 1; k < co->nnodes; k++)
+    send_node_control(co, k, MESHRUN__CONTROL__KIND__STOP);
+  for (int i = 0; i < co->ranks.n; i++) /* a remote rank is gone with its connection */
+    if (co->ranks.r[i].remote && co->ranks.r[i].conn == NULL)
+      co->ranks.r[i].exited = 1;
 }
 
 static void group_fail(struct coordinator *co, int rank, const char *fmt, ...) {
@@ -173,8 +194,8 @@ static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
   Meshrun__Welcome w = MESHRUN__WELCOME__INIT;
   w.rank = rank;
   w.world_size = o->nproc;
-  w.local_rank = rank;
-  w.local_world_size = o->nproc;
+  w.local_rank = rank % co->node_ranks;
+  w.local_world_size = co->node_ranks;
   w.mesh = &mesh;
   w.job_id = co->job_id;
   w.restart = (uint32_t)co->restart;
@@ -206,11 +227,53 @@ static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
   mr_conn_send(c, &penv);
 }
 
+/* The launcher of node k > 0: welcome it (the job and the world size), and
+ * have it start its ranks if a group is running. */
+static void on_node_hello(struct coordinator *co, struct mr_conn *c, const Meshrun__Hello *h) {
+  int k = h->node_rank;
+  char why[192] = "";
+  if (k >= co->nnodes)
+    snprintf(why, sizeof why, "node %d of a job of %d node%s (--node-rank must be below "
+             "--nnodes)", k, co->nnodes, co->nnodes == 1 ? "" : "s");
+  else if (h->node_ranks != co->node_ranks)
+    snprintf(why, sizeof why, "node %d runs %d ranks; every node runs %d (--nproc)", k,
+             h->node_ranks, co->node_ranks);
+  else if (co->agents[k] != NULL)
+    snprintf(why, sizeof why, "node %d is connected already", k);
+  if (why[0] != '\0') {
+    MR_ERROR("launch", "refused the launcher of %s: %s", h->host, why);
+    mr_conn_close(c, why);
+    return;
+  }
+  c->node = k;
+  co->agents[k] = c;
+  MR_INFO("launch", "node %d joined from %s (ranks %d..%d)", k, h->host, k * co->node_ranks,
+          (k + 1) * co->node_ranks - 1);
+  Meshrun__Welcome w = MESHRUN__WELCOME__INIT;
+  w.rank = k * co->node_ranks;
+  w.world_size = co->opts->nproc;
+  w.local_rank = 0;
+  w.local_world_size = co->node_ranks;
+  w.job_id = co->job_id;
+  w.restart = (uint32_t)co->restart;
+  Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
+  env.msg_case = MESHRUN__ENVELOPE__MSG_WELCOME;
+  env.welcome = &w;
+  mr_conn_send(c, &env);
+  if (co->phase == PHASE_RUNNING && !co->ranks.waiting_restart)
+    send_node_control(co, k, MESHRUN__CONTROL__KIND__START);
+}
+
 static void on_hello(struct coordinator *co, struct mr_conn *c,
                      const Meshrun__Hello *h) {
+  if (h->node_rank > 0) {
+    on_node_hello(co, c, h);
+    return;
+  }
   int rank = h->requested_rank;
   struct mr_rank *r = rank >= 0 && rank < co->opts->nproc ? &co->ranks.r[rank] : NULL;
-  if (r == NULL || r->registered || r->pid != (int)h->pid ||
+  if (r == NULL || r->registered || (!r->remote && r->pid != (int)h->pid) ||
+      (r->remote && (co->phase != PHASE_RUNNING || r->exited)) ||
       h->restart != (uint32_t)co->restart) {
     char why[160];
     snprintf(why, sizeof why, "hello from pid %u for rank %d (restart %u) matches no waiting worker",
@@ -221,6 +284,8 @@ static void on_hello(struct coordinator *co, struct mr_conn *c,
   c->rank = rank;
   r->conn = c;
   r->registered = 1;
+  if (r->remote)
+    r->pid = (int)h->pid;
   r->last_seen_ms = mr_clock_ms();
   MR_DEBUG("launch", "rank %d registered (pid %u, host %s, %zu devices)", rank, h->pid,
            h->host, h->n_devices);
@@ -443,6 +508,10 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
 
 static void on_message(void *ctx, struct mr_conn *c, const Meshrun__Envelope *env) {
   struct coordinator *co = ctx;
+  if (c->node > 0) {
+    mr_conn_close(c, "a node's launcher sends nothing after hello");
+    return;
+  }
   if (c->rank < 0) {
     if (env->msg_case == MESHRUN__ENVELOPE__MSG_HELLO)
       on_hello(co, c, env->hello);
@@ -474,10 +543,24 @@ static void on_message(void *ctx, struct mr_conn *c, const Meshrun__Envelope *en
 
 static void on_conn_close(void *ctx, struct mr_conn *c) {
   struct coordinator *co = ctx;
+  if (c->node > 0 && co->agents[c->node] == c) {
+    co->agents[c->node] = NULL;
+    group_fail(co, -1, "the launcher of node %d disconnected (its ranks %d..%d stop with it)",
+               c->node, c->node * co->node_ranks, (c->node + 1) * co->node_ranks - 1);
+    return;
+  }
   if (c->rank < 0 || c->rank >= co->opts->nproc || co->ranks.r[c->rank].conn != c)
     return;
   struct mr_rank *r = &co->ranks.r[c->rank];
   r->conn = NULL;
+  if (r->remote) {
+    r->exited = 1;
+    if (!r->done)
+      group_fail(co, c->rank, "rank %d (node %d, pid %d) disconnected before finishing its "
+                 "job%s%s", c->rank, c->rank / co->node_ranks, r->pid, r->error[0] ? ": " : "",
+                 r->error);
+    return;
+  }
   /* a rank that exited 0 is judged once all it sent has been read */
   if (r->exited && r->exit_status == 0 && !r->done)
     group_fail(co, c->rank, "rank %d (pid %d) exited before finishing its job", c->rank,
@@ -580,7 +663,7 @@ static int start_group(struct coordinator *co) {
   co->failed_rank = -1;
   struct mr_spawn_env env = {
       .worker_bin = co->opts->worker_bin,
-      .coord_address = co->unix_path,
+      .coord_address = co->unix_address,
       .master_addr = co->master_addr,
       .master_port = co->master_port,
       .job_id = co->job_id,
@@ -588,11 +671,16 @@ static int start_group(struct coordinator *co) {
       .restart = co->restart,
       .threads = co->opts->threads,
       .log_dir = co->opts->log_dir,
+      .world = co->opts->nproc,
   };
   int rc = mr_ranks_spawn_all(&co->ranks, &env);
-  if (rc < 0)
+  if (rc < 0) {
     group_fail(co, -1, "could not start the workers: %s", mr_error_message());
-  return rc;
+    return rc;
+  }
+  for (int k = 1; k < co->nnodes; k++)
+    send_node_control(co, k, MESHRUN__CONTROL__KIND__START);
+  return 0;
 }
 
 static void finish(struct coordinator *co, int code) {
@@ -607,6 +695,18 @@ static void finish(struct coordinator *co, int code) {
   uv_close((uv_handle_t *)&co->sigint, NULL);
   uv_close((uv_handle_t *)&co->sigterm, NULL);
   mr_ranks_close_conns(&co->ranks);
+  for (int k = 1; k < co->nnodes; k++) { /* the verdict, then the connection */
+    if (co->agents[k] == NULL)
+      continue;
+    Meshrun__Control ctl = MESHRUN__CONTROL__INIT;
+    ctl.kind = MESHRUN__CONTROL__KIND__FINISH;
+    ctl.exit_code = code;
+    Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
+    env.msg_case = MESHRUN__ENVELOPE__MSG_CONTROL;
+    env.control = &ctl;
+    mr_conn_send(co->agents[k], &env);
+    mr_conn_close(co->agents[k], NULL);
+  }
 }
 
 /* Called when every worker of a stopping group has exited. */
@@ -682,13 +782,23 @@ static void on_tick(uv_timer_t *t) {
     int64_t hb = (int64_t)(co->opts->heartbeat_timeout_s * 1000.0);
     int64_t conn_timeout = mr_tunable_int(MR_TUNABLE_CONNECT_TIMEOUT_MS);
     int all_done = 1;
+    int64_t join_timeout = (int64_t)(co->opts->join_timeout_s * 1000.0);
     for (int i = 0; i < co->opts->nproc; i++) {
       struct mr_rank *r = &co->ranks.r[i];
       if (!r->exited || !r->done || r->exit_status != 0)
         all_done = 0;
       if (r->exited)
         continue;
-      if (!r->registered && now - r->spawn_ms > conn_timeout) {
+      if (r->remote && !r->registered && now - r->spawn_ms > join_timeout) {
+        int k = i / co->node_ranks;
+        group_fail(co, i, "rank %d did not register within %.1f s: %s", i,
+                   (double)join_timeout / 1000.0,
+                   co->agents[k] != NULL ? "its node's launcher did not start it"
+                                         : "no launcher joined as its node (is `meshrun launch "
+                                           "--node-rank` running there?)");
+        return;
+      }
+      if (!r->remote && !r->registered && now - r->spawn_ms > conn_timeout) {
         group_fail(co, i, "rank %d (pid %d) did not register within %.1f s", i, r->pid,
                    (double)conn_timeout / 1000.0);
         return;
@@ -715,7 +825,10 @@ static void on_tick(uv_timer_t *t) {
     return;
   }
   if (co->phase == PHASE_STOPPING) {
-    if (mr_ranks_all_exited(&co->ranks)) {
+    int remote_left = 0;
+    for (int i = co->ranks.local; i < co->ranks.n; i++)
+      remote_left += !co->ranks.r[i].exited;
+    if (mr_ranks_all_exited(&co->ranks) && remote_left == 0) {
       if (mr_ranks_all_closed(&co->ranks))
         group_stopped(co);
       return;
@@ -724,6 +837,9 @@ static void on_tick(uv_timer_t *t) {
       MR_WARN("launch", "workers still running after %.1f s: killing them",
               (double)mr_tunable_int(MR_TUNABLE_STOP_GRACE_MS) / 1000.0);
       mr_ranks_signal_all(&co->ranks, SIGKILL);
+      for (int i = co->ranks.local; i < co->ranks.n; i++) /* their nodes kill them */
+        if (co->ranks.r[i].conn != NULL)
+          mr_conn_close(co->ranks.r[i].conn, "still connected after the stop grace");
       co->killed = 1;
     }
   }
@@ -761,6 +877,7 @@ static int listen_all(struct coordinator *co) {
     return mr_error_set(MR_ESYS, "mkdtemp: %s", strerror(errno));
   snprintf(co->sock_dir, sizeof co->sock_dir, "%s", tmpl);
   snprintf(co->unix_path, sizeof co->unix_path, "%s/coord.sock", tmpl);
+  snprintf(co->unix_address, sizeof co->unix_address, "unix:%s", co->unix_path);
   int rc = uv_pipe_init(&co->loop, &co->unix_server, 0);
   if (rc == 0)
     rc = uv_pipe_bind(&co->unix_server, co->unix_path);
@@ -788,7 +905,8 @@ static int listen_all(struct coordinator *co) {
   uv_tcp_getsockname(&co->tcp_server, (struct sockaddr *)&sa, &len);
   co->master_port = sa.ss_family == AF_INET ? ntohs(((struct sockaddr_in *)&sa)->sin_port)
                                             : ntohs(((struct sockaddr_in6 *)&sa)->sin6_port);
-  snprintf(co->master_addr, sizeof co->master_addr, "%s", host);
+  snprintf(co->master_addr, sizeof co->master_addr, "%s",
+           co->opts->master_host != NULL ? co->opts->master_host : host);
   return 0;
 }
 
@@ -800,24 +918,31 @@ static int write_coordinator_file(struct coordinator *co) {
     return mr_error_set(MR_EIO, "%s: %s", path, strerror(errno));
   fprintf(f,
           "{\"job_id\": \"%s\", \"pid\": %d, \"unix\": \"unix:%s\", "
-          "\"tcp\": \"tcp:%s:%d\", \"world_size\": %d}\n",
+          "\"tcp\": \"tcp:%s:%d\", \"world_size\": %d, \"nodes\": %d}\n",
           co->job_id, (int)getpid(), co->unix_path, co->master_addr, co->master_port,
-          co->opts->nproc);
+          co->opts->nproc, co->nnodes);
   fclose(f);
   return 0;
 }
 
-static int make_token_fd(struct coordinator *co) {
-  co->token_fd = memfd_create("meshrun-token", MFD_CLOEXEC);
-  if (co->token_fd < 0)
-    return mr_error_set(MR_ESYS, "memfd_create: %s", strerror(errno));
-  char hex[65];
-  mr_auth_token_hex(co->token, hex);
-  if (write(co->token_fd, hex, 64) != 64)
-    return mr_error_set(MR_EIO, "writing the job token: %s", strerror(errno));
-  sodium_memzero(hex, sizeof hex);
-  return 0;
+/* The job token: fresh, or the one in opts->token_file (which other
+ * nodes read), written there first when the file does not exist. */
+static int make_token(struct coordinator *co) {
+  const char *path = co->opts->token_file;
+  if (path == NULL) {
+    mr_auth_random(co->token, sizeof co->token);
+    return 0;
+  }
+  int rc = mr_auth_token_read_file(path, co->token);
+  if (rc != MR_ENOENT)
+    return rc;
+  mr_auth_random(co->token, sizeof co->token);
+  rc = mr_auth_token_write_file(path, co->token);
+  if (rc < 0 && access(path, F_OK) == 0) /* another writer won: use its token */
+    rc = mr_auth_token_read_file(path, co->token);
+  return rc;
 }
+
 
 /* Closes whatever an early failure left open, so the loop can close. */
 static void close_walk(uv_handle_t *h, void *arg) {
@@ -837,12 +962,21 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   int code = 1;
   if (mr_auth_init() < 0)
     goto out;
-  mr_auth_random(co->token, sizeof co->token);
+  co->nnodes = opts->nnodes > 1 ? opts->nnodes : 1;
+  co->node_ranks = opts->node_ranks > 0 ? opts->node_ranks : opts->nproc;
+  co->agents = calloc((size_t)co->nnodes, sizeof *co->agents);
+  if (co->agents == NULL)
+    goto out;
+  if (make_token(co) < 0) {
+    MR_ERROR("launch", "%s", mr_error_message());
+    goto out;
+  }
   uint8_t id[8];
   mr_auth_random(id, sizeof id);
   sodium_bin2hex(co->job_id, sizeof co->job_id, id, sizeof id);
   uv_loop_init(&co->loop);
-  if (listen_all(co) < 0 || make_token_fd(co) < 0 || write_coordinator_file(co) < 0) {
+  if (listen_all(co) < 0 || (co->token_fd = mr_auth_token_memfd(co->token)) < 0 ||
+      write_coordinator_file(co) < 0) {
     MR_ERROR("launch", "%s", mr_error_message());
     goto close_loop;
   }
@@ -856,7 +990,8 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
     MR_ERROR("launch", "metrics file %s: %s", mpath, strerror(errno));
     goto close_loop;
   }
-  if (mr_ranks_init(&co->ranks, &co->loop, opts->nproc, opts->log_dir, co, on_rank_exit) < 0) {
+  if (mr_ranks_init(&co->ranks, &co->loop, opts->nproc, co->node_ranks, 0, opts->log_dir, co,
+                    on_rank_exit) < 0) {
     MR_ERROR("launch", "%s", mr_error_message());
     goto close_loop;
   }
@@ -868,9 +1003,9 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   uv_timer_init(&co->loop, &co->tick);
   co->tick.data = co;
   uv_timer_start(&co->tick, on_tick, 20, 20);
-  MR_INFO("launch", "job %s: %d ranks, logs in %s, coordinator on unix:%s and tcp:%s:%d",
-          co->job_id, opts->nproc, opts->log_dir, co->unix_path, co->master_addr,
-          co->master_port);
+  MR_INFO("launch", "job %s: %d ranks%s, logs in %s, coordinator on unix:%s and tcp:%s:%d",
+          co->job_id, opts->nproc, co->nnodes > 1 ? " on several nodes" : "", opts->log_dir,
+          co->unix_path, co->master_addr, co->master_port);
   start_group(co);
   uv_run(&co->loop, UV_RUN_DEFAULT);
   code = co->exit_code;
@@ -893,6 +1028,7 @@ close_loop:
   uv_loop_close(&co->loop);
 out:
   sodium_memzero(co->token, sizeof co->token);
+  free(co->agents);
   free(co);
   return code;
 }

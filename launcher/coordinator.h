@@ -12,7 +12,15 @@
  * is stopped and restarted up to max_restarts times (torchrun's semantics),
  * after which the launcher exits non-zero naming the rank, its status and
  * the last lines of its log.  SIGINT/SIGTERM stop every worker; workers die
- * with the launcher (PR_SET_PDEATHSIG, and the closed connection). */
+ * with the launcher (PR_SET_PDEATHSIG, and the closed connection).
+ *
+ * Across nodes, this launcher is node 0: it plans, spawns ranks 0 ..
+ * node_ranks - 1 and coordinates; the launcher of node K (launcher/agent.h)
+ * connects over TCP with the job token, and is told to start its ranks
+ * whenever a group (re)starts and to stop them when it stops.  A remote
+ * rank is known by its connection: it fails the group when it closes
+ * before the rank finished, or when the rank does not register within the
+ * join timeout. */
 #ifndef MR_COORDINATOR_H
 #define MR_COORDINATOR_H
 
@@ -22,7 +30,16 @@
 #include "common/discovery.h"
 
 struct mr_launch_opts {
-  int nproc;                    // ranks to run
+  int nproc;                    // ranks of the job, on every node
+  int nnodes;                   // nodes (0 or 1: this one only)
+  int node_ranks;               // ranks per node; this node runs ranks
+                                // 0 .. node_ranks - 1 (0: all nproc)
+  double join_timeout_s;        // how long other nodes' ranks may take to
+                                // register in a group
+  const char *token_file;       // the job token other nodes read (0600;
+                                // written when missing); NULL: a fresh one
+  const char *master_host;      // what the ranks get as MASTER_ADDR; NULL:
+                                // the address bound
   int max_restarts;             // group restarts allowed
   const char *log_dir;          // per-rank logs, coordinator.json, metrics
   double heartbeat_timeout_s;   // silence that fails a rank

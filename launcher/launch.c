@@ -8,6 +8,7 @@
 #include "common/job.h"
 #include "common/log.h"
 #include "common/tunable.h"
+#include "launcher/agent.h"
 #include "launcher/cli.h"
 #include "launcher/coordinator.h"
 #include "launcher/strategy_choice.h"
@@ -21,7 +22,8 @@ static void usage(FILE *f) {
           "\n"
           "Starts one worker per rank, sends each the plan and supervises them.\n"
           "\n"
-          "  --nproc N              ranks (default: one per GPU, else cores / threads)\n"
+          "  --nproc N              ranks on this node (default: one per GPU, else cores /\n"
+          "                         threads)\n"
           "  --devices 0,1,3        GPUs to use, among the visible ones (CUDA_VISIBLE_DEVICES\n"
           "                         applies); one rank each (default: all)\n"
           "  --device cpu|cuda      what ranks compute on (default MESHRUN_DEVICE, else cuda\n"
@@ -33,8 +35,17 @@ static void usage(FILE *f) {
           "  --heartbeat-timeout S  silence after which a rank is failed (default 30)\n"
           "  --hang-timeout S       no rank progressing this long is a hang: diagnose,\n"
           "                         then restart (default 300; 0 turns it off)\n"
-          "  --bind HOST:PORT       TCP address for remote workers (default 127.0.0.1:0)\n"
-          "  --selfcheck            run the built-in end-to-end check instead of the job\n");
+          "  --bind HOST:PORT       TCP address for remote workers (default 127.0.0.1:0;\n"
+          "                         0.0.0.0 and --master's port across nodes)\n"
+          "  --selfcheck            run the built-in end-to-end check instead of the job\n"
+          "\n"
+          "Across nodes (the same command on each; node 0 plans and coordinates):\n"
+          "  --nnodes N             nodes of the job, each running --nproc ranks (default 1)\n"
+          "  --node-rank K          this node, 0 .. N-1\n"
+          "  --master HOST:PORT     where node 0's launcher listens\n"
+          "  --token-file FILE      the job token on a file system every node sees: node 0\n"
+          "                         writes it (mode 0600) when missing, the others read it\n"
+          "  --join-timeout S       how long nodes wait for one another (default 600)\n");
 }
 
 static char *job_stem(const char *path) {
@@ -60,11 +71,17 @@ int mr_cmd_launch(int argc, char **argv) {
       {"bind", required_argument, NULL, 'b'},
       {"hang-timeout", required_argument, NULL, 'H'},
       {"selfcheck", no_argument, NULL, 's'},
+      {"nnodes", required_argument, NULL, 'N'},
+      {"node-rank", required_argument, NULL, 'K'},
+      {"master", required_argument, NULL, 'M'},
+      {"token-file", required_argument, NULL, 'T'},
+      {"join-timeout", required_argument, NULL, 'J'},
       {"help", no_argument, NULL, '?'},
       {NULL, 0, NULL, 0}};
-  long nproc = 0, threads = 0, restarts = 0;
-  double hb = 30.0, hang = 300.0;
-  const char *log_dir = NULL, *metrics = NULL, *bind = "127.0.0.1:0";
+  long nproc = 0, threads = 0, restarts = 0, nnodes = 1, node_rank = 0;
+  double hb = 30.0, hang = 300.0, join_timeout = 600.0;
+  const char *log_dir = NULL, *metrics = NULL, *bind = NULL;
+  const char *master = NULL, *token_file = NULL;
   const char *devices_spec = NULL, *device = NULL;
   int selfcheck = 0;
   optind = 1;
@@ -114,6 +131,24 @@ int mr_cmd_launch(int argc, char **argv) {
     case 's':
       selfcheck = 1;
       break;
+    case 'N':
+      if (mr_cli_int("launch", "--nnodes", optarg, 1, 100000, &nnodes) < 0)
+        return 2;
+      break;
+    case 'K':
+      if (mr_cli_int("launch", "--node-rank", optarg, 0, 99999, &node_rank) < 0)
+        return 2;
+      break;
+    case 'M':
+      master = optarg;
+      break;
+    case 'T':
+      token_file = optarg;
+      break;
+    case 'J':
+      if (mr_cli_num("launch", "--join-timeout", optarg, 0.1, 1e7, &join_timeout) < 0)
+        return 2;
+      break;
     default:
       if (optopt == 0 && strcmp(argv[optind - 1], "--help") == 0) {
         usage(stdout);
@@ -125,6 +160,30 @@ int mr_cmd_launch(int argc, char **argv) {
       return 2;
     }
   }
+  if (node_rank >= nnodes) {
+    fprintf(stderr, "meshrun launch: --node-rank %ld: expected 0..%ld (--nnodes %ld)\n",
+            node_rank, nnodes - 1, nnodes);
+    return 2;
+  }
+  char master_host[256], bind_all[300];
+  int master_port = 0;
+  if (nnodes > 1 && (master == NULL || token_file == NULL)) {
+    fprintf(stderr, "meshrun launch: --nnodes %ld: expected --master HOST:PORT (node 0's "
+            "launcher) and --token-file FILE (the job token, on a file system every node "
+            "sees)\n", nnodes);
+    return 2;
+  }
+  if (master != NULL && mr_cli_host_port(master, master_host, sizeof master_host,
+                                         &master_port) < 0) {
+    fprintf(stderr, "meshrun launch: --master %s: %s\n", master, mr_error_message());
+    return 2;
+  }
+  if (bind == NULL && nnodes > 1) { /* every interface, at the port the others dial */
+    snprintf(bind_all, sizeof bind_all, "0.0.0.0:%d", master_port);
+    bind = bind_all;
+  }
+  if (bind == NULL)
+    bind = "127.0.0.1:0";
   char bind_host[64];
   int bind_port;
   if (mr_bind_parse(bind, bind_host, sizeof bind_host, &bind_port) < 0) {
@@ -209,7 +268,9 @@ int mr_cmd_launch(int argc, char **argv) {
   }
   setenv("MESHRUN_DEVICE", dev_kind, 1);
   int gpu_ranks = strcmp(dev_kind, "cuda") == 0;
-  if (job_path != NULL && !selfcheck && job.cluster == NULL && gpu_ranks) {
+  long world = nnodes * nproc; /* every node runs nproc ranks */
+  int plans = job_path != NULL && !selfcheck && node_rank == 0; /* node 0 plans */
+  if (plans && job.cluster == NULL && gpu_ranks) {
     /* ranks on GPUs and no cluster spec given: measure this machine's
      * GPUs (once; cached) */
     char spec[4096];
@@ -223,8 +284,8 @@ int mr_cmd_launch(int argc, char **argv) {
     }
   }
 
-  if (job_path != NULL && !selfcheck) {
-    if (mr_strategy_choose(&job, (int)nproc, &choice) < 0) {
+  if (plans) {
+    if (mr_strategy_choose(&job, (int)world, &choice) < 0) {
       fprintf(stderr, "meshrun launch: %s: %s\n", job_path, mr_error_message());
       code = 2;
       goto done;
@@ -262,8 +323,28 @@ int mr_cmd_launch(int argc, char **argv) {
     goto done;
   }
   mr_log_set_prefix("launcher");
+  if (node_rank > 0) {
+    struct mr_agent_opts ao = {
+        .nnodes = (int)nnodes,
+        .node_rank = (int)node_rank,
+        .nproc = (int)nproc,
+        .master = master,
+        .token_file = token_file,
+        .log_dir = log_dir,
+        .worker_bin = worker,
+        .threads = (int)threads,
+        .join_timeout_s = join_timeout,
+    };
+    code = mr_agent_run(&ao);
+    goto done;
+  }
   struct mr_launch_opts opts = {
-      .nproc = (int)nproc,
+      .nproc = (int)world,
+      .nnodes = (int)nnodes,
+      .node_ranks = (int)nproc,
+      .join_timeout_s = join_timeout,
+      .token_file = token_file,
+      .master_host = nnodes > 1 ? master_host : NULL,
       .max_restarts = (int)restarts,
       .log_dir = log_dir,
       .heartbeat_timeout_s = hb,

@@ -16,14 +16,15 @@
 
 extern char **environ;
 
-int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, const char *log_dir,
-                  void *ctx, void (*on_exit)(void *, int, int64_t, int)) {
+int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, int local, int base,
+                  const char *log_dir, void *ctx, void (*on_exit)(void *, int, int64_t, int)) {
   memset(s, 0, sizeof *s);
   s->r = calloc((size_t)n, sizeof *s->r);
   if (s->r == NULL)
     return mr_error_set(MR_ENOMEM, "out of memory for %d ranks", n);
   s->loop = loop;
   s->n = n;
+  s->local = local;
   s->log_dir = log_dir;
   s->ctx = ctx;
   s->on_exit = on_exit;
@@ -31,7 +32,8 @@ int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, const char *log_di
   s->start_ms = mr_clock_ms();
   for (int i = 0; i < n; i++) {
     s->r[i].set = s;
-    s->r[i].rank = i;
+    s->r[i].rank = base + i;
+    s->r[i].remote = i >= local;
     s->r[i].exited = 1;
     s->r[i].waiting_on = -1;
   }
@@ -126,21 +128,22 @@ static void on_process_exit(uv_process_t *p, int64_t status, int signal) {
   uv_close((uv_handle_t *)p, on_handle_closed);
   MR_DEBUG("launch", "rank %d (pid %d) exited: status %lld signal %d", r->rank, r->pid,
            (long long)status, signal);
-  r->set->on_exit(r->set->ctx, r->rank, status, signal);
+  r->set->on_exit(r->set->ctx, (int)(r - r->set->r), status, signal);
 }
 
 /* The parent's environment with our variables replacing any of the same
  * name.  Returned array and strings are malloc'd; free with free_env. */
-static char **build_env(const struct mr_spawn_env *e, int rank, int world) {
+static char **build_env(const struct mr_spawn_env *e, int rank, int local_rank,
+                        int local_world) {
   char vars[16][1200];
   int nv = 0;
   snprintf(vars[nv++], sizeof vars[0], "RANK=%d", rank);
-  snprintf(vars[nv++], sizeof vars[0], "LOCAL_RANK=%d", rank);
-  snprintf(vars[nv++], sizeof vars[0], "WORLD_SIZE=%d", world);
-  snprintf(vars[nv++], sizeof vars[0], "LOCAL_WORLD_SIZE=%d", world);
+  snprintf(vars[nv++], sizeof vars[0], "LOCAL_RANK=%d", local_rank);
+  snprintf(vars[nv++], sizeof vars[0], "WORLD_SIZE=%d", e->world);
+  snprintf(vars[nv++], sizeof vars[0], "LOCAL_WORLD_SIZE=%d", local_world);
   snprintf(vars[nv++], sizeof vars[0], "MASTER_ADDR=%s", e->master_addr);
   snprintf(vars[nv++], sizeof vars[0], "MASTER_PORT=%d", e->master_port);
-  snprintf(vars[nv++], sizeof vars[0], "MESHRUN_COORD=unix:%s", e->coord_address);
+  snprintf(vars[nv++], sizeof vars[0], "MESHRUN_COORD=%s", e->coord_address);
   snprintf(vars[nv++], sizeof vars[0], "MESHRUN_TOKEN_FD=3");
   snprintf(vars[nv++], sizeof vars[0], "MESHRUN_JOB_ID=%s", e->job_id);
   snprintf(vars[nv++], sizeof vars[0], "MESHRUN_RESTART=%d", e->restart);
@@ -182,7 +185,7 @@ static int spawn_one(struct mr_ranks *s, int i, const struct mr_spawn_env *e) {
   struct mr_rank *r = &s->r[i];
   if (r->log == NULL) {
     char path[1024];
-    snprintf(path, sizeof path, "%s/rank-%d.log", s->log_dir, i);
+    snprintf(path, sizeof path, "%s/rank-%d.log", s->log_dir, r->rank);
     r->log = fopen(path, "a");
     if (r->log == NULL)
       return mr_error_set(MR_EIO, "%s: %s", path, strerror(errno));
@@ -201,7 +204,7 @@ static int spawn_one(struct mr_ranks *s, int i, const struct mr_spawn_env *e) {
   stdio[2].data.stream = (uv_stream_t *)&r->err;
   stdio[3].flags = UV_INHERIT_FD;
   stdio[3].data.fd = e->token_fd;
-  char **env = build_env(e, i, s->n);
+  char **env = build_env(e, r->rank, i, s->local);
   char *args[] = {(char *)e->worker_bin, NULL};
   uv_process_options_t po;
   memset(&po, 0, sizeof po);
@@ -218,7 +221,7 @@ static int spawn_one(struct mr_ranks *s, int i, const struct mr_spawn_env *e) {
     uv_close((uv_handle_t *)&r->out, on_handle_closed);
     uv_close((uv_handle_t *)&r->err, on_handle_closed);
     uv_close((uv_handle_t *)&r->proc, on_handle_closed);
-    return mr_error_set(MR_ESYS, "spawning %s for rank %d: %s", e->worker_bin, i,
+    return mr_error_set(MR_ESYS, "spawning %s for rank %d: %s", e->worker_bin, r->rank,
                         uv_strerror(rc));
   }
   r->handles_open = 3;
@@ -240,9 +243,27 @@ static int spawn_one(struct mr_ranks *s, int i, const struct mr_spawn_env *e) {
   return 0;
 }
 
+/* A remote rank of a new group: nothing known of it yet. */
+static void expect_remote(struct mr_rank *r) {
+  r->exited = 0;
+  r->done = 0;
+  r->error[0] = '\0';
+  r->exit_status = 0;
+  r->term_signal = 0;
+  r->pid = 0;
+  r->conn = NULL;
+  r->registered = 0;
+  r->spawn_ms = r->last_seen_ms = r->progress_ms = mr_clock_ms();
+  r->last_done = 0;
+  r->step = 0;
+  r->waiting_on = -1;
+}
+
 int mr_ranks_spawn_all(struct mr_ranks *s, const struct mr_spawn_env *env) {
   s->have_last = 0;
-  for (int i = 0; i < s->n; i++) {
+  for (int i = s->local; i < s->n; i++)
+    expect_remote(&s->r[i]);
+  for (int i = 0; i < s->local; i++) {
     int rc = spawn_one(s, i, env);
     if (rc < 0)
       return rc;
@@ -311,17 +332,19 @@ void mr_ranks_describe_positions(const struct mr_ranks *s, char *buf, size_t n) 
     const struct mr_rank *r = &s->r[i];
     int w;
     if (r->exited)
-      w = snprintf(buf + used, n - used, "\n  rank %d: exited", i);
+      w = snprintf(buf + used, n - used, "\n  rank %d: %s", r->rank,
+                   r->remote ? "gone" : "exited");
     else if (r->waiting_on >= 0)
       w = snprintf(buf + used, n - used,
-                   "\n  rank %d: step %lld, completed #%lld, waits on #%lld: %s", i,
+                   "\n  rank %d: step %lld, completed #%lld, waits on #%lld: %s", r->rank,
                    (long long)r->step, (long long)r->last_done, (long long)r->waiting_on,
                    r->waiting_detail[0] ? r->waiting_detail : "?");
     else
       w = snprintf(buf + used, n - used,
                    "\n  rank %d: step %lld, completed #%lld, waits on nothing: "
                    "busy or stuck in its own work (instruction #%lld)",
-                   i, (long long)r->step, (long long)r->last_done, (long long)r->last_done + 1);
+                   r->rank, (long long)r->step, (long long)r->last_done,
+                   (long long)r->last_done + 1);
     if (w < 0)
       break;
     used += (size_t)w;
@@ -384,6 +407,11 @@ void mr_ranks_report_failure(struct mr_ranks *s, int rank, const char *failure,
   if (rank < 0 || rank >= s->n)
     return;
   struct mr_rank *r = &s->r[rank];
+  if (r->remote) {
+    fprintf(stderr, "meshrun: rank %d ran on node %d: its log is that node's %s/rank-%d.log\n",
+            r->rank, r->rank / s->local, s->log_dir, r->rank);
+    return;
+  }
   int want = (int)mr_tunable_int(MR_TUNABLE_LOG_TAIL_LINES);
   if (want > r->tail_n)
     want = r->tail_n;

@@ -1,7 +1,11 @@
 /* ranks.h - the worker processes of one job: spawning them with their
  * environment, their output (prefixed on the console, copied to per-rank
  * logs, the last lines kept for failure messages), their exits, and the
- * job's progress line.  The coordinator decides; this module carries out. */
+ * job's progress line.  The coordinator decides; this module carries out.
+ *
+ * A set holds n ranks, base .. base + n - 1, of which this process spawns
+ * the first `local`; the others are remote (the launchers of other nodes
+ * start them) and are known only by their connections. */
 #ifndef MR_RANKS_H
 #define MR_RANKS_H
 
@@ -34,6 +38,7 @@ struct mr_rank {
   int term_signal;
   int pid;
   struct mr_conn *conn;    // borrowed; NULL until registered and after it left
+  int remote;              // another node runs it: no process here
   int registered;          // has said Hello in this group
   int done;                // reported its job finished
   int64_t spawn_ms;
@@ -52,7 +57,7 @@ struct mr_rank {
 
 struct mr_spawn_env {
   const char *worker_bin;
-  const char *coord_address;  // path of the Unix socket
+  const char *coord_address;  // "unix:PATH" or "tcp:HOST:PORT"
   const char *master_addr;
   int master_port;
   const char *job_id;
@@ -60,12 +65,14 @@ struct mr_spawn_env {
   int restart;
   int threads;
   const char *log_dir;
+  int world;                  // WORLD_SIZE
 };
 
 struct mr_ranks {
   uv_loop_t *loop;
   int n;
-  struct mr_rank *r;       // n entries, owned
+  int local;               // the first `local` entries are spawned here
+  struct mr_rank *r;       // n entries, owned; r[i].rank = base + i
   const char *log_dir;     // borrowed
   void *ctx;
   void (*on_exit)(void *ctx, int rank, int64_t status, int signal);
@@ -79,16 +86,18 @@ struct mr_ranks {
 };
 
 
-/* Prepares n ranks; opens nothing yet.  on_exit is called once per worker
- * exit.  Returns 0 or MR_ENOMEM. */
-int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, const char *log_dir,
-                  void *ctx, void (*on_exit)(void *, int, int64_t, int));
+/* Prepares ranks base .. base + n - 1, the first `local` of them spawned
+ * here; opens nothing yet.  on_exit is called once per worker exit, with
+ * the index of the rank in the set.  Returns 0 or MR_ENOMEM. */
+int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, int local, int base,
+                  const char *log_dir, void *ctx, void (*on_exit)(void *, int, int64_t, int));
 
 /* Frees what init allocated; every handle must be closed already. */
 void mr_ranks_close(struct mr_ranks *s);
 
-/* Spawns every rank.  Returns 0, or an error after spawning none (those
- * already started are signalled). */
+/* Spawns every local rank and expects the remote ones anew (not
+ * registered, their registration clock started).  Returns 0, or an error
+ * (the caller stops those already started). */
 int mr_ranks_spawn_all(struct mr_ranks *s, const struct mr_spawn_env *env);
 
 /* Sends sig to rank i / to every running rank. */

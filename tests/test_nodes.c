@@ -1,0 +1,293 @@
+/* test_nodes.c - `meshrun launch --nnodes N --node-rank K`: one job over
+ * several launchers, as on several nodes.  Here both "nodes" are this
+ * machine, on loopback; the ranks' traffic between them is forced onto
+ * TCP (MESHRUN_COMM_TRANSPORT=tcp), as between hosts.  The reference is the
+ * same job on one launcher with all the ranks. */
+#include <arpa/inet.h>
+#include <check.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "check_main.h"
+#include "testutil.h"
+
+/* A free TCP port on loopback (bound, read, released). */
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof sa;
+  ck_assert_int_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  ck_assert_int_eq(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
+  close(fd);
+  return ntohs(sa.sin_port);
+}
+
+/* A LLaMA job under data x tensor parallelism on 4 ranks, steps steps,
+ * checkpoints every 5 when ckpt; written to dir/NAME. */
+static void job(const char *dir, const char *name, int steps, int ckpt) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/train.bin", dir);
+  if (access(path, F_OK) != 0)
+    mr_t_write_tokens(path, 20000);
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fprintf(f,
+          "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 32,"
+          " \"intermediate_size\": 48, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
+          " \"max_position_embeddings\": 16},"
+          " \"data\": {\"train\": \"train.bin\"},"
+          " \"train\": {\"steps\": %d, \"global_batch\": 8, \"seq_len\": 16, \"lr\": 0.003,"
+          " \"seed\": 5}%s%s%s,"
+          " \"strategy\": {\"auto_mode\": \"manual\", \"data_parallel\": {\"degree\": 2},"
+          " \"tensor_parallel\": {\"degree\": 2}}}\n",
+          steps, ckpt ? ", \"checkpoint\": {\"dir\": \"" : "", ckpt ? dir : "",
+          ckpt ? "/ckpt\", \"save_interval_steps\": 5}" : "");
+  fclose(f);
+}
+
+/* "MESHRUN_WORKER=..." for the launchers node() starts, or "". */
+static char worker_env[400];
+
+/* Starts the launcher of node `node` of 2 (2 ranks each) for job file
+ * `name`, its logs in dir/LOGS; extra flags after. */
+static void node(struct mr_tproc *p, const char *dir, const char *name, int node, int port,
+                 const char *token, const char *logs, char *const extra[]) {
+  static char master[2][64], rank[2][8], logdir[2][300], tokf[2][300], jobf[2][300];
+  snprintf(master[node], sizeof master[0], "127.0.0.1:%d", port);
+  snprintf(rank[node], sizeof rank[0], "%d", node);
+  snprintf(logdir[node], sizeof logdir[0], "%s/%s", dir, logs);
+  snprintf(tokf[node], sizeof tokf[0], "%s/%s", dir, token);
+  snprintf(jobf[node], sizeof jobf[0], "%s/%s", dir, name);
+  char *argv[32] = {(char *)mr_t_meshrun(), "launch", "--nnodes", "2", "--node-rank",
+                    rank[node], "--nproc", "2", "--threads", "1", "--master", master[node],
+                    "--token-file", tokf[node], "--log-dir", logdir[node]};
+  int n = 16;
+  for (int i = 0; extra != NULL && extra[i] != NULL; i++)
+    argv[n++] = extra[i];
+  argv[n++] = jobf[node];
+  argv[n] = NULL;
+  static char *env[] = {"MESHRUN_COMM_TRANSPORT=tcp", NULL, NULL};
+  env[1] = worker_env[0] ? worker_env : NULL;
+  mr_t_spawn(p, dir, argv, env);
+}
+
+/* Runs job file `name` on one launcher with 4 ranks into dir/LOGS. */
+static void one_node(const char *dir, const char *name, const char *logs) {
+  char logdir[300], jobf[300];
+  snprintf(logdir, sizeof logdir, "%s/%s", dir, logs);
+  snprintf(jobf, sizeof jobf, "%s/%s", dir, name);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "4", "--threads", "1",
+                  "--log-dir", logdir, jobf, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, NULL);
+  int code = mr_t_wait(&p, 120);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "one node: exit %d\n%s", code, err);
+  free(err);
+}
+
+static int losses(const char *dir, const char *logs, double *l, int max) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/%s/metrics.jsonl", dir, logs);
+  return mr_t_read_losses(path, l, max);
+}
+
+static void expect_exit(struct mr_tproc *p, int want, const char *who, double timeout) {
+  int code = mr_t_wait(p, timeout);
+  char *err = mr_t_slurp(p->err_path);
+  ck_assert_msg(code == want, "%s: exit %d (expected %d)\n%s", who, code, want, err);
+  free(err);
+}
+
+static void stderr_has(struct mr_tproc *p, const char *text) {
+  char *err = mr_t_slurp(p->err_path);
+  ck_assert_msg(strstr(err, text) != NULL, "expected \"%s\" in:\n%s", text, err);
+  free(err);
+}
+
+/* Two launchers of two ranks each train as one launcher of four: the same
+ * loss at every step; node 0 wrote the token file for node 1 (mode 0600);
+ * each node's ranks log on their own node and see torchrun's variables
+ * for their place (a wrapper records each worker's environment). */
+START_TEST(test_nodes_two_nodes_train_as_one) {
+  char dir[64], path[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  job(dir, "job.json", 8, 0);
+  one_node(dir, "job.json", "one");
+  snprintf(path, sizeof path, "%s/worker.sh", dir);
+  FILE *f = fopen(path, "w");
+  fprintf(f, "#!/bin/sh\nenv > \"$MESHRUN_LOG_DIR/env-$RANK\"\nexec %s\n", mr_t_worker());
+  fclose(f);
+  chmod(path, 0755);
+  snprintf(worker_env, sizeof worker_env, "MESHRUN_WORKER=%s", path);
+  int port = free_port();
+  struct mr_tproc n0, n1;
+  node(&n1, dir, "job.json", 1, port, "token", "n1", NULL); /* before node 0: it waits */
+  node(&n0, dir, "job.json", 0, port, "token", "n0", NULL);
+  worker_env[0] = '\0';
+  expect_exit(&n0, 0, "node 0", 120);
+  expect_exit(&n1, 0, "node 1", 30);
+  for (int r = 0; r < 4; r++) {
+    snprintf(path, sizeof path, "%s/n%d/env-%d", dir, r / 2, r);
+    char *env = mr_t_slurp(path), want[64];
+    snprintf(want, sizeof want, "\nRANK=%d\n", r);
+    ck_assert_msg(strstr(env, want) != NULL, "%s: no %s", path, want + 1);
+    snprintf(want, sizeof want, "\nLOCAL_RANK=%d\n", r % 2);
+    ck_assert_msg(strstr(env, want) != NULL, "%s: no %s", path, want + 1);
+    ck_assert(strstr(env, "\nWORLD_SIZE=4\n") != NULL);
+    ck_assert(strstr(env, "\nLOCAL_WORLD_SIZE=2\n") != NULL);
+    ck_assert(strstr(env, "\nMASTER_ADDR=127.0.0.1\n") != NULL);
+    snprintf(want, sizeof want, "\nMASTER_PORT=%d\n", port);
+    ck_assert_msg(strstr(env, want) != NULL, "%s: no %s", path, want + 1);
+    free(env);
+  }
+  double a[8], b[8];
+  ck_assert_int_eq(losses(dir, "one", a, 8), 8);
+  ck_assert_int_eq(losses(dir, "n0", b, 8), 8);
+  for (int s = 0; s < 8; s++)
+    ck_assert_msg(fabs(a[s] - b[s]) <= 1e-5 * fabs(a[s]), "step %d: one node %.7f, two %.7f",
+                  s + 1, a[s], b[s]);
+  struct stat st;
+  snprintf(path, sizeof path, "%s/token", dir);
+  ck_assert_int_eq(stat(path, &st), 0);
+  ck_assert_int_eq(st.st_mode & 0777, 0600);
+  const char *where[4] = {"n0", "n0", "n1", "n1"};
+  for (int r = 0; r < 4; r++) {
+    snprintf(path, sizeof path, "%s/%s/rank-%d.log", dir, where[r], r);
+    ck_assert_msg(access(path, F_OK) == 0, "no %s", path);
+    snprintf(path, sizeof path, "%s/%s/rank-%d.log", dir, where[r][1] == '0' ? "n1" : "n0", r);
+    ck_assert_msg(access(path, F_OK) != 0, "%s: a rank logged on the other node", path);
+  }
+  stderr_has(&n0, "node 1 joined");
+}
+END_TEST
+
+/* A rank of node 1 is killed mid-run: node 0 names it, both nodes restart
+ * the group from the last checkpoint, and the run ends with the loss of a
+ * run never interrupted. */
+START_TEST(test_nodes_a_remote_rank_dies_and_both_nodes_restart) {
+  enum { STEPS = 40 };
+  char dir[64], metrics[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  job(dir, "ref.json", STEPS, 0);
+  one_node(dir, "ref.json", "one");
+  job(dir, "job.json", STEPS, 1);
+  int port = free_port();
+  struct mr_tproc n0, n1;
+  char *restarts[] = {"--max-restarts", "1", NULL};
+  node(&n0, dir, "job.json", 0, port, "token", "n0", restarts);
+  node(&n1, dir, "job.json", 1, port, "token", "n1", NULL);
+  snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
+  ck_assert_msg(mr_t_wait_for_text(metrics, "\"step\": 12,", 60) >= 0, "never reached step 12");
+  pid_t kids[8];
+  ck_assert_int_eq(mr_t_children(n1.pid, kids, 8), 2);
+  kill(kids[1], SIGKILL);
+  expect_exit(&n0, 0, "node 0", 120);
+  expect_exit(&n1, 0, "node 1", 30);
+  stderr_has(&n0, "(node 1, pid");
+  stderr_has(&n0, "restarting the group (restart 1 of 1)");
+  stderr_has(&n1, "starting ranks 2..3 (restart 1)");
+  double a[STEPS], b[2 * STEPS];
+  ck_assert_int_eq(losses(dir, "one", a, STEPS), STEPS);
+  int n = losses(dir, "n0", b, 2 * STEPS);
+  ck_assert_int_gt(n, STEPS); /* steps after the checkpoint ran twice */
+  ck_assert_msg(fabs(a[STEPS - 1] - b[n - 1]) <= 1e-5 * fabs(a[STEPS - 1]),
+                "final loss %.7f after the restart, %.7f uninterrupted", b[n - 1], a[STEPS - 1]);
+}
+END_TEST
+
+/* Node 1 with another token is refused; node 0 waits for it no longer
+ * than the join timeout and names the rank that never came. */
+START_TEST(test_nodes_wrong_token_and_missing_node) {
+  char dir[64], path[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  job(dir, "job.json", 4, 0);
+  snprintf(path, sizeof path, "%s/other", dir);
+  FILE *f = fopen(path, "w");
+  fputs("00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n", f);
+  fclose(f);
+  chmod(path, 0600);
+  int port = free_port();
+  struct mr_tproc n0, n1;
+  char *join[] = {"--join-timeout", "3", NULL};
+  node(&n0, dir, "job.json", 0, port, "token", "n0", join);
+  node(&n1, dir, "job.json", 1, port, "other", "n1", join);
+  expect_exit(&n1, 1, "node 1", 30);
+  stderr_has(&n1, "refused our job token");
+  expect_exit(&n0, 1, "node 0", 60);
+  stderr_has(&n0, "rank 2 did not register within 3.0 s: no launcher joined as its node");
+}
+END_TEST
+
+/* A node with another rank count is refused, naming both counts. */
+START_TEST(test_nodes_rank_count_mismatch) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  job(dir, "job.json", 4, 0);
+  int port = free_port();
+  struct mr_tproc n0, n1;
+  char *join[] = {"--join-timeout", "3", NULL};
+  char *one[] = {"--join-timeout", "3", "--nproc", "1", NULL};
+  node(&n0, dir, "job.json", 0, port, "token", "n0", join);
+  node(&n1, dir, "job.json", 1, port, "token", "n1", one);
+  expect_exit(&n1, 1, "node 1", 30);
+  stderr_has(&n1, "refused node 1");
+  expect_exit(&n0, 1, "node 0", 60);
+  stderr_has(&n0, "node 1 runs 1 ranks; every node runs 2");
+}
+END_TEST
+
+/* Bad node flags are bad usage: exit 2 naming the flag. */
+START_TEST(test_nodes_bad_flags) {
+  char dir[64], jobf[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  job(dir, "job.json", 4, 0);
+  snprintf(jobf, sizeof jobf, "%s/job.json", dir);
+  struct {
+    char *argv[12];
+    const char *says;
+  } cases[] = {
+      {{"--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:1", "--token-file", "t"},
+       "--node-rank 2: expected 0..1"},
+      {{"--nnodes", "2", "--node-rank", "1"}, "expected --master HOST:PORT"},
+      {{"--nnodes", "2", "--master", "127.0.0.1", "--token-file", "t"},
+       "--master 127.0.0.1: expected HOST:PORT"},
+      {{"--nnodes", "0"}, "--nnodes"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char *argv[20] = {(char *)mr_t_meshrun(), "launch"};
+    int n = 2;
+    for (int k = 0; cases[i].argv[k] != NULL; k++)
+      argv[n++] = cases[i].argv[k];
+    argv[n++] = jobf;
+    argv[n] = NULL;
+    struct mr_tproc p;
+    mr_t_spawn(&p, dir, argv, NULL);
+    expect_exit(&p, 2, cases[i].says, 30);
+    stderr_has(&p, cases[i].says);
+  }
+}
+END_TEST
+
+static Suite *nodes_suite(void) {
+  Suite *s = suite_create("nodes");
+  TCase *tc = tcase_create("nodes");
+  tcase_set_timeout(tc, 300);
+  tcase_add_test(tc, test_nodes_two_nodes_train_as_one);
+  tcase_add_test(tc, test_nodes_a_remote_rank_dies_and_both_nodes_restart);
+  tcase_add_test(tc, test_nodes_wrong_token_and_missing_node);
+  tcase_add_test(tc, test_nodes_rank_count_mismatch);
+  tcase_add_test(tc, test_nodes_bad_flags);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+MR_TEST_MAIN(nodes_suite)
