@@ -277,12 +277,45 @@ START_TEST(test_nodes_bad_flags) {
 }
 END_TEST
 
+/* A scheduler's preemption signals every node: node 0 checkpoints and
+ * stops the job, node 1 leaves it to node 0, and both exit 0 with a
+ * checkpoint complete on disk. */
+START_TEST(test_nodes_preemption_checkpoints_and_every_node_exits_0) {
+  char dir[64], metrics[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  job(dir, "job.json", 100000, 1);
+  int port = free_port();
+  struct mr_tproc n0, n1;
+  node(&n0, dir, "job.json", 0, port, "token", "n0", NULL);
+  node(&n1, dir, "job.json", 1, port, "token", "n1", NULL);
+  snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
+  ck_assert_msg(mr_t_wait_for_text(metrics, "\"step\": 7,", 60) >= 0, "never reached step 7");
+  double t0 = mr_t_now();
+  kill(n1.pid, SIGTERM);
+  kill(n0.pid, SIGTERM);
+  expect_exit(&n0, 0, "node 0", 30);
+  expect_exit(&n1, 0, "node 1", 30);
+  ck_assert_msg(mr_t_now() - t0 < 10.0, "took %.1f s", mr_t_now() - t0);
+  stderr_has(&n0, "stopping for preemption");
+  stderr_has(&n1, "node 0's launcher stops the job");
+  char *m = mr_t_slurp(metrics);
+  int last = 0;
+  for (char *at = strstr(m, "\"step\": "); at != NULL; at = strstr(at + 1, "\"step\": "))
+    last = atoi(at + 8);
+  free(m);
+  char marker[400];
+  snprintf(marker, sizeof marker, "%s/ckpt/step-%08d/COMPLETE", dir, last);
+  ck_assert_msg(access(marker, F_OK) == 0, "no checkpoint of the last step (%d)", last);
+}
+END_TEST
+
 static Suite *nodes_suite(void) {
   Suite *s = suite_create("nodes");
   TCase *tc = tcase_create("nodes");
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, test_nodes_two_nodes_train_as_one);
   tcase_add_test(tc, test_nodes_a_remote_rank_dies_and_both_nodes_restart);
+  tcase_add_test(tc, test_nodes_preemption_checkpoints_and_every_node_exits_0);
   tcase_add_test(tc, test_nodes_wrong_token_and_missing_node);
   tcase_add_test(tc, test_nodes_rank_count_mismatch);
   tcase_add_test(tc, test_nodes_bad_flags);
