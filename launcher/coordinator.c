@@ -176,6 +176,23 @@ static void on_signal(uv_signal_t *h, int signum) {
 
 /* ---- messages from workers ------------------------------------------- */
 
+/* Welcome for rank (a node's launcher: its first rank; mesh NULL). */
+static void send_welcome(struct coordinator *co, struct mr_conn *c, int rank,
+                         Meshrun__Mesh *mesh) {
+  Meshrun__Welcome w = MESHRUN__WELCOME__INIT;
+  w.rank = rank;
+  w.world_size = co->opts->nproc;
+  w.local_rank = rank % co->node_ranks;
+  w.local_world_size = co->node_ranks;
+  w.mesh = mesh;
+  w.job_id = co->job_id;
+  w.restart = (uint32_t)co->restart;
+  Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
+  env.msg_case = MESHRUN__ENVELOPE__MSG_WELCOME;
+  env.welcome = &w;
+  mr_conn_send(c, &env);
+}
+
 static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
                                   int rank) {
   const struct mr_launch_opts *o = co->opts;
@@ -191,18 +208,7 @@ static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
   mesh.dim_names = names;
   mesh.n_process_ids = ids != NULL ? (size_t)o->nproc : 0;
   mesh.process_ids = ids;
-  Meshrun__Welcome w = MESHRUN__WELCOME__INIT;
-  w.rank = rank;
-  w.world_size = o->nproc;
-  w.local_rank = rank % co->node_ranks;
-  w.local_world_size = co->node_ranks;
-  w.mesh = &mesh;
-  w.job_id = co->job_id;
-  w.restart = (uint32_t)co->restart;
-  Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
-  env.msg_case = MESHRUN__ENVELOPE__MSG_WELCOME;
-  env.welcome = &w;
-  mr_conn_send(c, &env);
+  send_welcome(co, c, rank, &mesh);
   free(ids);
 
   Meshrun__Plan plan = MESHRUN__PLAN__INIT;
@@ -249,17 +255,7 @@ static void on_node_hello(struct coordinator *co, struct mr_conn *c, const Meshr
   co->agents[k] = c;
   MR_INFO("launch", "node %d joined from %s (ranks %d..%d)", k, h->host, k * co->node_ranks,
           (k + 1) * co->node_ranks - 1);
-  Meshrun__Welcome w = MESHRUN__WELCOME__INIT;
-  w.rank = k * co->node_ranks;
-  w.world_size = co->opts->nproc;
-  w.local_rank = 0;
-  w.local_world_size = co->node_ranks;
-  w.job_id = co->job_id;
-  w.restart = (uint32_t)co->restart;
-  Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
-  env.msg_case = MESHRUN__ENVELOPE__MSG_WELCOME;
-  env.welcome = &w;
-  mr_conn_send(c, &env);
+  send_welcome(co, c, k * co->node_ranks, NULL);
   if (co->phase == PHASE_RUNNING && !co->ranks.waiting_restart)
     send_node_control(co, k, MESHRUN__CONTROL__KIND__START);
 }

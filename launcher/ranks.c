@@ -181,6 +181,23 @@ static void free_env(char **env) {
   free(env);
 }
 
+/* A rank of a new group (pid 0: a remote one): nothing known of it yet,
+ * its registration clock started. */
+static void begin_group(struct mr_rank *r, int pid) {
+  r->exited = 0;
+  r->done = 0;
+  r->error[0] = '\0';
+  r->exit_status = 0;
+  r->term_signal = 0;
+  r->pid = pid;
+  r->conn = NULL;
+  r->registered = 0;
+  r->spawn_ms = r->last_seen_ms = r->progress_ms = mr_clock_ms();
+  r->last_done = 0;
+  r->step = 0;
+  r->waiting_on = -1;
+}
+
 static int spawn_one(struct mr_ranks *s, int i, const struct mr_spawn_env *e) {
   struct mr_rank *r = &s->r[i];
   if (r->log == NULL) {
@@ -226,43 +243,16 @@ static int spawn_one(struct mr_ranks *s, int i, const struct mr_spawn_env *e) {
   }
   r->handles_open = 3;
   r->running = 1;
-  r->exited = 0;
-  r->done = 0;
-  r->error[0] = '\0';
-  r->exit_status = 0;
-  r->term_signal = 0;
-  r->pid = r->proc.pid;
-  r->conn = NULL;
-  r->registered = 0;
-  r->spawn_ms = r->last_seen_ms = r->progress_ms = mr_clock_ms();
-  r->last_done = 0;
-  r->step = 0;
-  r->waiting_on = -1;
+  begin_group(r, r->proc.pid);
   uv_read_start((uv_stream_t *)&r->out, on_alloc, on_output);
   uv_read_start((uv_stream_t *)&r->err, on_alloc, on_output);
   return 0;
 }
 
-/* A remote rank of a new group: nothing known of it yet. */
-static void expect_remote(struct mr_rank *r) {
-  r->exited = 0;
-  r->done = 0;
-  r->error[0] = '\0';
-  r->exit_status = 0;
-  r->term_signal = 0;
-  r->pid = 0;
-  r->conn = NULL;
-  r->registered = 0;
-  r->spawn_ms = r->last_seen_ms = r->progress_ms = mr_clock_ms();
-  r->last_done = 0;
-  r->step = 0;
-  r->waiting_on = -1;
-}
-
 int mr_ranks_spawn_all(struct mr_ranks *s, const struct mr_spawn_env *env) {
   s->have_last = 0;
   for (int i = s->local; i < s->n; i++)
-    expect_remote(&s->r[i]);
+    begin_group(&s->r[i], 0);
   for (int i = 0; i < s->local; i++) {
     int rc = spawn_one(s, i, env);
     if (rc < 0)
