@@ -135,12 +135,14 @@ static void on_process_exit(uv_process_t *p, int64_t status, int signal) {
  * name.  Returned array and strings are malloc'd; free with free_env. */
 static char **build_env(const struct mr_spawn_env *e, int rank, int local_rank,
                         int local_world) {
-  char vars[16][1200];
+  char vars[18][1200];
   int nv = 0;
   snprintf(vars[nv++], sizeof vars[0], "RANK=%d", rank);
   snprintf(vars[nv++], sizeof vars[0], "LOCAL_RANK=%d", local_rank);
   snprintf(vars[nv++], sizeof vars[0], "WORLD_SIZE=%d", e->world);
   snprintf(vars[nv++], sizeof vars[0], "LOCAL_WORLD_SIZE=%d", local_world);
+  snprintf(vars[nv++], sizeof vars[0], "GROUP_RANK=%d", rank / local_world); /* the node */
+  snprintf(vars[nv++], sizeof vars[0], "GROUP_WORLD_SIZE=%d", e->world / local_world);
   snprintf(vars[nv++], sizeof vars[0], "MASTER_ADDR=%s", e->master_addr);
   snprintf(vars[nv++], sizeof vars[0], "MASTER_PORT=%d", e->master_port);
   snprintf(vars[nv++], sizeof vars[0], "MESHRUN_COORD=%s", e->coord_address);

@@ -144,6 +144,9 @@ START_TEST(test_nodes_two_nodes_train_as_one) {
     ck_assert_msg(strstr(env, want) != NULL, "%s: no %s", path, want + 1);
     ck_assert(strstr(env, "\nWORLD_SIZE=4\n") != NULL);
     ck_assert(strstr(env, "\nLOCAL_WORLD_SIZE=2\n") != NULL);
+    snprintf(want, sizeof want, "\nGROUP_RANK=%d\n", r / 2); /* torchrun's node index */
+    ck_assert_msg(strstr(env, want) != NULL, "%s: no %s", path, want + 1);
+    ck_assert(strstr(env, "\nGROUP_WORLD_SIZE=2\n") != NULL);
     ck_assert(strstr(env, "\nMASTER_ADDR=127.0.0.1\n") != NULL);
     snprintf(want, sizeof want, "\nMASTER_PORT=%d\n", port);
     ck_assert_msg(strstr(env, want) != NULL, "%s: no %s", path, want + 1);
