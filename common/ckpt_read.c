@@ -20,7 +20,7 @@ struct piece {
   int file;
   const struct mr_st_tensor *t;
   int ndim;
-  int64_t off[2], len[2];
+  int64_t off[MR_CKPT_MAX_DIMS], len[MR_CKPT_MAX_DIMS];
   int64_t begin, count;
 };
 
@@ -59,9 +59,11 @@ static int add_pieces(struct mr_ckpt_reader *r, int fi) {
   cJSON_ArrayForEach(e, o) {
     int n = cJSON_GetArraySize(e), nd = (n - 2) / 2;
     const struct mr_st_tensor *t = mr_st_find(f, e->string);
-    if (!cJSON_IsArray(e) || n < 4 || (n - 2) % 2 != 0 || nd > 2 || t == NULL || t->rank != 1) {
+    if (!cJSON_IsArray(e) || n < 4 || (n - 2) % 2 != 0 || nd > MR_CKPT_MAX_DIMS || t == NULL ||
+        t->rank != 1) {
       rc = mr_error_set(MR_EFORMAT, "%s: pieces.%s: expected [offsets, lengths, begin, count] "
-                        "of a 1- or 2-D tensor stored 1-D in the file", mr_st_path(f), e->string);
+                        "of a tensor of 1 to %d dims stored 1-D in the file", mr_st_path(f),
+                        e->string, MR_CKPT_MAX_DIMS);
       break;
     }
     if (r->n_pieces == r->cap_pieces) {
@@ -89,8 +91,10 @@ static int add_pieces(struct mr_ckpt_reader *r, int fi) {
       break;
     const cJSON *b = cJSON_GetArrayItem(e, 2 * nd), *c = cJSON_GetArrayItem(e, 2 * nd + 1);
     int64_t box = p->len[0];
-    if ((nd == 2 && __builtin_mul_overflow(p->len[0], p->len[1], &box)) ||
-        !mr_json_count(b, MAX_ELEMS, &p->begin) || !mr_json_count(c, MAX_ELEMS, &p->count) ||
+    int over = 0;
+    for (int d = 1; d < nd; d++)
+      over |= __builtin_mul_overflow(box, p->len[d], &box);
+    if (over || !mr_json_count(b, MAX_ELEMS, &p->begin) || !mr_json_count(c, MAX_ELEMS, &p->count) ||
         p->begin + p->count > box || p->count != t->shape[0]) {
       rc = mr_error_set(MR_EFORMAT, "%s: pieces.%s: the range [begin, begin + count) must lie "
                         "in the box and count must be the stored length", mr_st_path(f),
@@ -162,18 +166,18 @@ int mr_ckpt_reader_open(const char *dir, struct mr_ckpt_reader **out) {
   return 0;
 }
 
-/* Copies the part of piece p overlapping global row gr, columns [c0, c1),
- * that also lies in its stored range, to dst (column c0 at dst[0]);
- * returns the elements copied or an error. */
-static int64_t from_piece(struct mr_ckpt_reader *r, const struct piece *p, int64_t gr,
+/* Copies the part of piece p overlapping the global row gr (the indices
+ * of every dim but the last), columns [c0, c1), that also lies in its
+ * stored range, to dst (column c0 at dst[0]); returns the elements copied
+ * or an error. */
+static int64_t from_piece(struct mr_ckpt_reader *r, const struct piece *p, const int64_t *gr,
                           int64_t c0, int64_t c1, float *dst) {
-  int64_t prow = 0, coff = p->off[0], clen = p->len[0];
-  if (p->ndim == 2) {
-    if (gr < p->off[0] || gr >= p->off[0] + p->len[0])
+  int last = p->ndim - 1;
+  int64_t prow = 0, coff = p->off[last], clen = p->len[last];
+  for (int d = 0; d < last; d++) { /* the row's index within the piece's box */
+    if (gr[d] < p->off[d] || gr[d] >= p->off[d] + p->len[d])
       return 0;
-    prow = gr - p->off[0];
-    coff = p->off[1];
-    clen = p->len[1];
+    prow = prow * p->len[d] + (gr[d] - p->off[d]);
   }
   int64_t x0 = c0 > coff ? c0 : coff, x1 = c1 < coff + clen ? c1 : coff + clen;
   if (x0 >= x1)
@@ -194,8 +198,9 @@ static int64_t from_piece(struct mr_ckpt_reader *r, const struct piece *p, int64
 int mr_ckpt_reader_read(struct mr_ckpt_reader *r, const char *name, int ndim,
                         const int64_t *shape, const int64_t *off, const int64_t *len,
                         int64_t begin, int64_t count, float *dst) {
-  if (ndim < 1 || ndim > 2)
-    return mr_error_set(MR_EFORMAT, "checkpoint: %s: only 1- and 2-D tensors are stored", name);
+  if (ndim < 1 || ndim > MR_CKPT_MAX_DIMS)
+    return mr_error_set(MR_EFORMAT, "checkpoint: %s: tensors of 1 to %d dims are stored", name,
+                        MR_CKPT_MAX_DIMS);
   for (int i = 0; i < r->n_pieces; i++) {
     const struct piece *p = &r->pieces[i];
     if (strcmp(p->name, name) != 0)
@@ -211,7 +216,11 @@ int mr_ckpt_reader_read(struct mr_ckpt_reader *r, const char *name, int ndim,
   for (int64_t i = begin; i < begin + count;) {
     int64_t row = i / cols, c = i % cols;
     int64_t n = cols - c < begin + count - i ? cols - c : begin + count - i;
-    int64_t gr = ndim == 2 ? off[0] + row : 0, gc = off[ndim - 1] + c;
+    int64_t gr[MR_CKPT_MAX_DIMS], gc = off[ndim - 1] + c;
+    for (int d = ndim - 2; d >= 0; d--) { /* the row's indices in the tensor */
+      gr[d] = off[d] + row % len[d];
+      row /= len[d];
+    }
     for (int k = 0; k < r->n_pieces; k++) {
       if (strcmp(r->pieces[k].name, name) != 0)
         continue;

@@ -9,12 +9,14 @@
  * and of that a ZeRO block).  A reader gathers the elements any other box
  * and range needs from the pieces that overlap it, so a job resumes on
  * another strategy or world size reading only what it needs.  Tensors of
- * rank 1 and 2 (every parameter and optimizer moment). */
+ * 1 to MR_CKPT_MAX_DIMS dims (every parameter and optimizer moment). */
 #ifndef MR_CKPT_READ_H
 #define MR_CKPT_READ_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+#define MR_CKPT_MAX_DIMS 4
 
 struct mr_ckpt_reader;
 

@@ -27,6 +27,45 @@ int64_t mr_tensor_numel(const struct mr_tensor *t) {
   return n;
 }
 
+int64_t mr_tensor_cols(const struct mr_tensor *t) {
+  int64_t n = 1;
+  for (int i = 1; i < t->ndim; i++)
+    n *= t->shape[i];
+  return n;
+}
+
+int mr_tensor_file_shape(const struct mr_tensor *t, int64_t *shape) {
+  int n = t->merged && t->ndim >= 2 ? t->ndim - 1 : t->ndim;
+  for (int i = 0; i < n; i++)
+    shape[i] = t->shape[i];
+  if (n < t->ndim)
+    shape[n - 1] *= t->shape[n];
+  return n;
+}
+
+void mr_box_runs(int ndim, const int64_t *shape, const int64_t *off, const int64_t *len,
+                 void (*fn)(void *ctx, int64_t at, int64_t in_box, int64_t n), void *ctx) {
+  int64_t idx[MR_MAX_DIMS] = {0}, stride[MR_MAX_DIMS];
+  for (int d = 0; d < ndim; d++)
+    if (len[d] <= 0)
+      return;
+  stride[ndim - 1] = 1;
+  for (int d = ndim - 2; d >= 0; d--)
+    stride[d] = stride[d + 1] * shape[d + 1];
+  int64_t run = len[ndim - 1];
+  for (int64_t in_box = 0;; in_box += run) {
+    int64_t at = off[ndim - 1];
+    for (int d = 0; d < ndim - 1; d++)
+      at += (off[d] + idx[d]) * stride[d];
+    fn(ctx, at, in_box, run);
+    int d = ndim - 2;
+    while (d >= 0 && ++idx[d] == len[d])
+      idx[d--] = 0;
+    if (d < 0)
+      return;
+  }
+}
+
 int64_t mr_tensor_bytes(const struct mr_tensor *t) {
   return mr_tensor_numel(t) * (int64_t)mr_dtype_size(t->dtype);
 }

@@ -49,6 +49,8 @@ struct mr_tensor {
   int producer;  // op id writing it, -1 for inputs and parameters
   int grad;      // id of this tensor's gradient, -1 when none
   int grad_of;   // for gradients: the tensor differentiated, else -1
+  int merged;    // parameters: Hugging Face files hold it with its last two
+                 // dims as one (GPT-2's fused q|k|v, [C, 3, C] as [C, 3C])
 };
 
 struct mr_op {
@@ -103,6 +105,21 @@ int mr_graph_op_into(struct mr_graph *g, int kind, const int *in, int n_in,
 
 /* Elements of tensor t. */
 int64_t mr_tensor_numel(const struct mr_tensor *t);
+
+/* Elements of t after its first dim (1 for a 1-D tensor): t seen as a
+ * matrix of its first dim by the rest. */
+int64_t mr_tensor_cols(const struct mr_tensor *t);
+
+/* The shape Hugging Face files give t (its last two dims merged when
+ * t->merged) into shape[]; returns its rank. */
+int mr_tensor_file_shape(const struct mr_tensor *t, int64_t *shape);
+
+/* Visits the box (off, len) of a row-major tensor of shape[ndim] run by
+ * run of contiguous elements, in the box's row-major order: fn(ctx, the
+ * run's first element in the tensor, its first element in the box, its
+ * length). */
+void mr_box_runs(int ndim, const int64_t *shape, const int64_t *off, const int64_t *len,
+                 void (*fn)(void *ctx, int64_t at, int64_t in_box, int64_t n), void *ctx);
 
 /* Bytes of tensor t. */
 int64_t mr_tensor_bytes(const struct mr_tensor *t);

@@ -24,6 +24,18 @@ static int param2(struct mr_graph *g, int64_t a, int64_t b, const char *fmt,
   return mr_graph_param(g, nm, MR_INIT_NORMAL, 2, s);
 }
 
+/* A parameter of shape[ndim] that Hugging Face files hold with its last
+ * two dims merged (GPT-2's fused q|k|v). */
+static int param_merged(struct mr_graph *g, enum mr_init_kind init, int ndim,
+                        const int64_t *shape, const char *fmt, int layer) {
+  char nm[MR_TENSOR_NAME_MAX];
+  snprintf(nm, sizeof nm, fmt, layer);
+  int id = mr_graph_param(g, nm, init, ndim, shape);
+  if (id >= 0)
+    g->tensors[id].merged = 1;
+  return id;
+}
+
 /* Appends op; returns its first output id (or an error). */
 static int op(struct mr_graph *g, int kind, const char *name, int layer,
               int a, int b, int c, const double *attr, int *extra) {
@@ -136,8 +148,11 @@ static int build_gpt2(struct mr_model *m) {
   for (int l = 0; l < c->num_hidden_layers; l++) {
     int l1w = param1(g, MR_INIT_ONES, C, "transformer.h.%d.ln_1.weight", l);
     int l1b = param1(g, MR_INIT_ZEROS, C, "transformer.h.%d.ln_1.bias", l);
-    int caw = param2(g, C, 3 * C, "transformer.h.%d.attn.c_attn.weight", l);
-    int cab = param1(g, MR_INIT_ZEROS, 3 * C, "transformer.h.%d.attn.c_attn.bias", l);
+    /* Conv1D [C, 3C], its columns q | k | v: held as [C, 3, C] so that a
+     * split of the last dim splits the heads of all three */
+    int64_t wsh[3] = {C, 3, C}, bsh[2] = {3, C};
+    int caw = param_merged(g, MR_INIT_NORMAL, 3, wsh, "transformer.h.%d.attn.c_attn.weight", l);
+    int cab = param_merged(g, MR_INIT_ZEROS, 2, bsh, "transformer.h.%d.attn.c_attn.bias", l);
     int cpw = param2(g, C, C, "transformer.h.%d.attn.c_proj.weight", l);
     int cpb = param1(g, MR_INIT_ZEROS, C, "transformer.h.%d.attn.c_proj.bias", l);
     int l2w = param1(g, MR_INIT_ONES, C, "transformer.h.%d.ln_2.weight", l);

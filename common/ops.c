@@ -7,8 +7,9 @@
 #include "common/error.h"
 
 #define T(g, id) (&(g)->tensors[(id)])
+/* every tensor seen as a matrix: its first dim by the rest */
 #define ROWS(g, id) (T(g, id)->shape[0])
-#define COLS(g, id) (T(g, id)->ndim > 1 ? T(g, id)->shape[1] : 1)
+#define COLS(g, id) mr_tensor_cols(T(g, id))
 #define NUMEL(g, id) ((double)mr_tensor_numel(T(g, id)))
 
 static void set2(struct mr_shape *s, int64_t a, int64_t b, enum mr_dtype dt) {
@@ -94,24 +95,57 @@ static void mm_dims(const struct mr_graph *g, const struct mr_op *op,
   *n = op->attr[1] ? ROWS(g, b) : COLS(g, b);
 }
 
+/* The dims of operand x of a matmul in its three parts: x is a matrix of
+ * its first dim by the rest, the rest taken as one dim of several (GPT-2's
+ * fused q|k|v weight [C, 3, C]).  Of a (`lead`: the left operand), the
+ * first dim is M and the rest K, or transposed K then M; of b, K then N,
+ * or transposed N then K.  *outer: the M or N dims, *inner: the K dims. */
+static void mm_parts(const struct mr_tensor *x, int lead, int transposed, int *outer0,
+                     int *outer_n, int *inner0, int *inner_n) {
+  int first_is_outer = lead ? !transposed : transposed;
+  *outer0 = first_is_outer ? 0 : 1;
+  *outer_n = first_is_outer ? 1 : x->ndim - 1;
+  *inner0 = first_is_outer ? 1 : 0;
+  *inner_n = first_is_outer ? x->ndim - 1 : 1;
+}
+
 static int infer_matmul(const struct mr_graph *g, const struct mr_op *op,
                         struct mr_shape *o) {
-  MR_TRY(need(is2d(g, op->in[0]) && is2d(g, op->in[1]), g, op,
-              "expected 2-D operands"));
-  int64_t m, k, k2, n;
-  mm_dims(g, op, &m, &k, &k2, &n);
-  MR_TRY(need(k == k2, g, op, "inner dimensions differ"));
-  if (op->n_in > 2 && op->in[2] >= 0)
-    MR_TRY(need(T(g, op->in[2])->ndim == 1 && ROWS(g, op->in[2]) == n, g, op,
-                "bias must be [N]"));
-  set2(o, m, n, MR_F32);
+  const struct mr_tensor *a = T(g, op->in[0]), *b = T(g, op->in[1]);
+  MR_TRY(need(a->ndim >= 2 && b->ndim >= 2 && a->ndim + b->ndim <= 2 + MR_MAX_DIMS, g, op,
+              "expected operands of 2 or more dims"));
+  int ao, an, ai, ak, bo, bn, bi, bk;
+  mm_parts(a, 1, op->attr[0] != 0, &ao, &an, &ai, &ak);
+  mm_parts(b, 0, op->attr[1] != 0, &bo, &bn, &bi, &bk);
+  int same = ak == bk;
+  for (int d = 0; same && d < ak; d++)
+    same = a->shape[ai + d] == b->shape[bi + d];
+  MR_TRY(need(same, g, op, "inner dimensions differ"));
+  o->ndim = an + bn;
+  o->dtype = MR_F32;
+  for (int d = 0; d < an; d++)
+    o->d[d] = a->shape[ao + d];
+  for (int d = 0; d < bn; d++)
+    o->d[an + d] = b->shape[bo + d];
+  if (op->n_in > 2 && op->in[2] >= 0) {
+    const struct mr_tensor *c = T(g, op->in[2]);
+    int ok = c->ndim == bn;
+    for (int d = 0; ok && d < bn; d++)
+      ok = c->shape[d] == b->shape[bo + d];
+    MR_TRY(need(ok, g, op, "bias must have the shape of N"));
+  }
   return 0;
 }
 
+/* dy [M, N...] -> [N...] */
 static int infer_bias_grad(const struct mr_graph *g, const struct mr_op *op,
                            struct mr_shape *o) {
-  MR_TRY(need(is2d(g, op->in[0]), g, op, "expected dy[M,N]"));
-  set1(o, COLS(g, op->in[0]), MR_F32);
+  const struct mr_tensor *dy = T(g, op->in[0]);
+  MR_TRY(need(dy->ndim >= 2, g, op, "expected dy[M,N]"));
+  o->ndim = dy->ndim - 1;
+  o->dtype = MR_F32;
+  for (int d = 1; d < dy->ndim; d++)
+    o->d[d - 1] = dy->shape[d];
   return 0;
 }
 
@@ -203,21 +237,30 @@ static int infer_attention_bwd(const struct mr_graph *g, const struct mr_op *op,
   return 0;
 }
 
+/* x [N, 3C] or [N, 3, C] -> three [N, C]: each row's thirds */
 static int infer_split3(const struct mr_graph *g, const struct mr_op *op,
                         struct mr_shape *o) {
-  int x = op->in[0];
-  MR_TRY(need(is2d(g, x) && COLS(g, x) % 3 == 0, g, op,
-              "expected x[N,3C]"));
+  const struct mr_tensor *x = T(g, op->in[0]);
+  MR_TRY(need((x->ndim == 2 && x->shape[1] % 3 == 0) || (x->ndim == 3 && x->shape[1] == 3),
+              g, op, "expected x[N,3C] or x[N,3,C]"));
   for (int i = 0; i < 3; i++)
-    set2(&o[i], ROWS(g, x), COLS(g, x) / 3, MR_F32);
+    set2(&o[i], x->shape[0], COLS(g, op->in[0]) / 3, MR_F32);
   return 0;
 }
 
+/* three [N, C] -> [N, 3C], or [N, 3, C] when a0 is 1 (the gradient of a
+ * split3 of that shape) */
 static int infer_concat3(const struct mr_graph *g, const struct mr_op *op,
                          struct mr_shape *o) {
   MR_TRY(infer_same(g, op, o));
   MR_TRY(need(is2d(g, op->in[0]), g, op, "expected 2-D parts"));
-  o->d[1] *= 3;
+  if (op->attr[0] != 0) {
+    o->ndim = 3;
+    o->d[2] = o->d[1];
+    o->d[1] = 3;
+  } else {
+    o->d[1] *= 3;
+  }
   return 0;
 }
 
@@ -437,8 +480,9 @@ static int grad_split3(struct mr_graph *g, int op_id, const int *dout,
     if (dout[i] < 0)
       return mr_error_set(MR_ENOTSUP, "split3 %s: output %d unused",
                           T(g, op.in[0])->name, i);
+  double at[MR_OP_MAX_ATTR] = {T(g, op.in[0])->ndim == 3};
   return emit(g, MR_OP_CONCAT3, gname(g, op.in[0], nm, sizeof nm), dout, 3,
-              NULL, din);
+              at, din);
 }
 
 static int grad_concat3(struct mr_graph *g, int op_id, const int *dout,

@@ -24,6 +24,21 @@ static void usage(FILE *f) {
              "  complete checkpoint).  Writes DIR/config.json and DIR/model.safetensors.\n");
 }
 
+/* The dims of a JSON shape into shape[] and their product into *numel;
+ * returns how many (0: not 1 to MR_CKPT_MAX_DIMS positive whole numbers). */
+static int dims(const cJSON *sh, int64_t *shape, int64_t *numel) {
+  int nd = cJSON_IsArray(sh) ? cJSON_GetArraySize(sh) : 0;
+  if (nd < 1 || nd > MR_CKPT_MAX_DIMS)
+    return 0;
+  *numel = 1;
+  for (int d = 0; d < nd; d++) {
+    if (!mr_json_count(cJSON_GetArrayItem(sh, d), INT64_C(1) << 40, &shape[d]) ||
+        shape[d] < 1 || __builtin_mul_overflow(*numel, shape[d], numel))
+      return 0;
+  }
+  return nd;
+}
+
 /* Assembles every parameter of the index from the checkpoint's pieces
  * (whatever sharding wrote them) into one safetensors file. */
 static int write_weights(const char *ckpt, const cJSON *tensors, const char *out_path) {
@@ -39,18 +54,20 @@ static int write_weights(const char *ckpt, const cJSON *tensors, const char *out
   cJSON_ArrayForEach(e, tensors) {
     if (rc < 0)
       break;
-    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
-    int nd = cJSON_IsArray(sh) ? cJSON_GetArraySize(sh) : 0;
-    int64_t shape[2] = {0, 0}, off[2] = {0, 0}, numel = 1;
-    for (int d = 0; d < nd && d < 2; d++) {
-      const cJSON *v = cJSON_GetArrayItem(sh, d);
-      if (!mr_json_count(v, INT64_C(1) << 40, &shape[d]))
-        shape[d] = 0;
-      numel *= shape[d];
+    /* read as the model holds it, written as Hugging Face files hold it */
+    int64_t shape[MR_CKPT_MAX_DIMS], file[MR_CKPT_MAX_DIMS], off[MR_CKPT_MAX_DIMS] = {0};
+    int64_t numel = 0, file_numel = 0;
+    int nd = dims(cJSON_GetObjectItemCaseSensitive(e, "shape"), shape, &numel);
+    const cJSON *fs = cJSON_GetObjectItemCaseSensitive(e, "file_shape");
+    int fnd = fs != NULL ? dims(fs, file, &file_numel) : nd;
+    if (fs == NULL) {
+      memcpy(file, shape, sizeof file);
+      file_numel = numel;
     }
-    if (nd < 1 || nd > 2 || numel <= 0) {
-      rc = mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s.shape: expected 1 or 2 "
-                        "positive dims", ckpt, e->string);
+    if (nd < 1 || fnd < 1 || numel <= 0 || file_numel != numel) {
+      rc = mr_error_set(MR_EFORMAT, "%s/index.json: tensors.%s: expected a shape of 1 to %d "
+                        "positive dims (and a file_shape of as many elements)", ckpt, e->string,
+                        MR_CKPT_MAX_DIMS);
       break;
     }
     float **nb = realloc(bufs, (size_t)(n_bufs + 1) * sizeof *bufs);
@@ -65,7 +82,7 @@ static int write_weights(const char *ckpt, const cJSON *tensors, const char *out
     }
     rc = mr_ckpt_reader_read(rd, e->string, nd, shape, off, shape, 0, numel, bufs[n_bufs]);
     if (rc == 0)
-      rc = mr_st_writer_add(w, e->string, MR_F32, nd, shape, bufs[n_bufs]);
+      rc = mr_st_writer_add(w, e->string, MR_F32, fnd, file, bufs[n_bufs]);
     n_bufs++;
   }
   if (rc == 0)

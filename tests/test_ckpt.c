@@ -12,28 +12,38 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
+
 #include "check_main.h"
+#include "common/checksum.h"
 #include "common/ckpt.h"
+#include "common/ckpt_read.h"
 #include "common/error.h"
+#include "common/jsonv.h"
+#include "common/safetensors.h"
 #include "testutil.h"
 
 static int tie_embeddings; /* the next jobs' model ties its embeddings */
+static int gpt2;           /* the next jobs' model is a GPT-2 */
 
 static void write_job_s(const char *dir, const char *name, int steps, int every,
                         const char *ckpt, const char *strategy) {
   char path[200];
   snprintf(path, sizeof path, "%s/%s", dir, name);
   FILE *f = fopen(path, "w");
+  fprintf(f, "{\"model\": %s%s},",
+          gpt2 ? "{\"model_type\": \"gpt2\", \"vocab_size\": 128, \"n_embd\": 64, \"n_layer\": 2,"
+                 " \"n_head\": 4, \"n_positions\": 64"
+               : "{\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"
+                 " \"intermediate_size\": 128, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
+                 " \"num_key_value_heads\": 2, \"max_position_embeddings\": 64",
+          tie_embeddings ? ", \"tie_word_embeddings\": true" : "");
   fprintf(f,
-          "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"
-          " \"intermediate_size\": 128, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
-          " \"num_key_value_heads\": 2, \"max_position_embeddings\": 64%s},"
           " \"data\": {\"train\": \"train.bin\"},"
           " \"train\": {\"steps\": %d, \"global_batch\": 4, \"seq_len\": 32, \"lr\": 0.01, \"seed\": 5},"
           " \"checkpoint\": {\"dir\": \"%s\", \"save_interval_steps\": %d, \"keep_last\": 2},"
           " \"strategy\": {%s}}\n",
-          tie_embeddings ? ", \"tie_word_embeddings\": true" : "", steps, ckpt, every,
-          strategy);
+          steps, ckpt, every, strategy);
   fclose(f);
 }
 
@@ -295,6 +305,122 @@ START_TEST(test_ckpt_resume_on_another_strategy_or_world_size) {
 }
 END_TEST
 
+/* Rewrites checkpoint folder src (step `step`) under root dst as
+ * checkpoints held GPT-2's fused q|k|v weight before it was held [C, 3, C]:
+ * every tensor whole in one rank file, in the shape Hugging Face files give
+ * it (the index's file_shape, [C, 3C]). */
+static void write_merged_layout(const char *src, const char *dst, int64_t step) {
+  char path[600], out[400];
+  snprintf(path, sizeof path, "%s/index.json", src);
+  cJSON *ix;
+  ck_assert_int_eq(mr_json_load(path, &ix), 0);
+  cJSON *tensors = cJSON_GetObjectItemCaseSensitive(ix, "tensors");
+  struct mr_ckpt_reader *rd;
+  ck_assert_int_eq(mr_ckpt_reader_open(src, &rd), 0);
+  mkdir(dst, 0755);
+  mr_ckpt_step_dir(dst, step, out, sizeof out);
+  ck_assert_int_eq(mkdir(out, 0755), 0);
+  snprintf(path, sizeof path, "%s/rank-0.safetensors", out);
+  struct mr_st_writer *w;
+  ck_assert_int_eq(mr_st_writer_new(path, 0, &w), 0);
+  cJSON *pieces = cJSON_CreateObject();
+  float *bufs[256];
+  int nb = 0, merged = 0;
+  cJSON *e;
+  cJSON_ArrayForEach(e, tensors) {
+    cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
+    cJSON *fs = cJSON_GetObjectItemCaseSensitive(e, "file_shape");
+    int nd = cJSON_GetArraySize(sh), fnd = fs ? cJSON_GetArraySize(fs) : nd;
+    int64_t shape[4], off[4] = {0}, numel = 1;
+    for (int d = 0; d < nd; d++)
+      numel *= shape[d] = (int64_t)cJSON_GetArrayItem(sh, d)->valuedouble;
+    const char *prefixes[3] = {"", "optim.exp_avg.", "optim.exp_avg_sq."};
+    for (int k = 0; k < 3; k++) {
+      char name[200];
+      snprintf(name, sizeof name, "%s%s", prefixes[k], e->string);
+      ck_assert_int_lt(nb, 256);
+      bufs[nb] = malloc((size_t)numel * sizeof(float));
+      ck_assert_msg(mr_ckpt_reader_read(rd, name, nd, shape, off, shape, 0, numel, bufs[nb]) == 0,
+                    "%s", mr_error_message());
+      ck_assert_int_eq(mr_st_writer_add(w, name, MR_F32, 1, &numel, bufs[nb]), 0);
+      cJSON *a = cJSON_AddArrayToObject(pieces, name); /* the whole tensor, merged */
+      for (int d = 0; d < fnd; d++)
+        cJSON_AddItemToArray(a, cJSON_CreateNumber(0));
+      for (int d = 0; d < fnd; d++)
+        cJSON_AddItemToArray(a, cJSON_Duplicate(cJSON_GetArrayItem(fs ? fs : sh, d), 1));
+      cJSON_AddItemToArray(a, cJSON_CreateNumber(0));
+      cJSON_AddItemToArray(a, cJSON_CreateNumber((double)numel));
+      nb++;
+    }
+    if (fs != NULL) {
+      cJSON_ReplaceItemInObjectCaseSensitive(e, "shape", cJSON_Duplicate(fs, 1));
+      cJSON_DeleteItemFromObjectCaseSensitive(e, "file_shape");
+      merged++;
+    }
+  }
+  ck_assert_int_eq(merged, 4); /* c_attn weight and bias of both layers */
+  char *ptext = cJSON_PrintUnformatted(pieces);
+  ck_assert_int_eq(mr_st_writer_add_metadata(w, "pieces", ptext), 0);
+  ck_assert_int_eq(mr_st_writer_finish(w), 0);
+  mr_st_writer_free(w);
+  free(ptext);
+  cJSON_Delete(pieces);
+  for (int i = 0; i < nb; i++)
+    free(bufs[i]);
+  mr_ckpt_reader_free(rd);
+  char sha[2][MR_CHECKSUM_HEX];
+  ck_assert_int_eq(mr_checksum_file(path, sha[0]), 0);
+  snprintf(path, sizeof path, "%s/index.json", out);
+  char *text = cJSON_Print(ix);
+  FILE *f = fopen(path, "w");
+  fputs(text, f);
+  fclose(f);
+  free(text);
+  cJSON_Delete(ix);
+  ck_assert_int_eq(mr_checksum_file(path, sha[1]), 0);
+  const char *files[2] = {"rank-0.safetensors", "index.json"};
+  const char *shas[2] = {sha[0], sha[1]};
+  ck_assert_int_eq(mr_ckpt_write_marker(out, step, files, shas, 2), 0);
+}
+
+/* GPT-2's fused q|k|v weight, split by heads under tensor parallelism:
+ * saved under tp2 (each rank a [C, 3, C/2] box of it and of its moments),
+ * resumed on one rank the losses continue as in the uninterrupted tp2 run;
+ * a checkpoint holding it as Hugging Face files do ([C, 3C]: checkpoints
+ * of the earlier layout) resumes under tp2 alike. */
+START_TEST(test_ckpt_gpt2_fused_weight_across_layouts) {
+  char dir[64], src[200], dst[200];
+  setup(dir, sizeof dir);
+  gpt2 = 1;
+  const char *tp2 = "\"auto_mode\": \"manual\", \"tensor_parallel\": {\"degree\": 2}";
+  write_job_s(dir, "full.json", 8, 0, "ck-full", tp2);
+  write_job_s(dir, "first.json", 4, 4, "ck", tp2);
+  write_job_s(dir, "one.json", 8, 0, "ck", "\"auto_mode\": \"manual\"");
+  write_job_s(dir, "old.json", 8, 0, "ck-old", tp2);
+  gpt2 = 0;
+  ck_assert_int_eq(run_to_end(dir, "full.json", "full", 2), 0);
+  ck_assert_int_eq(run_to_end(dir, "first.json", "first", 2), 0);
+  snprintf(src, sizeof src, "%s/ck/step-00000004", dir);
+  snprintf(dst, sizeof dst, "%s/ck-old", dir);
+  write_merged_layout(src, dst, 4);
+  ck_assert_int_eq(run_to_end(dir, "one.json", "one", 1), 0);
+  ck_assert_int_eq(run_to_end(dir, "old.json", "old", 2), 0);
+  double full[8], got[8];
+  char m[200];
+  snprintf(m, sizeof m, "%s/full/metrics.jsonl", dir);
+  ck_assert_int_eq(mr_t_read_losses(m, full, 8), 8);
+  const char *runs[2] = {"one", "old"};
+  for (int r = 0; r < 2; r++) {
+    snprintf(m, sizeof m, "%s/%s/metrics.jsonl", dir, runs[r]);
+    ck_assert_int_eq(mr_t_read_losses(m, got, 8), 4);
+    for (int s = 0; s < 4; s++)
+      ck_assert_msg(fabs(got[s] - full[4 + s]) <= 1e-4 * fabs(full[4 + s]),
+                    "%s, step %d: %.7f resumed vs %.7f uninterrupted", runs[r], 5 + s, got[s],
+                    full[4 + s]);
+  }
+}
+END_TEST
+
 /* Launches job dir/name on 2 ranks with a 1 s hang timeout and the test
  * hook MESHRUN_TEST_STALL=stall (RANK:STEP); returns the launcher's stderr
  * (malloc'd) and its exit code. */
@@ -392,6 +518,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
   tcase_add_test(tc, test_ckpt_resume_on_another_strategy_or_world_size);
+  tcase_add_test(tc, test_ckpt_gpt2_fused_weight_across_layouts);
   tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed);
   tcase_add_test(tc, test_ckpt_hang_in_pipeline_receive_diagnosed);
   tcase_add_test(tc, test_ckpt_rank_exiting_early_is_a_failure);

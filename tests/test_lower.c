@@ -13,6 +13,7 @@
 #include "check_main.h"
 #include "common/error.h"
 #include "common/job.h"
+#include "common/ops.h"
 #include "launcher/spmd/lower.h"
 
 static void job_for(struct mr_job *job, const char *strategy, int layers, int tie) {
@@ -331,6 +332,68 @@ START_TEST(test_lower_check_names_the_first_mismatch) {
 }
 END_TEST
 
+/* GPT-2 under tensor parallelism splits its attention as Megatron-LM does:
+ * the fused q|k|v weight [C, 3, C] along its last dim (each rank the same
+ * slice of the heads of q, k and v), its bias alike, the output projection
+ * by rows; each rank's attention runs H / t heads, and the ranks'
+ * communication fits together with and without sequence parallelism. */
+START_TEST(test_lower_gpt2_attention_split_by_heads) {
+  const char *strategies[] = {"\"tensor_parallel\": {\"degree\": 2}",
+                              "\"tensor_parallel\": {\"degree\": 2}, "
+                              "\"sequence_parallel\": {\"enable\": true}",
+                              "\"tensor_parallel\": {\"degree\": 2}, \"data_parallel\": "
+                              "{\"degree\": 2}, \"pipeline_parallel\": {\"degree\": 2}"};
+  const int worlds[] = {2, 2, 8};
+  for (int k = 0; k < 3; k++) {
+    char text[2048];
+    snprintf(text, sizeof text,
+             "{\"model\": {\"model_type\": \"gpt2\", \"vocab_size\": 128, \"n_embd\": 32,"
+             " \"n_layer\": 2, \"n_head\": 8, \"n_positions\": 64},"
+             " \"data\": {\"train\": \"train.bin\"},"
+             " \"train\": {\"steps\": 4, \"global_batch\": 8, \"seq_len\": 16},"
+             " \"strategy\": {\"auto_mode\": \"manual\", %s}}", strategies[k]);
+    struct mr_job job;
+    ck_assert_msg(mr_job_parse(text, "job.json", "/tmp", &job) == 0, "%s", mr_error_message());
+    ck_assert_msg(mr_lower_check_all(&job, worlds[k], NULL) == 0, "%s: %s", strategies[k],
+                  mr_error_message());
+    struct mr_lowered L;
+    ck_assert_int_eq(mr_lower_graph(&job, worlds[k], &L), 0);
+    struct mr_rank_program p;
+    ck_assert_int_eq(mr_rank_program_build(&L, worlds[k] - 1, &p), 0);
+    const struct mr_graph *g = &L.model.graph;
+    const char *names[3] = {"attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight"};
+    const int64_t want[3][3] = {{32, 3, 16}, {3, 16, 0}, {16, 32, 0}};
+    int found = 0;
+    for (int t = 0; t < g->n_tensors; t++) {
+      if (g->tensors[t].role != MR_ROLE_PARAM || strncmp(g->tensors[t].name, "transformer.h.", 14))
+        continue;
+      for (int n = 0; n < 3; n++) {
+        if (strstr(g->tensors[t].name, names[n]) == NULL)
+          continue;
+        const struct mr_tensor *lt = &p.local.tensors[t];
+        for (int d = 0; d < lt->ndim; d++)
+          ck_assert_msg(lt->shape[d] == want[n][d], "%s: %s local dim %d is %lld, expected %lld",
+                        strategies[k], g->tensors[t].name, d, (long long)lt->shape[d],
+                        (long long)want[n][d]);
+        found++;
+      }
+    }
+    ck_assert_int_eq(found, 3 * 2); /* three of each of the two layers */
+    int attention = 0;
+    for (int o = 0; o < g->n_ops; o++)
+      if (g->ops[o].kind == MR_OP_ATTENTION) {
+        ck_assert_msg(p.local.ops[o].attr[1] == 4, "%s: attention runs %g heads, expected 4",
+                      strategies[k], p.local.ops[o].attr[1]);
+        attention++;
+      }
+    ck_assert_int_eq(attention, 2);
+    mr_rank_program_close(&p);
+    mr_lowered_close(&L);
+    mr_job_close(&job);
+  }
+}
+END_TEST
+
 static Suite *lower_suite(void) {
   Suite *s = suite_create("lower");
   TCase *tc = tcase_create("lower");
@@ -343,6 +406,7 @@ static Suite *lower_suite(void) {
   tcase_add_test(tc, test_lower_1f1b_in_flight);
   tcase_add_test(tc, test_lower_tied_embeddings_across_stages);
   tcase_add_test(tc, test_lower_check_names_the_first_mismatch);
+  tcase_add_test(tc, test_lower_gpt2_attention_split_by_heads);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -30,7 +30,7 @@
 struct snapshot_piece {
   char name[200];
   int ndim;
-  int64_t off[2], len[2];        // the box within the global tensor
+  int64_t off[MR_CKPT_MAX_DIMS], len[MR_CKPT_MAX_DIMS]; // the box within the global tensor
   int64_t begin, count;          // the range of the box stored
   float *data;                   // into the snapshot block
 };
@@ -150,6 +150,13 @@ static char *index_text(const struct mr_ckpt_saver *s, const struct mr_lowered *
     cJSON *sh = cJSON_AddArrayToObject(e, "shape");
     for (int d = 0; d < g->tensors[t].ndim; d++)
       cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)g->tensors[t].shape[d]));
+    if (g->tensors[t].merged) { /* what an export writes */
+      int64_t fs[MR_MAX_DIMS];
+      int nd = mr_tensor_file_shape(&g->tensors[t], fs);
+      cJSON *f = cJSON_AddArrayToObject(e, "file_shape");
+      for (int d = 0; d < nd; d++)
+        cJSON_AddItemToArray(f, cJSON_CreateNumber((double)fs[d]));
+    }
     cJSON_AddStringToObject(e, "dtype", "F32");
     char pl[128];
     mr_dist_format(&L->dg.tensor[t], pl, sizeof pl);
@@ -290,7 +297,7 @@ static int add_piece(struct mr_ckpt_saver *s, struct mr_runtime *rt, const char 
   struct snapshot_piece *d = &s->pieces[s->n++];
   snprintf(d->name, sizeof d->name, "%s%s", prefix, p->name);
   d->ndim = p->ndim;
-  for (int k = 0; k < p->ndim && k < 2; k++) {
+  for (int k = 0; k < p->ndim && k < MR_CKPT_MAX_DIMS; k++) {
     d->off[k] = p->goff[k];
     d->len[k] = p->glen[k];
   }
@@ -367,21 +374,67 @@ void mr_ckpt_saver_free(struct mr_ckpt_saver *s) {
   free(s);
 }
 
-/* Checks index tensor `name` has the model's shape. */
-static int check_shape(const char *path, const cJSON *tensors, const struct mr_rt_param *p) {
+static int same_shape(const cJSON *sh, int ndim, const int64_t *shape) {
+  int same = cJSON_IsArray(sh) && cJSON_GetArraySize(sh) == ndim;
+  for (int d = 0; same && d < ndim; d++) {
+    int64_t got;
+    same = mr_json_count(cJSON_GetArrayItem(sh, d), MAX_COUNT, &got) && got == shape[d];
+  }
+  return same;
+}
+
+/* Checks index tensor `name` has the model's shape; *merged: it has the
+ * shape files give it instead (GPT-2's fused q|k|v, [C, 3C], as
+ * checkpoints held it before it was held [C, 3, C]). */
+static int check_shape(const char *path, const cJSON *tensors, const struct mr_rt_param *p,
+                       int *merged) {
   const cJSON *e = cJSON_GetObjectItemCaseSensitive(tensors, p->name);
   const cJSON *sh = e ? cJSON_GetObjectItemCaseSensitive(e, "shape") : NULL;
-  int same = cJSON_IsArray(sh) && cJSON_GetArraySize(sh) == p->ndim;
-  for (int d = 0; same && d < p->ndim; d++) {
-    const cJSON *v = cJSON_GetArrayItem(sh, d);
-    int64_t got;
-    same = mr_json_count(v, MAX_COUNT, &got) && got == p->shape[d];
-  }
+  int64_t fs[MR_CKPT_MAX_DIMS];
+  memcpy(fs, p->shape, (size_t)p->ndim * sizeof *fs);
+  if (p->merged)
+    fs[p->ndim - 2] *= fs[p->ndim - 1];
+  *merged = p->merged && same_shape(sh, p->ndim - 1, fs);
   if (e == NULL)
     return mr_error_set(MR_EFORMAT, "%s: no tensor %s", path, p->name);
-  if (!same)
+  if (!*merged && !same_shape(sh, p->ndim, p->shape))
     return mr_error_set(MR_EFORMAT, "%s: %s has another shape than this model's", path, p->name);
   return 0;
+}
+
+struct box_run {
+  float *box;
+  const float *whole;
+};
+
+static void box_run(void *ctx, int64_t at, int64_t in_box, int64_t n) {
+  struct box_run *x = ctx;
+  memcpy(x->box + in_box, x->whole + at, (size_t)n * sizeof(float));
+}
+
+/* Elements [begin, +count) of p's local box of tensor `name` into dst.  A
+ * tensor the checkpoint holds merged is read whole in that shape (the
+ * bytes are the same), and the box taken from it. */
+static int read_box(struct mr_ckpt_reader *rd, const char *name, const struct mr_rt_param *p,
+                    int merged, int64_t begin, int64_t count, float *dst) {
+  if (!merged)
+    return mr_ckpt_reader_read(rd, name, p->ndim, p->shape, p->goff, p->glen, begin, count, dst);
+  int64_t fs[MR_CKPT_MAX_DIMS], off[MR_CKPT_MAX_DIMS] = {0}, all = 1;
+  for (int d = 0; d < p->ndim; d++)
+    all *= p->shape[d];
+  memcpy(fs, p->shape, (size_t)p->ndim * sizeof *fs);
+  fs[p->ndim - 2] *= fs[p->ndim - 1];
+  float *whole = malloc((size_t)(all + p->numel) * sizeof *whole);
+  if (whole == NULL)
+    return MR_ENOMEM;
+  int rc = mr_ckpt_reader_read(rd, name, p->ndim - 1, fs, off, fs, 0, all, whole);
+  if (rc == 0) {
+    struct box_run x = {.box = whole + all, .whole = whole};
+    mr_box_runs(p->ndim, p->shape, p->goff, p->glen, box_run, &x);
+    memcpy(dst, x.box + begin, (size_t)count * sizeof *dst);
+  }
+  free(whole);
+  return rc;
 }
 
 int mr_ckpt_load(struct mr_runtime *rt, const char *dir, int64_t *step) {
@@ -418,19 +471,18 @@ int mr_ckpt_load(struct mr_runtime *rt, const char *dir, int64_t *step) {
     rc = mr_ckpt_reader_open(dir, &rd);
   for (int i = 0; rc == 0 && i < n; i++) {
     const struct mr_rt_param *p = &ps[i];
-    MR_TRY_GOTO(rc, check_shape(path, tensors, p), out);
+    int merged;
+    MR_TRY_GOTO(rc, check_shape(path, tensors, p, &merged), out);
     char name[200];
     if (p->plen > 0) {
-      MR_TRY_GOTO(rc, mr_ckpt_reader_read(rd, p->name, p->ndim, p->shape, p->goff, p->glen,
-                                          p->pbegin, p->plen, host), out);
+      MR_TRY_GOTO(rc, read_box(rd, p->name, p, merged, p->pbegin, p->plen, host), out);
       MR_TRY_GOTO(rc, mr_runtime_to_device(rt, p->param, host, (size_t)p->plen * 4), out);
     }
     const char *prefixes[2] = {"optim.exp_avg.", "optim.exp_avg_sq."};
     float *dst[2] = {p->m, p->v};
     for (int k = 0; k < 2 && p->len > 0; k++) {
       snprintf(name, sizeof name, "%s%s", prefixes[k], p->name);
-      MR_TRY_GOTO(rc, mr_ckpt_reader_read(rd, name, p->ndim, p->shape, p->goff, p->glen,
-                                          p->begin, p->len, host), out);
+      MR_TRY_GOTO(rc, read_box(rd, name, p, merged, p->begin, p->len, host), out);
       if (p->state_on_host)
         memcpy(dst[k], host, (size_t)p->len * 4);
       else

@@ -16,7 +16,7 @@
 #define TT(g, id) (&(g)->tensors[(id)])
 #define NEL(g, id) mr_tensor_numel(TT(g, id))
 #define ROWS(g, id) ((int)TT(g, id)->shape[0])
-#define COLS(g, id) ((int)(TT(g, id)->ndim > 1 ? TT(g, id)->shape[1] : 1))
+#define COLS(g, id) ((int)mr_tensor_cols(TT(g, id))) /* the rest of the dims as one */
 #define POOL(ctx) (((struct mr_cpu_ctx *)(ctx))->pool)
 
 int mr_cpu_ctx_init(struct mr_cpu_ctx *ctx, int threads, enum mr_amp_mode amp) {

@@ -77,6 +77,7 @@ struct mr_rt_param {
   int state_on_host;             //   memory when offloaded
   int keeps_param, keeps_state;  // this rank writes them to checkpoints (one
                                  // copy of each distinct shard in the job)
+  int merged;                    // files merge its last two dims (graph.h)
 };
 
 /* Fills *out (owned by the runtime) and returns the count. */

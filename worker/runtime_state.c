@@ -16,24 +16,29 @@
 
 /* ---- initialization ---- */
 
+struct init_run {
+  const struct mr_runtime *rt;
+  const struct mr_tensor *t;
+  float *dst;
+};
+
+static void init_run(void *ctx, int64_t at, int64_t in_box, int64_t n) {
+  const struct init_run *x = ctx;
+  const struct mr_tensor *t = x->t;
+  if (t->init == MR_INIT_NORMAL)
+    mr_rng_normal_fill(x->rt->job->train.seed, mr_hash_str(t->name), (uint64_t)at, (size_t)n,
+                       0.0f, (float)x->rt->job->model.initializer_range, x->dst + in_box);
+  else
+    for (int64_t c = 0; c < n; c++)
+      x->dst[in_box + c] = t->init == MR_INIT_ONES ? 1.0f : 0.0f;
+}
+
 /* Fills the local shard of parameter i from the seeded initializer: element
  * by element the same global values whatever the sharding. */
 static void init_param(struct mr_runtime *rt, const struct mr_param_plan *pp, float *dst) {
-  const struct mr_graph *g = &rt->L->model.graph;
-  const struct mr_tensor *t = &g->tensors[pp->tensor];
-  int64_t rows = t->ndim > 1 ? pp->glen[0] : 1, cols = t->ndim > 1 ? pp->glen[1] : pp->glen[0];
-  int64_t gcols = t->ndim > 1 ? t->shape[1] : t->shape[0];
-  for (int64_t r = 0; r < rows; r++) {
-    float *row = dst + r * cols;
-    if (t->init == MR_INIT_NORMAL) {
-      int64_t first = t->ndim > 1 ? (pp->goff[0] + r) * gcols + pp->goff[1] : pp->goff[0];
-      mr_rng_normal_fill(rt->job->train.seed, mr_hash_str(t->name), (uint64_t)first,
-                         (size_t)cols, 0.0f, (float)rt->job->model.initializer_range, row);
-    } else {
-      for (int64_t c = 0; c < cols; c++)
-        row[c] = t->init == MR_INIT_ONES ? 1.0f : 0.0f;
-    }
-  }
+  const struct mr_tensor *t = &rt->L->model.graph.tensors[pp->tensor];
+  struct init_run x = {.rt = rt, .t = t, .dst = dst};
+  mr_box_runs(t->ndim, t->shape, pp->goff, pp->glen, init_run, &x);
 }
 
 static int load_param(struct mr_runtime *rt, struct mr_st_file *f, const struct mr_param_plan *pp,
@@ -42,13 +47,17 @@ static int load_param(struct mr_runtime *rt, struct mr_st_file *f, const struct 
   const struct mr_st_tensor *s = mr_st_find(f, t->name);
   if (!s)
     return mr_error_set(MR_EFORMAT, "%s: tensor %s: missing", mr_st_path(f), t->name);
-  int same = s->rank == t->ndim;
-  for (int d = 0; same && d < t->ndim; d++)
-    same = s->shape[d] == t->shape[d];
+  int64_t shape[MR_MAX_DIMS];
+  int nd = mr_tensor_file_shape(t, shape), same = s->rank == nd;
+  for (int d = 0; same && d < nd; d++)
+    same = s->shape[d] == shape[d];
   if (!same)
     return mr_error_set(MR_EFORMAT, "%s: tensor %s: shape does not match the model config",
                         mr_st_path(f), t->name);
-  return mr_st_read_slice(f, s, pp->goff, pp->glen, MR_F32, dst);
+  struct mr_st_tensor held = *s; /* the same bytes in the model's shape */
+  held.rank = t->ndim;
+  memcpy(held.shape, t->shape, (size_t)t->ndim * sizeof *t->shape);
+  return mr_st_read_slice(f, &held, pp->goff, pp->glen, MR_F32, dst);
 }
 
 /* The parameters' first values, through a host buffer. */
@@ -138,7 +147,8 @@ int mr_runtime_params(struct mr_runtime *rt, const struct mr_rt_param **out) {
           .len = pp->replica_of >= 0 ? 0 : pp->len,
           .state_on_host = rt->offload_host,
           .keeps_param = model_ok && (z3 || rt->p.data == 0) && pp->replica_of < 0,
-          .keeps_state = model_ok && (rt->L->lay.zero >= 1 || rt->p.data == 0)};
+          .keeps_state = model_ok && (rt->L->lay.zero >= 1 || rt->p.data == 0),
+          .merged = t->merged};
     }
   }
   *out = rt->views;
@@ -218,6 +228,16 @@ static void part_path(const char *path, int rank, char *buf, size_t n) {
   snprintf(buf, n, "%s.part-%d", path, rank);
 }
 
+struct place_run {
+  float *full;
+  const float *piece;
+};
+
+static void place_run(void *ctx, int64_t at, int64_t in_box, int64_t n) {
+  struct place_run *x = ctx;
+  memcpy(x->full + at, x->piece + in_box, (size_t)n * sizeof(float));
+}
+
 /* Rank 0: every part's pieces placed into whole tensors, written as one
  * file. */
 static int merge_parts(struct mr_runtime *rt, const char *path) {
@@ -271,11 +291,8 @@ static int merge_parts(struct mr_runtime *rt, const char *path) {
       }
       rc = mr_st_read(parts[r], s, MR_F32, piece);
       if (rc == 0) { /* on the host: a plain strided copy */
-        int64_t rows = tt->ndim > 1 ? len[0] : 1, cols = tt->ndim > 1 ? len[1] : len[0];
-        int64_t gcols = tt->ndim > 1 ? tt->shape[1] : tt->shape[0];
-        int64_t r0 = tt->ndim > 1 ? off[0] : 0, c0 = tt->ndim > 1 ? off[1] : off[0];
-        for (int64_t i = 0; i < rows; i++)
-          memcpy(full[t] + (r0 + i) * gcols + c0, piece + i * cols, (size_t)cols * sizeof(float));
+        struct place_run x = {.full = full[t], .piece = piece};
+        mr_box_runs(tt->ndim, tt->shape, off, len, place_run, &x);
       }
       free(piece);
     }

@@ -54,15 +54,15 @@ int mr_weights_load(const struct mr_model *m, struct mr_exec *x,
                         t->name);
       break;
     }
-    int same = s->rank == t->ndim;
-    for (int d = 0; same && d < t->ndim; d++)
-      same = s->shape[d] == t->shape[d];
+    int64_t shape[MR_MAX_DIMS];
+    int nd = mr_tensor_file_shape(t, shape), same = s->rank == nd;
+    for (int d = 0; same && d < nd; d++)
+      same = s->shape[d] == shape[d];
     if (!same) {
       rc = mr_error_set(MR_EFORMAT, "%s: tensor %s: shape does not match "
                         "the model config (expected [%lld%s%lld])",
-                        mr_st_path(f), t->name, (long long)t->shape[0],
-                        t->ndim > 1 ? ", " : "",
-                        t->ndim > 1 ? (long long)t->shape[1] : 0LL);
+                        mr_st_path(f), t->name, (long long)shape[0],
+                        nd > 1 ? ", " : "", nd > 1 ? (long long)shape[1] : 0LL);
       break;
     }
     rc = mr_st_read(f, s, MR_F32, mr_exec_buf(x, i));
@@ -78,8 +78,9 @@ int mr_weights_write(const struct mr_graph *g, const struct mr_model_config *cfg
   int rc = 0;
   for (int i = 0; i < g->n_tensors && rc == 0; i++) {
     const struct mr_tensor *t = &g->tensors[i];
+    int64_t shape[MR_MAX_DIMS]; /* as Hugging Face files hold it */
     if (t->role == MR_ROLE_PARAM)
-      rc = mr_st_writer_add(w, t->name, MR_F32, t->ndim, t->shape, data[i]);
+      rc = mr_st_writer_add(w, t->name, MR_F32, mr_tensor_file_shape(t, shape), shape, data[i]);
   }
   char *text = mr_model_config_to_json(cfg);
   if (rc == 0 && !text)

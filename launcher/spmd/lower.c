@@ -258,9 +258,11 @@ static double op_flops(const struct mr_graph *g, int k) {
  * no shard rules: column-parallel projections in, row-parallel out, the
  * embedding and the head split by vocabulary (with the vocabulary-parallel
  * loss).  LLaMA weights are [out, in]; GPT-2's Conv1D weights [in, out],
- * whose fused q|k|v columns stay whole (split3 needs them so). */
+ * its fused q|k|v weight [C, 3, C] (bias [3, C]) split along its last dim:
+ * each rank a slice of the heads of q, k and v alike. */
 static struct mr_shard_rule_placement shard0 = {"model", "Shard(0)"};
 static struct mr_shard_rule_placement shard1 = {"model", "Shard(1)"};
+static struct mr_shard_rule_placement shard2 = {"model", "Shard(2)"};
 static struct mr_shard_rule llama_rules[] = {
     {"q_proj|k_proj|v_proj|gate_proj|up_proj|embed_tokens|lm_head", &shard0, 1},
     {"o_proj|down_proj", &shard1, 1},
@@ -273,8 +275,9 @@ static struct mr_shard_rule llama_sp_rules[] = {
     {"o_proj|down_proj", &shard1, 1},
 };
 static struct mr_shard_rule gpt2_rules[] = {
-    {"mlp\\.c_fc\\.weight", &shard1, 1},
-    {"mlp\\.c_fc\\.bias|mlp\\.c_proj\\.weight|wte", &shard0, 1},
+    {"attn\\.c_attn\\.weight", &shard2, 1},
+    {"mlp\\.c_fc\\.weight|attn\\.c_attn\\.bias", &shard1, 1},
+    {"mlp\\.c_fc\\.bias|mlp\\.c_proj\\.weight|attn\\.c_proj\\.weight|wte", &shard0, 1},
 };
 
 int mr_lower_graph(const struct mr_job *job, int world, struct mr_lowered *L) {
@@ -373,7 +376,7 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
   if (lay->tp > 1 && job->n_shard_rules == 0) {
     int llama = job->model.family == MR_MODEL_LLAMA;
     o.rules = llama ? (lay->sp ? llama_sp_rules : llama_rules) : gpt2_rules;
-    o.n_rules = 2;
+    o.n_rules = llama ? 2 : (int)(sizeof gpt2_rules / sizeof gpt2_rules[0]);
   }
   o.data_dim = L->data_dim >= 0 ? L->data_dim : (lay->dp == 1 && lay->tp == 1 ? 0 : -1);
   o.seq_dim = lay->sp ? L->model_dim : -1;

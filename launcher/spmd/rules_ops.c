@@ -42,29 +42,50 @@ static int spec_pointwise(const struct mr_graph *g, const struct mr_op *op,
   return elementwise(g, op, s, MR_SPMD_NONLINEAR);
 }
 
+/* Letters of a matmul operand x (a matrix of its first dim by the rest,
+ * common/ops.c): its first dim is the outer one (M of a, N of b) unless
+ * transposed the other way, and the rest are K — or the reverse.  outer[]
+ * and inner[] give the letters of each part in order. */
+static void mm_letters(const struct mr_tensor *x, int first_is_outer, const char *outer,
+                       const char *inner, char *dst) {
+  memset(dst, 0, MR_TENSOR_MAX_DIMS + 1);
+  for (int d = 0; d < x->ndim && d < MR_TENSOR_MAX_DIMS; d++) {
+    int first = d == 0;
+    dst[d] = first == first_is_outer ? outer[first ? 0 : d - 1] : inner[first ? 0 : d - 1];
+  }
+}
+
+/* C[M.., N..] = op(A) op(B) contracting K..: GPT-2's fused weight [C, 3, C]
+ * makes N two dims (and K two in the gradient of A). */
 static int spec_matmul(const struct mr_graph *g, const struct mr_op *op,
                        struct mr_spmd_spec *s) {
-  (void)g;
+  const struct mr_tensor *a = T(g, op->in[0]), *b = T(g, op->in[1]);
+  int ta = op->attr[0] != 0, tb = op->attr[1] != 0;
   s->n_in = op->n_in;
   s->n_out = 1;
-  set(s->in[0], op->attr[0] ? "km" : "mk");
-  set(s->in[1], op->attr[1] ? "nk" : "kn");
+  mm_letters(a, !ta, "mxy", "kuv", s->in[0]);
+  mm_letters(b, tb, "nqr", "kuv", s->in[1]);
+  int an = ta ? a->ndim - 1 : 1, bn = tb ? 1 : b->ndim - 1, ak = ta ? 1 : a->ndim - 1;
+  char *out = s->out[0]; /* M letters then N letters */
+  memset(out, 0, MR_TENSOR_MAX_DIMS + 1);
+  for (int d = 0; d < an + bn && d < MR_TENSOR_MAX_DIMS; d++)
+    out[d] = d < an ? "mxy"[d] : "nqr"[d - an];
   if (op->n_in > 2 && op->in[2] >= 0) {
-    set(s->in[2], "n");
+    memcpy(s->in[2], out + an, MR_TENSOR_MAX_DIMS + 1 - (size_t)an);
     s->additive = 1u << 2;
   }
-  set(s->out[0], "mn");
-  set(s->contract, "k");
+  memcpy(s->contract, "kuv", (size_t)(ak < 3 ? ak : 3));
   s->linear = MR_SPMD_MULTILINEAR;
   return 0;
 }
 
+/* db[N..] = the sum of dy[M, N..] over M */
 static int spec_bias_grad(const struct mr_graph *g, const struct mr_op *op,
                           struct mr_spmd_spec *s) {
-  (void)g, (void)op;
+  int nd = T(g, op->in[0])->ndim;
   s->n_in = s->n_out = 1;
-  set(s->in[0], "mn");
-  set(s->out[0], "n");
+  set(s->in[0], nd == 3 ? "mnq" : "mn");
+  set(s->out[0], nd == 3 ? "nq" : "n");
   set(s->contract, "m");
   s->linear = MR_SPMD_LINEAR_JOINT;
   return 0;
@@ -242,15 +263,17 @@ static void attention_localize(const struct mr_graph *g, const struct mr_op *op,
 
 static int spec_split_concat(const struct mr_graph *g, const struct mr_op *op,
                              struct mr_spmd_spec *s) {
-  (void)g;
   s->n_in = op->n_in;
   s->n_out = mr_op_def(op->kind)->n_out;
+  int split = op->kind == MR_OP_SPLIT3;
+  int whole = T(g, split ? op->in[0] : op->out[0])->ndim; /* [N,3C] or [N,3,C] */
   for (int i = 0; i < s->n_in; i++)
-    set(s->in[i], "nc");
+    set(s->in[i], split && whole == 3 ? "npc" : "nc");
   for (int o = 0; o < s->n_out; o++)
-    set(s->out[o], "nc");
-  /* a shard of [N,3C] is not three shards of [N,C] */
-  set(s->forbid, "c");
+    set(s->out[o], !split && whole == 3 ? "npc" : "nc");
+  /* a shard of [N,3C] is not three shards of [N,C]; of [N,3,C] along C
+   * it is (the thirds of each head group: tensor parallel attention) */
+  set(s->forbid, whole == 3 ? "p" : "c");
   s->linear = MR_SPMD_LINEAR_JOINT;
   return 0;
 }

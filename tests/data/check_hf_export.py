@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Trains a tiny LLaMA (grouped-query attention) with `meshrun launch`,
-exports its checkpoint with `meshrun export`, loads the directory with
-Hugging Face transformers' LlamaForCausalLM.from_pretrained, and checks its
-logits on a prompt against `meshrun logits` on the same directory.
+"""Trains a tiny LLaMA (grouped-query attention), and a tiny GPT-2 under
+tensor parallelism (its fused q|k|v weight split by heads), with `meshrun
+launch`, exports each checkpoint with `meshrun export`, loads the directory
+with Hugging Face transformers' from_pretrained (LlamaForCausalLM,
+GPT2LMHeadModel), and checks its logits on a prompt against `meshrun
+logits` on the same directory.
 
 Usage: check_hf_export.py MESHRUN_BIN
 Exit 77 (skipped) when torch or transformers cannot be had here."""
@@ -55,12 +57,17 @@ def ensure_transformers():
     return True
 
 
-def main():
-    meshrun = sys.argv[1]
-    if not ensure_transformers():
-        sys.exit(SKIP)
+LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+         "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 128,
+         "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 256,
+        "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
+TP2 = {"auto_mode": "manual", "tensor_parallel": {"degree": 2}}
+
+
+def check(meshrun, model_json, strategy, model_class):
     import torch
-    from transformers import LlamaForCausalLM
 
     d = tempfile.mkdtemp(prefix="mr-hf-")
     with open(os.path.join(d, "train.bin"), "wb") as f:
@@ -68,14 +75,13 @@ def main():
         f.write(struct.pack("<256i", 20240520, 1, len(text), *([0] * 253)))
         f.write(struct.pack("<%dH" % len(text), *text))
     job = {
-        "model": {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
-                  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "max_position_embeddings": 128,
-                  "rms_norm_eps": 1e-5, "rope_theta": 10000.0},
+        "model": model_json,
         "data": {"train": "train.bin"},
         "train": {"steps": 6, "global_batch": 4, "seq_len": 32, "lr": 0.01},
         "checkpoint": {"dir": "ck", "save_interval_steps": 6},
     }
+    if strategy:
+        job["strategy"] = strategy
     with open(os.path.join(d, "job.json"), "w") as f:
         json.dump(job, f)
     subprocess.run([meshrun, "launch", "--nproc", "2", "--log-dir", os.path.join(d, "run"),
@@ -91,18 +97,28 @@ def main():
         raw = f.read()
     ours = torch.tensor(struct.unpack("<%df" % (len(raw) // 4), raw)).view(len(prompt), 256)
 
-    model = LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    model = model_class.from_pretrained(out, torch_dtype=torch.float32)
     model.eval()
     ids = torch.tensor([list(prompt.encode())])
     with torch.no_grad():
         theirs = model(ids).logits[0].float()
     scale = theirs.abs().max().item()
     diff = (ours - theirs).abs().max().item()
-    print("max |logit| %.4f, max difference %.3g" % (scale, diff))
+    name = model_class.__name__
+    print("%s: max |logit| %.4f, max difference %.3g" % (name, scale, diff))
     if not diff <= 1e-4 * max(scale, 1.0):
-        print("FAIL: meshrun's logits differ from transformers'")
+        print("FAIL: meshrun's logits differ from transformers' %s" % name)
         sys.exit(1)
-    print("ok: transformers loads the export and gives meshrun's logits")
+    print("ok: transformers loads the export as %s and gives meshrun's logits" % name)
+
+
+def main():
+    meshrun = sys.argv[1]
+    if not ensure_transformers():
+        sys.exit(SKIP)
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    check(meshrun, LLAMA, None, LlamaForCausalLM)
+    check(meshrun, GPT2, TP2, GPT2LMHeadModel)
 
 
 if __name__ == "__main__":

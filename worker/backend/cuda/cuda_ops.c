@@ -14,7 +14,7 @@
 #define TT(g, id) (&(g)->tensors[(id)])
 #define NEL(g, id) mr_tensor_numel(TT(g, id))
 #define ROWS(g, id) (TT(g, id)->shape[0])
-#define COLS(g, id) (TT(g, id)->ndim > 1 ? TT(g, id)->shape[1] : 1)
+#define COLS(g, id) mr_tensor_cols(TT(g, id)) /* the rest of the dims as one */
 #define CTX(v) ((struct mr__cuda_ctx *)(v))
 #define STREAM(c) ((c)->cur->s)
 
