@@ -90,6 +90,11 @@ int mr_rpc_validate(const Meshrun__Envelope *env) {
         env->control->kind != MESHRUN__CONTROL__KIND__START &&
         env->control->kind != MESHRUN__CONTROL__KIND__FINISH)
       return mr_error_set(MR_EPROTO, "control of unknown kind %d", (int)env->control->kind);
+    if (env->control->kind == MESHRUN__CONTROL__KIND__START &&
+        (env->control->world_size < 1 || env->control->first_rank < 0 ||
+         env->control->first_rank >= env->control->world_size))
+      return mr_error_set(MR_EPROTO, "start of ranks from %d of %d", env->control->first_rank,
+                          env->control->world_size);
     return 0;
   case MESHRUN__ENVELOPE__MSG_PLAN:
   case MESHRUN__ENVELOPE__MSG_HEARTBEAT:

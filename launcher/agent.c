@@ -40,6 +40,8 @@ struct agent {
   char job_id[64];
   int world;
   int pending;              // a START waiting for the last group to exit, or -1
+  int first, next_first;    // this node's first rank: in the last group, the next
+  int next_world;           // the next group's ranks
   int stopping, killed;     // stopping the ranks; SIGKILL sent
   int64_t stop_ms;
   int connected;            // the connection is open
@@ -99,11 +101,13 @@ static int join(struct agent *a, int64_t deadline) {
   if (w->msg_case != MESHRUN__ENVELOPE__MSG_WELCOME) {
     rc = mr_error_set(MR_EPROTO, "expected welcome from node 0's launcher, got %s",
                       mr_rpc_name(w));
-  } else if (w->welcome->world_size != a->o->nnodes * a->o->nproc) {
-    rc = mr_error_set(MR_EPROTO, "node 0's job has %d ranks, not %d nodes of %d",
+  } else if (w->welcome->world_size % a->o->nproc != 0 ||
+             w->welcome->world_size > a->o->nnodes * a->o->nproc) {
+    rc = mr_error_set(MR_EPROTO, "node 0's job has %d ranks, not up to %d nodes of %d",
                       w->welcome->world_size, a->o->nnodes, a->o->nproc);
   } else {
-    a->world = w->welcome->world_size;
+    a->world = a->next_world = w->welcome->world_size;
+    a->first = a->next_first = a->o->node_rank * a->o->nproc;
     snprintf(a->job_id, sizeof a->job_id, "%s", w->welcome->job_id ? w->welcome->job_id : "");
   }
   mr_rpc_free(w);
@@ -124,6 +128,11 @@ static void stop_ranks(struct agent *a) {
 }
 
 static void spawn(struct agent *a, int restart) {
+  if (a->next_first != a->first || a->next_world != a->world) { /* re-planned */
+    a->first = a->next_first;
+    a->world = a->next_world;
+    mr_ranks_renumber(&a->ranks, a->o->nproc, a->first);
+  }
   struct mr_spawn_env env = {
       .worker_bin = a->o->worker_bin,
       .coord_address = a->coord,
@@ -137,8 +146,8 @@ static void spawn(struct agent *a, int restart) {
       .world = a->world,
   };
   a->stopping = 0;
-  MR_INFO("launch", "node %d: starting ranks %d..%d (restart %d)", a->o->node_rank,
-          a->ranks.r[0].rank, a->ranks.r[a->ranks.n - 1].rank, restart);
+  MR_INFO("launch", "node %d: starting ranks %d..%d of %d (restart %d)", a->o->node_rank,
+          a->ranks.r[0].rank, a->ranks.r[a->ranks.n - 1].rank, a->world, restart);
   if (mr_ranks_spawn_all(&a->ranks, &env) < 0) {
     /* node 0 sees the ranks never register and fails the group */
     MR_ERROR("launch", "node %d: %s", a->o->node_rank, mr_error_message());
@@ -173,6 +182,8 @@ static void on_control(struct agent *a, const Meshrun__Control *ctl) {
   switch (ctl->kind) {
   case MESHRUN__CONTROL__KIND__START:
     a->pending = (int)ctl->restart;
+    a->next_first = ctl->first_rank;
+    a->next_world = ctl->world_size;
     if (running(a))
       stop_ranks(a); /* the last group's first: they are on their way out */
     break;

@@ -24,6 +24,7 @@
 #include "common/tunable.h"
 #include "launcher/conn.h"
 #include "launcher/ranks.h"
+#include "launcher/strategy_choice.h"
 #include "worker/comm/comm.h"
 
 enum phase {
@@ -34,7 +35,8 @@ enum phase {
 
 struct rendezvous {
   char *key;
-  ProtobufCBinaryData *blobs; // world_size entries, owned
+  ProtobufCBinaryData *blobs; // n entries (the group's ranks), owned
+  int n;
   int have;
   struct rendezvous *next;
 };
@@ -67,6 +69,15 @@ struct coordinator {
   struct mr_ranks ranks;
   int nnodes, node_ranks;   // nodes of the job, ranks on each
   struct mr_conn **agents;  // [nnodes] the other nodes' launchers (0: unused)
+  int world;                // ranks of the current group
+  int *group_nodes;         // [nnodes] the current group's nodes in rank order
+  int n_group_nodes;        //   (node 0 first; an elastic job's may be fewer)
+  int gathering;            // an elastic group waits for nodes to join
+  int64_t gather_ms;
+  const char *plan_text;    // the plan body the workers get, and their
+  const uint64_t *digests;  //   programs' digests: the launch's, or a re-plan's
+  struct mr_strategy_choice replan;
+  char *replan_text;
   enum phase phase;
   int restart;              // group restarts so far
   int stop_signal;          // SIGINT/SIGTERM that stopped us, or 0
@@ -90,7 +101,8 @@ struct coordinator {
 };
 
 static void rendezvous_free(struct coordinator *co, struct rendezvous *r) {
-  for (int i = 0; r->blobs != NULL && i < co->opts->nproc; i++)
+  (void)co;
+  for (int i = 0; r->blobs != NULL && i < r->n; i++)
     free(r->blobs[i].data);
   free(r->blobs);
   free(r->key);
@@ -117,6 +129,10 @@ static void send_node_control(struct coordinator *co, int k, Meshrun__Control__K
   Meshrun__Control ctl = MESHRUN__CONTROL__INIT;
   ctl.kind = kind;
   ctl.restart = (uint32_t)co->restart;
+  ctl.world_size = co->world;
+  for (int i = 0; i < co->n_group_nodes; i++)
+    if (co->group_nodes[i] == k)
+      ctl.first_rank = i * co->node_ranks;
   Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
   env.msg_case = MESHRUN__ENVELOPE__MSG_CONTROL;
   env.control = &ctl;
@@ -127,6 +143,7 @@ static void begin_stop(struct coordinator *co) {
   if (co->phase == PHASE_STOPPING)
     return;
   co->phase = PHASE_STOPPING;
+  co->gathering = 0;
   co->stop_started_ms = mr_clock_ms();
   co->killed = 0;
   mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__STOP);
@@ -181,7 +198,7 @@ static void send_welcome(struct coordinator *co, struct mr_conn *c, int rank,
                          Meshrun__Mesh *mesh) {
   Meshrun__Welcome w = MESHRUN__WELCOME__INIT;
   w.rank = rank;
-  w.world_size = co->opts->nproc;
+  w.world_size = co->world;
   w.local_rank = rank % co->node_ranks;
   w.local_world_size = co->node_ranks;
   w.mesh = mesh;
@@ -196,32 +213,32 @@ static void send_welcome(struct coordinator *co, struct mr_conn *c, int rank,
 static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
                                   int rank) {
   const struct mr_launch_opts *o = co->opts;
-  int32_t shape[1] = {o->nproc};
+  int32_t shape[1] = {co->world};
   char *names[1] = {"world"};
-  int32_t *ids = calloc((size_t)o->nproc, sizeof *ids);
-  for (int i = 0; ids != NULL && i < o->nproc; i++)
+  int32_t *ids = calloc((size_t)co->world, sizeof *ids);
+  for (int i = 0; ids != NULL && i < co->world; i++)
     ids[i] = i;
   Meshrun__Mesh mesh = MESHRUN__MESH__INIT;
   mesh.n_shape = 1;
   mesh.shape = shape;
   mesh.n_dim_names = 1;
   mesh.dim_names = names;
-  mesh.n_process_ids = ids != NULL ? (size_t)o->nproc : 0;
+  mesh.n_process_ids = ids != NULL ? (size_t)co->world : 0;
   mesh.process_ids = ids;
   send_welcome(co, c, rank, &mesh);
   free(ids);
 
   Meshrun__Plan plan = MESHRUN__PLAN__INIT;
   plan.kind = o->selfcheck ? MESHRUN__PLAN__KIND__SELFCHECK : MESHRUN__PLAN__KIND__TRAIN;
-  if (o->job != NULL && o->job->text != NULL) {
-    plan.body.data = (uint8_t *)o->job->text;
-    plan.body.len = strlen(o->job->text);
+  if (co->plan_text != NULL) {
+    plan.body.data = (uint8_t *)co->plan_text;
+    plan.body.len = strlen(co->plan_text);
   }
   plan.seed = o->job != NULL ? o->job->train.seed : 0;
   plan.resume_dir = co->resume_dir;
   plan.resume_step = co->resume_step;
-  if (o->program_digests != NULL) {
-    plan.program_digest = o->program_digests[rank];
+  if (co->digests != NULL) {
+    plan.program_digest = co->digests[rank];
     if (rank == mr_tunable_int(MR_TUNABLE_TEST_PLAN_DIGEST))
       plan.program_digest ^= 1; /* test hook: a worker that lowers otherwise */
   }
@@ -233,8 +250,21 @@ static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
   mr_conn_send(c, &penv);
 }
 
+/* Node k's place in the current group, or -1. */
+static int group_pos(const struct coordinator *co, int k) {
+  for (int i = 0; i < co->n_group_nodes; i++)
+    if (co->group_nodes[i] == k)
+      return i;
+  return -1;
+}
+
+/* The node that runs rank r in the current group. */
+static int node_of(const struct coordinator *co, int r) {
+  return co->group_nodes[r / co->node_ranks];
+}
+
 /* The launcher of node k > 0: welcome it (the job and the world size), and
- * have it start its ranks if a group is running. */
+ * have it start its ranks if a group it is part of is running. */
 static void on_node_hello(struct coordinator *co, struct mr_conn *c, const Meshrun__Hello *h) {
   int k = h->node_rank;
   char why[192] = "";
@@ -253,10 +283,14 @@ static void on_node_hello(struct coordinator *co, struct mr_conn *c, const Meshr
   }
   c->node = k;
   co->agents[k] = c;
-  MR_INFO("launch", "node %d joined from %s (ranks %d..%d)", k, h->host, k * co->node_ranks,
-          (k + 1) * co->node_ranks - 1);
-  send_welcome(co, c, k * co->node_ranks, NULL);
-  if (co->phase == PHASE_RUNNING && !co->ranks.waiting_restart)
+  int pos = group_pos(co, k);
+  if (pos >= 0)
+    MR_INFO("launch", "node %d joined from %s (ranks %d..%d)", k, h->host, pos * co->node_ranks,
+            (pos + 1) * co->node_ranks - 1);
+  else
+    MR_INFO("launch", "node %d joined from %s: it takes part from the next group", k, h->host);
+  send_welcome(co, c, 0, NULL);
+  if (pos >= 0 && co->phase == PHASE_RUNNING && !co->ranks.waiting_restart && !co->gathering)
     send_node_control(co, k, MESHRUN__CONTROL__KIND__START);
 }
 
@@ -267,8 +301,8 @@ static void on_hello(struct coordinator *co, struct mr_conn *c,
     return;
   }
   int rank = h->requested_rank;
-  struct mr_rank *r = rank >= 0 && rank < co->opts->nproc ? &co->ranks.r[rank] : NULL;
-  if (r == NULL || r->registered || (!r->remote && r->pid != (int)h->pid) ||
+  struct mr_rank *r = rank >= 0 && rank < co->world ? &co->ranks.r[rank] : NULL;
+  if (r == NULL || co->gathering || r->registered || (!r->remote && r->pid != (int)h->pid) ||
       (r->remote && (co->phase != PHASE_RUNNING || r->exited)) ||
       h->restart != (uint32_t)co->restart) {
     char why[160];
@@ -298,7 +332,8 @@ static void on_rendezvous(struct coordinator *co, struct mr_conn *c,
     if (r == NULL)
       return;
     r->key = strdup(rv->key);
-    r->blobs = calloc((size_t)co->opts->nproc, sizeof *r->blobs);
+    r->n = co->world;
+    r->blobs = calloc((size_t)r->n, sizeof *r->blobs);
     r->next = co->rdv;
     co->rdv = r;
   }
@@ -311,16 +346,16 @@ static void on_rendezvous(struct coordinator *co, struct mr_conn *c,
   b->data = malloc(rv->blob.len > 0 ? rv->blob.len : 1);
   if (b->data != NULL && rv->blob.len > 0)
     memcpy(b->data, rv->blob.data, rv->blob.len);
-  if (++r->have < co->opts->nproc)
+  if (++r->have < r->n)
     return;
   Meshrun__RendezvousDone done = MESHRUN__RENDEZVOUS_DONE__INIT;
   done.key = r->key;
-  done.n_blobs = (size_t)co->opts->nproc;
+  done.n_blobs = (size_t)r->n;
   done.blobs = r->blobs;
   Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
   env.msg_case = MESHRUN__ENVELOPE__MSG_RENDEZVOUS_DONE;
   env.rendezvous_done = &done;
-  for (int i = 0; i < co->opts->nproc; i++)
+  for (int i = 0; i < co->world; i++)
     if (co->ranks.r[i].conn != NULL)
       mr_conn_send(co->ranks.r[i].conn, &env);
   /* unlink and free this rendezvous */
@@ -392,7 +427,7 @@ static void on_checkpoint_written(struct coordinator *co, int rank,
     ;
   if (p == NULL) {
     p = calloc(1, sizeof *p);
-    if (p == NULL || (p->seen = calloc((size_t)co->opts->nproc, 1)) == NULL) {
+    if (p == NULL || (p->seen = calloc((size_t)co->world, 1)) == NULL) {
       free(p);
       return;
     }
@@ -417,7 +452,7 @@ static void on_checkpoint_written(struct coordinator *co, int rank,
     p->sha[p->n_files] = strdup(cw->checksum[i]);
     p->n_files++;
   }
-  if (p->reported < co->opts->nproc)
+  if (p->reported < co->world)
     return;
   struct pending_ckpt **pp = &co->ckpts;
   while (*pp != p)
@@ -438,7 +473,7 @@ static void on_report(struct coordinator *co, struct mr_conn *c,
   case MESHRUN__REPORT__WHAT_DONE:
     if (co->opts->selfcheck) {
       uint8_t want[crypto_hash_sha256_BYTES];
-      selfcheck_digest(co->job_id, c->rank, co->opts->nproc, want);
+      selfcheck_digest(co->job_id, c->rank, co->world, want);
       if (rep->done->result.len != sizeof want ||
           memcmp(rep->done->result.data, want, sizeof want) != 0) {
         group_fail(co, c->rank, "rank %d: self-check result does not match", c->rank);
@@ -474,7 +509,7 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
   if (c->rank != 0 || co->opts->selfcheck)
     return;
   uint64_t peak = 0, rss = 0;
-  for (int i = 0; i < co->opts->nproc; i++) {
+  for (int i = 0; i < co->world; i++) {
     if (co->ranks.r[i].peak_memory > peak)
       peak = co->ranks.r[i].peak_memory;
     if (co->ranks.r[i].rss_peak > rss)
@@ -541,11 +576,15 @@ static void on_conn_close(void *ctx, struct mr_conn *c) {
   struct coordinator *co = ctx;
   if (c->node > 0 && co->agents[c->node] == c) {
     co->agents[c->node] = NULL;
-    group_fail(co, -1, "the launcher of node %d disconnected (its ranks %d..%d stop with it)",
-               c->node, c->node * co->node_ranks, (c->node + 1) * co->node_ranks - 1);
+    int pos = group_pos(co, c->node);
+    if (pos >= 0 && !co->gathering)
+      group_fail(co, -1, "the launcher of node %d disconnected (its ranks %d..%d stop with it)",
+                 c->node, pos * co->node_ranks, (pos + 1) * co->node_ranks - 1);
+    else
+      MR_WARN("launch", "the launcher of node %d disconnected", c->node);
     return;
   }
-  if (c->rank < 0 || c->rank >= co->opts->nproc || co->ranks.r[c->rank].conn != c)
+  if (c->rank < 0 || c->rank >= co->world || co->ranks.r[c->rank].conn != c)
     return;
   struct mr_rank *r = &co->ranks.r[c->rank];
   r->conn = NULL;
@@ -553,7 +592,7 @@ static void on_conn_close(void *ctx, struct mr_conn *c) {
     r->exited = 1;
     if (!r->done)
       group_fail(co, c->rank, "rank %d (node %d, pid %d) disconnected before finishing its "
-                 "job%s%s", c->rank, c->rank / co->node_ranks, r->pid, r->error[0] ? ": " : "",
+                 "job%s%s", c->rank, node_of(co, c->rank), r->pid, r->error[0] ? ": " : "",
                  r->error);
     return;
   }
@@ -580,11 +619,11 @@ static void describe_rendezvous(const struct coordinator *co, char *buf, size_t 
   size_t used = strlen(buf);
   for (const struct rendezvous *r = co->rdv; r != NULL && used < n; r = r->next) {
     int w = snprintf(buf + used, n - used, "\n  rendezvous \"%s\": %d of %d arrived; missing:",
-                     r->key, r->have, co->opts->nproc);
+                     r->key, r->have, r->n);
     if (w < 0)
       return;
     used += (size_t)w;
-    for (int i = 0; i < co->opts->nproc && used < n; i++)
+    for (int i = 0; i < r->n && used < n; i++)
       if (r->blobs[i].data == NULL) {
         w = snprintf(buf + used, n - used, " rank %d", i);
         if (w < 0)
@@ -602,7 +641,7 @@ static void check_hang(struct coordinator *co, int64_t now) {
   int64_t limit = (int64_t)(co->opts->hang_timeout_s * 1000.0);
   int64_t newest = 0;
   int live = 0;
-  for (int i = 0; i < co->opts->nproc; i++) {
+  for (int i = 0; i < co->world; i++) {
     const struct mr_rank *r = &co->ranks.r[i];
     if (r->exited || r->conn == NULL || r->done)
       continue;
@@ -617,7 +656,7 @@ static void check_hang(struct coordinator *co, int64_t now) {
   describe_rendezvous(co, where, sizeof where);
   /* the culprit: a rank that waits on nothing while others wait */
   int culprit = -1;
-  for (int i = 0; i < co->opts->nproc && culprit < 0; i++) {
+  for (int i = 0; i < co->world && culprit < 0; i++) {
     const struct mr_rank *r = &co->ranks.r[i];
     if (!r->exited && !r->done && r->waiting_on < 0)
       culprit = i;
@@ -650,13 +689,62 @@ static void choose_resume(struct coordinator *co) {
   }
 }
 
-static int start_group(struct coordinator *co) {
-  rendezvous_clear(co);
-  pending_clear(co);
-  choose_resume(co);
-  co->phase = PHASE_RUNNING;
-  co->failure[0] = '\0';
-  co->failed_rank = -1;
+/* An elastic job (--nnodes MIN:MAX) goes on with the nodes it has. */
+static int elastic(const struct coordinator *co) {
+  return co->opts->min_nodes > 0 && co->opts->min_nodes < co->nnodes;
+}
+
+static int nodes_connected(const struct coordinator *co) {
+  int n = 1;
+  for (int k = 1; k < co->nnodes; k++)
+    n += co->agents[k] != NULL;
+  return n;
+}
+
+/* The plan for a group of `world` ranks: the launch's for all the nodes,
+ * else the search run again for the ranks there are. */
+static int plan_for(struct coordinator *co, int world) {
+  const struct mr_launch_opts *o = co->opts;
+  if (world == o->nproc || o->job == NULL) {
+    co->plan_text = o->job != NULL ? o->job->text : NULL;
+    co->digests = o->program_digests;
+    return 0;
+  }
+  mr_strategy_choice_close(&co->replan);
+  free(co->replan_text);
+  co->replan_text = NULL;
+  co->plan_text = NULL;
+  co->digests = NULL;
+  MR_TRY(mr_strategy_choose(o->job, world, &co->replan));
+  if ((co->replan_text = mr_strategy_apply(o->job, &co->replan.chosen.strategy)) == NULL)
+    return MR_ENOMEM;
+  co->plan_text = co->replan_text;
+  co->digests = co->replan.program_digests;
+  MR_WARN("launch", "re-planned for %d ranks on %d node%s:", world, co->n_group_nodes,
+          co->n_group_nodes == 1 ? "" : "s");
+  mr_strategy_print(&co->replan, stdout);
+  fflush(stdout);
+  return 0;
+}
+
+/* Starts a group on its nodes: every node in its place, or for an elastic
+ * job the nodes connected now, numbered in node order. */
+static int begin_group(struct coordinator *co) {
+  co->n_group_nodes = 0;
+  for (int k = 0; k < co->nnodes; k++)
+    if (!elastic(co) || k == 0 || co->agents[k] != NULL)
+      co->group_nodes[co->n_group_nodes++] = k;
+  int world = co->n_group_nodes * co->node_ranks;
+  if (world != co->world) {
+    int rc = plan_for(co, world);
+    if (rc < 0) {
+      group_fail(co, -1, "no plan for %d ranks on %d nodes: %s", world, co->n_group_nodes,
+                 mr_error_message());
+      return rc;
+    }
+    co->world = world;
+    mr_ranks_renumber(&co->ranks, world, 0);
+  }
   struct mr_spawn_env env = {
       .worker_bin = co->opts->worker_bin,
       .coord_address = co->unix_address,
@@ -667,16 +755,33 @@ static int start_group(struct coordinator *co) {
       .restart = co->restart,
       .threads = co->opts->threads,
       .log_dir = co->opts->log_dir,
-      .world = co->opts->nproc,
+      .world = co->world,
   };
   int rc = mr_ranks_spawn_all(&co->ranks, &env);
   if (rc < 0) {
     group_fail(co, -1, "could not start the workers: %s", mr_error_message());
     return rc;
   }
-  for (int k = 1; k < co->nnodes; k++)
-    send_node_control(co, k, MESHRUN__CONTROL__KIND__START);
+  for (int i = 1; i < co->n_group_nodes; i++)
+    send_node_control(co, co->group_nodes[i], MESHRUN__CONTROL__KIND__START);
   return 0;
+}
+
+static int start_group(struct coordinator *co) {
+  rendezvous_clear(co);
+  pending_clear(co);
+  choose_resume(co);
+  co->phase = PHASE_RUNNING;
+  co->failure[0] = '\0';
+  co->failed_rank = -1;
+  if (elastic(co) && nodes_connected(co) < co->nnodes) { /* wait for the others a while */
+    co->gathering = 1;
+    co->gather_ms = mr_clock_ms();
+    MR_INFO("launch", "%d of %d nodes here: waiting up to %.0f s for the others",
+            nodes_connected(co), co->nnodes, co->opts->join_timeout_s);
+    return 0;
+  }
+  return begin_group(co);
 }
 
 static void finish(struct coordinator *co, int code) {
@@ -766,6 +871,20 @@ static void on_tick(uv_timer_t *t) {
     }
     return;
   }
+  if (co->phase == PHASE_RUNNING && co->gathering) {
+    int have = nodes_connected(co);
+    int64_t waited = now - co->gather_ms, limit = (int64_t)(co->opts->join_timeout_s * 1000.0);
+    if (have == co->nnodes || (waited > limit && have >= co->opts->min_nodes)) {
+      co->gathering = 0;
+      begin_group(co);
+    } else if (waited > limit) {
+      co->gathering = 0;
+      group_fail(co, -1, "%d of the %d nodes needed (--nnodes %d:%d) joined within %.0f s",
+                 have, co->opts->min_nodes, co->opts->min_nodes, co->nnodes,
+                 co->opts->join_timeout_s);
+    }
+    return;
+  }
   if (co->phase == PHASE_RUNNING && co->preempting &&
       now - co->preempt_started_ms > mr_tunable_int(MR_TUNABLE_PREEMPT_GRACE_MS)) {
     MR_ERROR("launch", "no checkpoint within %.1f s of SIGTERM: stopping without one",
@@ -779,14 +898,14 @@ static void on_tick(uv_timer_t *t) {
     int64_t conn_timeout = mr_tunable_int(MR_TUNABLE_CONNECT_TIMEOUT_MS);
     int all_done = 1;
     int64_t join_timeout = (int64_t)(co->opts->join_timeout_s * 1000.0);
-    for (int i = 0; i < co->opts->nproc; i++) {
+    for (int i = 0; i < co->world; i++) {
       struct mr_rank *r = &co->ranks.r[i];
       if (!r->exited || !r->done || r->exit_status != 0)
         all_done = 0;
       if (r->exited)
         continue;
       if (r->remote && !r->registered && now - r->spawn_ms > join_timeout) {
-        int k = i / co->node_ranks;
+        int k = node_of(co, i);
         group_fail(co, i, "rank %d did not register within %.1f s: %s", i,
                    (double)join_timeout / 1000.0,
                    co->agents[k] != NULL ? "its node's launcher did not start it"
@@ -814,7 +933,7 @@ static void on_tick(uv_timer_t *t) {
       if (co->opts->selfcheck)
         printf("meshrun: self-check passed: %d ranks registered, authenticated, "
                "exchanged a rendezvous and reported the expected digests\n",
-               co->opts->nproc);
+               co->world);
       mr_ranks_print_summary(&co->ranks);
       finish(co, 0);
     }
@@ -961,8 +1080,14 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   co->nnodes = opts->nnodes > 1 ? opts->nnodes : 1;
   co->node_ranks = opts->node_ranks > 0 ? opts->node_ranks : opts->nproc;
   co->agents = calloc((size_t)co->nnodes, sizeof *co->agents);
-  if (co->agents == NULL)
+  co->group_nodes = calloc((size_t)co->nnodes, sizeof *co->group_nodes);
+  if (co->agents == NULL || co->group_nodes == NULL)
     goto out;
+  co->world = opts->nproc; /* the launch planned for every node */
+  co->n_group_nodes = co->nnodes;
+  for (int k = 0; k < co->nnodes; k++)
+    co->group_nodes[k] = k;
+  plan_for(co, co->world);
   if (make_token(co) < 0) {
     MR_ERROR("launch", "%s", mr_error_message());
     goto out;
@@ -1024,6 +1149,9 @@ close_loop:
   uv_loop_close(&co->loop);
 out:
   sodium_memzero(co->token, sizeof co->token);
+  mr_strategy_choice_close(&co->replan);
+  free(co->replan_text);
+  free(co->group_nodes);
   free(co->agents);
   free(co);
   return code;

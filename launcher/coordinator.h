@@ -32,6 +32,9 @@
 struct mr_launch_opts {
   int nproc;                    // ranks of the job, on every node
   int nnodes;                   // nodes (0 or 1: this one only)
+  int min_nodes;                // fewer than nnodes: elastic — a group goes on
+                                // with the nodes there are (at least this
+                                // many), the strategy planned again
   int node_ranks;               // ranks per node; this node runs ranks
                                 // 0 .. node_ranks - 1 (0: all nproc)
   double join_timeout_s;        // how long other nodes' ranks may take to

@@ -41,6 +41,8 @@ static void usage(FILE *f) {
           "\n"
           "Across nodes (the same command on each; node 0 plans and coordinates):\n"
           "  --nnodes N             nodes of the job, each running --nproc ranks (default 1)\n"
+          "  --nnodes MIN:MAX       elastic: a group goes on with the nodes there are, at\n"
+          "                         least MIN, the strategy planned again for them\n"
           "  --node-rank K          this node, 0 .. N-1\n"
           "  --master HOST:PORT     where node 0's launcher listens\n"
           "  --token-file FILE      the job token on a file system every node sees: node 0\n"
@@ -78,7 +80,7 @@ int mr_cmd_launch(int argc, char **argv) {
       {"join-timeout", required_argument, NULL, 'J'},
       {"help", no_argument, NULL, '?'},
       {NULL, 0, NULL, 0}};
-  long nproc = 0, threads = 0, restarts = 0, nnodes = 1, node_rank = 0;
+  long nproc = 0, threads = 0, restarts = 0, nnodes = 1, min_nodes = 1, node_rank = 0;
   double hb = 30.0, hang = 300.0, join_timeout = 600.0;
   const char *log_dir = NULL, *metrics = NULL, *bind = NULL;
   const char *master = NULL, *token_file = NULL;
@@ -131,10 +133,15 @@ int mr_cmd_launch(int argc, char **argv) {
     case 's':
       selfcheck = 1;
       break;
-    case 'N':
-      if (mr_cli_int("launch", "--nnodes", optarg, 1, 100000, &nnodes) < 0)
+    case 'N': { /* N, or MIN:MAX (elastic) */
+      char lo[32];
+      const char *colon = strchr(optarg, ':');
+      snprintf(lo, sizeof lo, "%.*s", colon ? (int)(colon - optarg) : (int)strlen(optarg), optarg);
+      if (mr_cli_int("launch", "--nnodes", colon ? colon + 1 : optarg, 1, 100000, &nnodes) < 0 ||
+          mr_cli_int("launch", "--nnodes", lo, 1, nnodes, &min_nodes) < 0)
         return 2;
       break;
+    }
     case 'K':
       if (mr_cli_int("launch", "--node-rank", optarg, 0, 99999, &node_rank) < 0)
         return 2;
@@ -341,6 +348,7 @@ int mr_cmd_launch(int argc, char **argv) {
   struct mr_launch_opts opts = {
       .nproc = (int)world,
       .nnodes = (int)nnodes,
+      .min_nodes = (int)min_nodes,
       .node_ranks = (int)nproc,
       .join_timeout_s = join_timeout,
       .token_file = token_file,

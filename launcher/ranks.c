@@ -23,7 +23,7 @@ int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, int local, int bas
   if (s->r == NULL)
     return mr_error_set(MR_ENOMEM, "out of memory for %d ranks", n);
   s->loop = loop;
-  s->n = n;
+  s->n = s->cap = n;
   s->local = local;
   s->log_dir = log_dir;
   s->ctx = ctx;
@@ -40,8 +40,21 @@ int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, int local, int bas
   return 0;
 }
 
+void mr_ranks_renumber(struct mr_ranks *s, int n, int base) {
+  s->n = n < s->cap ? n : s->cap;
+  for (int i = 0; i < s->cap; i++) {
+    if (s->r[i].rank != base + i && s->r[i].log != NULL) { /* another rank's log now */
+      fclose(s->r[i].log);
+      s->r[i].log = NULL;
+    }
+    s->r[i].rank = base + i;
+    s->r[i].remote = i >= s->local;
+    s->r[i].exited = 1;
+  }
+}
+
 void mr_ranks_close(struct mr_ranks *s) {
-  for (int i = 0; i < s->n; i++)
+  for (int i = 0; i < s->cap; i++)
     if (s->r[i].log != NULL)
       fclose(s->r[i].log);
   free(s->r);

@@ -70,7 +70,8 @@ struct mr_spawn_env {
 
 struct mr_ranks {
   uv_loop_t *loop;
-  int n;
+  int n;                   // ranks in the set now
+  int cap;                 // entries allocated
   int local;               // the first `local` entries are spawned here
   struct mr_rank *r;       // n entries, owned; r[i].rank = base + i
   const char *log_dir;     // borrowed
@@ -91,6 +92,11 @@ struct mr_ranks {
  * the index of the rank in the set.  Returns 0 or MR_ENOMEM. */
 int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, int local, int base,
                   const char *log_dir, void *ctx, void (*on_exit)(void *, int, int64_t, int));
+
+/* The set from now on: ranks base .. base + n - 1 (n at most what init
+ * prepared; every process of the set exited).  An elastic job's group may
+ * have fewer ranks than the last, and a node another place in it. */
+void mr_ranks_renumber(struct mr_ranks *s, int n, int base);
 
 /* Frees what init allocated; every handle must be closed already. */
 void mr_ranks_close(struct mr_ranks *s);

@@ -29,9 +29,10 @@ static int free_port(void) {
   return ntohs(sa.sin_port);
 }
 
-/* A LLaMA job under data x tensor parallelism on 4 ranks, steps steps,
+/* A LLaMA job of steps steps, global batch `batch`, under `strategy`,
  * checkpoints every 5 when ckpt; written to dir/NAME. */
-static void job(const char *dir, const char *name, int steps, int ckpt) {
+static void job_s(const char *dir, const char *name, int steps, int ckpt, int batch,
+                  const char *strategy) {
   char path[300];
   snprintf(path, sizeof path, "%s/train.bin", dir);
   if (access(path, F_OK) != 0)
@@ -44,30 +45,39 @@ static void job(const char *dir, const char *name, int steps, int ckpt) {
           " \"intermediate_size\": 48, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
           " \"max_position_embeddings\": 16},"
           " \"data\": {\"train\": \"train.bin\"},"
-          " \"train\": {\"steps\": %d, \"global_batch\": 8, \"seq_len\": 16, \"lr\": 0.003,"
+          " \"train\": {\"steps\": %d, \"global_batch\": %d, \"seq_len\": 16, \"lr\": 0.003,"
           " \"seed\": 5}%s%s%s,"
-          " \"strategy\": {\"auto_mode\": \"manual\", \"data_parallel\": {\"degree\": 2},"
-          " \"tensor_parallel\": {\"degree\": 2}}}\n",
-          steps, ckpt ? ", \"checkpoint\": {\"dir\": \"" : "", ckpt ? dir : "",
-          ckpt ? "/ckpt\", \"save_interval_steps\": 5}" : "");
+          " \"strategy\": {%s}}\n",
+          steps, batch, ckpt ? ", \"checkpoint\": {\"dir\": \"" : "", ckpt ? dir : "",
+          ckpt ? "/ckpt\", \"save_interval_steps\": 5}" : "", strategy);
   fclose(f);
+}
+
+/* The job under data x tensor parallelism on 4 ranks. */
+static void job(const char *dir, const char *name, int steps, int ckpt) {
+  job_s(dir, name, steps, ckpt, 8,
+        "\"auto_mode\": \"manual\", \"data_parallel\": {\"degree\": 2}, "
+        "\"tensor_parallel\": {\"degree\": 2}");
 }
 
 /* "MESHRUN_WORKER=..." for the launchers node() starts, or "". */
 static char worker_env[400];
+/* their --nnodes and --nproc */
+static const char *nnodes_arg = "2", *nproc_arg = "2";
 
-/* Starts the launcher of node `node` of 2 (2 ranks each) for job file
+/* Starts the launcher of node `node` (of nnodes_arg, nproc_arg ranks each) for job file
  * `name`, its logs in dir/LOGS; extra flags after. */
 static void node(struct mr_tproc *p, const char *dir, const char *name, int node, int port,
                  const char *token, const char *logs, char *const extra[]) {
-  static char master[2][64], rank[2][8], logdir[2][300], tokf[2][300], jobf[2][300];
+  static char master[4][64], rank[4][8], logdir[4][300], tokf[4][300], jobf[4][300];
   snprintf(master[node], sizeof master[0], "127.0.0.1:%d", port);
   snprintf(rank[node], sizeof rank[0], "%d", node);
   snprintf(logdir[node], sizeof logdir[0], "%s/%s", dir, logs);
   snprintf(tokf[node], sizeof tokf[0], "%s/%s", dir, token);
   snprintf(jobf[node], sizeof jobf[0], "%s/%s", dir, name);
-  char *argv[32] = {(char *)mr_t_meshrun(), "launch", "--nnodes", "2", "--node-rank",
-                    rank[node], "--nproc", "2", "--threads", "1", "--master", master[node],
+  char *argv[32] = {(char *)mr_t_meshrun(), "launch", "--nnodes", (char *)nnodes_arg,
+                    "--node-rank", rank[node], "--nproc", (char *)nproc_arg, "--threads", "1",
+                    "--master", master[node],
                     "--token-file", tokf[node], "--log-dir", logdir[node]};
   int n = 16;
   for (int i = 0; extra != NULL && extra[i] != NULL; i++)
@@ -79,12 +89,12 @@ static void node(struct mr_tproc *p, const char *dir, const char *name, int node
   mr_t_spawn(p, dir, argv, env);
 }
 
-/* Runs job file `name` on one launcher with 4 ranks into dir/LOGS. */
-static void one_node(const char *dir, const char *name, const char *logs) {
+/* Runs job file `name` on one launcher with `nproc` ranks into dir/LOGS. */
+static void one_node_n(const char *dir, const char *name, const char *logs, const char *nproc) {
   char logdir[300], jobf[300];
   snprintf(logdir, sizeof logdir, "%s/%s", dir, logs);
   snprintf(jobf, sizeof jobf, "%s/%s", dir, name);
-  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "4", "--threads", "1",
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", (char *)nproc, "--threads", "1",
                   "--log-dir", logdir, jobf, NULL};
   struct mr_tproc p;
   mr_t_spawn(&p, dir, argv, NULL);
@@ -92,6 +102,10 @@ static void one_node(const char *dir, const char *name, const char *logs) {
   char *err = mr_t_slurp(p.err_path);
   ck_assert_msg(code == 0, "one node: exit %d\n%s", code, err);
   free(err);
+}
+
+static void one_node(const char *dir, const char *name, const char *logs) {
+  one_node_n(dir, name, logs, "4");
 }
 
 static int losses(const char *dir, const char *logs, double *l, int max) {
@@ -197,7 +211,7 @@ START_TEST(test_nodes_a_remote_rank_dies_and_both_nodes_restart) {
   expect_exit(&n1, 0, "node 1", 30);
   stderr_has(&n0, "(node 1, pid");
   stderr_has(&n0, "restarting the group (restart 1 of 1)");
-  stderr_has(&n1, "starting ranks 2..3 (restart 1)");
+  stderr_has(&n1, "starting ranks 2..3 of 4 (restart 1)");
   double a[STEPS], b[2 * STEPS];
   ck_assert_int_eq(losses(dir, "one", a, STEPS), STEPS);
   int n = losses(dir, "n0", b, 2 * STEPS);
@@ -301,14 +315,57 @@ START_TEST(test_nodes_preemption_checkpoints_and_every_node_exits_0) {
   ck_assert_msg(mr_t_now() - t0 < 10.0, "took %.1f s", mr_t_now() - t0);
   stderr_has(&n0, "stopping for preemption");
   stderr_has(&n1, "node 0's launcher stops the job");
-  char *m = mr_t_slurp(metrics);
-  int last = 0;
-  for (char *at = strstr(m, "\"step\": "); at != NULL; at = strstr(at + 1, "\"step\": "))
-    last = atoi(at + 8);
-  free(m);
+  /* the step it names is at least the one reached before the signal */
+  char *err = mr_t_slurp(n0.err_path);
+  const char *says = "the next launch resumes from step ";
+  char *at = strstr(err, says);
+  ck_assert_ptr_nonnull(at);
+  int step = atoi(at + strlen(says));
+  free(err);
+  ck_assert_int_ge(step, 7);
   char marker[400];
-  snprintf(marker, sizeof marker, "%s/ckpt/step-%08d/COMPLETE", dir, last);
-  ck_assert_msg(access(marker, F_OK) == 0, "no checkpoint of the last step (%d)", last);
+  snprintf(marker, sizeof marker, "%s/ckpt/step-%08d/COMPLETE", dir, step);
+  ck_assert_msg(access(marker, F_OK) == 0, "no complete checkpoint of step %d", step);
+}
+END_TEST
+
+/* Elastic (--nnodes 2:3): node 2 is lost for good mid-run (its launcher
+ * killed, its rank with it); node 0 waits the join timeout for it, then
+ * plans again for the two nodes left, and both resume from the last
+ * checkpoint to the loss of a run never interrupted. */
+START_TEST(test_nodes_elastic_goes_on_without_a_lost_node) {
+  enum { STEPS = 30 };
+  char dir[64], metrics[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  job_s(dir, "ref.json", STEPS, 0, 6, "");
+  one_node_n(dir, "ref.json", "one", "3");
+  job_s(dir, "job.json", STEPS, 1, 6, "");
+  int port = free_port();
+  struct mr_tproc n[3];
+  nnodes_arg = "2:3";
+  nproc_arg = "1";
+  char *first[] = {"--max-restarts", "1", "--join-timeout", "3", NULL};
+  char *others[] = {"--join-timeout", "30", NULL};
+  node(&n[0], dir, "job.json", 0, port, "token", "n0", first);
+  node(&n[1], dir, "job.json", 1, port, "token", "n1", others);
+  node(&n[2], dir, "job.json", 2, port, "token", "n2", others);
+  nnodes_arg = nproc_arg = "2";
+  snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
+  ck_assert_msg(mr_t_wait_for_text(metrics, "\"step\": 8,", 60) >= 0, "never reached step 8");
+  kill(n[2].pid, SIGKILL);
+  expect_exit(&n[0], 0, "node 0", 120);
+  expect_exit(&n[1], 0, "node 1", 30);
+  stderr_has(&n[0], "the launcher of node 2 disconnected");
+  stderr_has(&n[0], "2 of 3 nodes here: waiting up to 3 s for the others");
+  stderr_has(&n[0], "re-planned for 2 ranks on 2 nodes");
+  stderr_has(&n[1], "starting ranks 1..1 of 2 (restart 1)");
+  double a[STEPS], b[2 * STEPS];
+  ck_assert_int_eq(losses(dir, "one", a, STEPS), STEPS);
+  int got = losses(dir, "n0", b, 2 * STEPS);
+  ck_assert_int_gt(got, STEPS);
+  ck_assert_msg(fabs(a[STEPS - 1] - b[got - 1]) <= 1e-4 * fabs(a[STEPS - 1]),
+                "final loss %.7f on two nodes after the loss, %.7f on three uninterrupted",
+                b[got - 1], a[STEPS - 1]);
 }
 END_TEST
 
@@ -319,6 +376,7 @@ static Suite *nodes_suite(void) {
   tcase_add_test(tc, test_nodes_two_nodes_train_as_one);
   tcase_add_test(tc, test_nodes_a_remote_rank_dies_and_both_nodes_restart);
   tcase_add_test(tc, test_nodes_preemption_checkpoints_and_every_node_exits_0);
+  tcase_add_test(tc, test_nodes_elastic_goes_on_without_a_lost_node);
   tcase_add_test(tc, test_nodes_wrong_token_and_missing_node);
   tcase_add_test(tc, test_nodes_rank_count_mismatch);
   tcase_add_test(tc, test_nodes_bad_flags);
