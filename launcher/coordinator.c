@@ -93,6 +93,8 @@ struct coordinator {
   int64_t last_ckpt_step;   // newest complete checkpoint of this job, -1 none
   int preempting;           // SIGTERM: checkpoint, then stop and exit 0
   int64_t preempt_started_ms;
+  int64_t preempt_step;     // the newest step any rank had reached then: the
+                            // checkpoint that ends the job is of it or later
   FILE *metrics;
   int64_t last_step_printed;
   int failure_reported;
@@ -176,6 +178,10 @@ static void on_signal(uv_signal_t *h, int signum) {
       job->checkpoint.dir != NULL) {
     co->preempting = 1;
     co->preempt_started_ms = mr_clock_ms();
+    co->preempt_step = 0;
+    for (int i = 0; i < co->world; i++)
+      if (co->ranks.r[i].step > co->preempt_step)
+        co->preempt_step = co->ranks.r[i].step;
     MR_WARN("launch", "SIGTERM: writing a checkpoint, then stopping");
     mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
     return;
@@ -410,7 +416,9 @@ static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) 
   int removed = mr_ckpt_prune(cc->dir, (int)cc->keep_last);
   MR_INFO("ckpt", "checkpoint of step %lld complete: %s%s", (long long)p->step, dir,
           removed > 0 ? " (older ones pruned)" : "");
-  if (co->preempting && co->phase == PHASE_RUNNING) {
+  /* a save begun before the signal completing now is not the one asked for:
+   * stopping at it would lose the steps since */
+  if (co->preempting && co->phase == PHASE_RUNNING && p->step >= co->preempt_step) {
     MR_WARN("launch", "checkpoint written: stopping for preemption (the next launch resumes "
                       "from step %lld)", (long long)p->step);
     begin_stop(co);
@@ -500,9 +508,58 @@ static void json_field(FILE *f, const char *key, double v, const char *fmt) {
     fputs("null", f);
 }
 
+#define STRAGGLER_EVERY 5  // steps between checks
+#define STRAGGLER_STREAK 3 // checks in a row that name a rank slow
+#define STRAGGLER_MIN_S 0.002 // a lead too small to tell from noise
+
+/* Names a rank whose work per step stays well above that of the other
+ * ranks of its pipeline stage (which do the same work and wait for it at
+ * every collective): a throttled or shared device, a slow node. */
+static void check_stragglers(struct coordinator *co) {
+  double ratio = atof(mr_tunable_str(MR_TUNABLE_STRAGGLER_RATIO));
+  double *others = malloc((size_t)co->world * sizeof *others);
+  if (others == NULL || !(ratio > 1.0)) {
+    free(others);
+    return;
+  }
+  for (int i = 0; i < co->world; i++) {
+    struct mr_rank *r = &co->ranks.r[i];
+    if (r->busy_n < 2 * STRAGGLER_EVERY)
+      continue;
+    int n = 0;
+    for (int j = 0; j < co->world; j++) /* the others of its stage, in order */
+      if (j != i && co->ranks.r[j].stage == r->stage &&
+          co->ranks.r[j].busy_n >= 2 * STRAGGLER_EVERY) {
+        double v = co->ranks.r[j].busy_s;
+        int at = n++;
+        for (; at > 0 && others[at - 1] > v; at--)
+          others[at] = others[at - 1];
+        others[at] = v;
+      }
+    if (n == 0)
+      continue;
+    double median = n % 2 ? others[n / 2] : 0.5 * (others[n / 2 - 1] + others[n / 2]);
+    int slow = r->busy_s > ratio * median && r->busy_s - median > STRAGGLER_MIN_S;
+    r->slow_streak = slow ? r->slow_streak + 1 : 0;
+    if (r->slow_streak >= STRAGGLER_STREAK && !r->slow_named) {
+      r->slow_named = 1;
+      MR_WARN("launch", "rank %d (node %d%s) is persistently slow: %.1f ms of work a step "
+              "against %.1f ms for the other ranks of its stage, which wait for it",
+              i, node_of(co, i), r->remote ? "" : ", here", r->busy_s * 1e3, median * 1e3);
+    }
+  }
+  free(others);
+}
+
 static void on_metrics(struct coordinator *co, struct mr_conn *c,
                        const Meshrun__Metrics *m) {
   struct mr_rank *r = &co->ranks.r[c->rank];
+  double busy = m->step_time_s - m->comm_wait_s;
+  busy = busy > 0 ? busy : 0;
+  r->busy_s = r->busy_n++ == 0 ? busy : 0.8 * r->busy_s + 0.2 * busy;
+  r->stage = m->stage;
+  if (c->rank == 0 && m->step % STRAGGLER_EVERY == 0)
+    check_stragglers(co);
   r->step = m->step;
   if (m->peak_memory_bytes > r->peak_memory)
     r->peak_memory = m->peak_memory_bytes;

@@ -53,6 +53,11 @@ struct mr_rank {
   int64_t last_done, waiting_on; // from heartbeats: instruction ids
   char waiting_detail[160];
   int64_t progress_ms;     // when step or last_done last changed
+  int stage;               // its pipeline stage, from its metrics
+  double busy_s;           // its work per step (step time less the time it
+  int busy_n;              //   waited on communication), a moving average
+  int slow_streak;         // checks in a row it was slow
+  int slow_named;          // named slow in this group
 };
 
 struct mr_spawn_env {

@@ -249,6 +249,33 @@ START_TEST(test_ckpt_sigterm_checkpoints_and_exits_0) {
 }
 END_TEST
 
+/* SIGTERM while a periodic checkpoint is still being written (the test
+ * hook slows each write): that save completing is not the preemption's —
+ * the job stops at a checkpoint of the step it had reached, or later. */
+START_TEST(test_ckpt_sigterm_during_a_save_keeps_the_newer_steps) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "long.json", 100000, 4, "ck");
+  static char delay[] = "MESHRUN_TEST_CKPT_DELAY_MS=1500";
+  char *env[] = {delay, NULL};
+  struct mr_tproc p;
+  start(&p, dir, "long.json", "run", 2, 0, env);
+  char metrics[200];
+  snprintf(metrics, sizeof metrics, "%s/run/metrics.jsonl", dir);
+  ck_assert(mr_t_wait_for_text(metrics, "\"step\": 6,", 60) >= 0); /* step 4's save in flight */
+  kill(p.pid, SIGTERM);
+  int code = mr_t_wait(&p, 60);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "exit %d:\n%s", code, err);
+  const char *says = "the next launch resumes from step ";
+  char *at = strstr(err, says);
+  ck_assert_msg(at != NULL, "%s", err);
+  ck_assert_msg(atoi(at + strlen(says)) >= 6, "stopped at the checkpoint of step %d, begun "
+                "before the signal, losing the steps since:\n%s", atoi(at + strlen(says)), err);
+  free(err);
+}
+END_TEST
+
 START_TEST(test_ckpt_resume_on_another_strategy_or_world_size) {
   /* saved under one strategy, resumed under another: the losses continue
    * as in the uninterrupted run of the first strategy */
@@ -519,6 +546,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
   tcase_add_test(tc, test_ckpt_resume_on_another_strategy_or_world_size);
   tcase_add_test(tc, test_ckpt_gpt2_fused_weight_across_layouts);
+  tcase_add_test(tc, test_ckpt_sigterm_during_a_save_keeps_the_newer_steps);
   tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed);
   tcase_add_test(tc, test_ckpt_hang_in_pipeline_receive_diagnosed);
   tcase_add_test(tc, test_ckpt_rank_exiting_early_is_a_failure);

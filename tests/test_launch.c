@@ -449,6 +449,36 @@ START_TEST(test_launch_bind_and_metrics_flags) {
 }
 END_TEST
 
+/* A rank made 40 ms slower every step (a throttled device) is named, and
+ * only it: its work per step stays above its stage's others (which wait
+ * for it).  The same job without the slow rank names nobody. */
+START_TEST(test_launch_persistently_slow_rank_named) {
+  char dir[64], path[300], logdir[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  tiny_job(dir, 40, path, sizeof path);
+  for (int slow = 0; slow < 2; slow++) {
+    snprintf(logdir, sizeof logdir, "%s/logs%d", dir, slow);
+    char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--log-dir", logdir,
+                    path, NULL};
+    static char hook[] = "MESHRUN_TEST_SLOW=1:40";
+    char *env[] = {hook, NULL};
+    struct mr_tproc p;
+    mr_t_spawn(&p, dir, argv, slow ? env : NULL);
+    int code = mr_t_wait(&p, 120);
+    char *err = mr_t_slurp(p.err_path);
+    ck_assert_msg(code == 0, "exit %d:\n%s", code, err);
+    char *named = strstr(err, "is persistently slow");
+    if (slow) {
+      ck_assert_msg(strstr(err, "rank 1 (node 0, here) is persistently slow") != NULL, "%s", err);
+      ck_assert_msg(strstr(err, "rank 0 (node 0, here) is persistently slow") == NULL, "%s", err);
+    } else {
+      ck_assert_msg(named == NULL, "a rank named slow with none slowed:\n%s", err);
+    }
+    free(err);
+  }
+}
+END_TEST
+
 static Suite *launch_suite(void) {
   Suite *s = suite_create("launch");
   TCase *tc = tcase_create("e2e");
@@ -463,6 +493,7 @@ static Suite *launch_suite(void) {
   tcase_add_test(tc, test_launch_hang_diagnosed_naming_rank_and_operation);
   tcase_add_test(tc, test_launch_killed_rank_leaves_no_shared_memory);
   tcase_add_test(tc, test_launch_bind_and_metrics_flags);
+  tcase_add_test(tc, test_launch_persistently_slow_rank_named);
   suite_add_tcase(s, tc);
   return s;
 }

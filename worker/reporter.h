@@ -21,6 +21,7 @@ struct mr_step_report {
   uint64_t peak_memory_bytes;   // rank's peak so far
   int skipped;                  // fp16 overflow: update skipped
   double val_loss;              // NaN when no evaluation ran
+  int stage;                    // the rank's pipeline stage
 };
 
 struct mr_reporter {

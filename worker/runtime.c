@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/clock.h"
 #include "common/error.h"
@@ -246,6 +247,10 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
   rt->adamw = mr_adamw_of_job(&job->train);
   mr_loss_scaler_of_job(&rt->scaler, job, L->lay.amp == MR_AMP_FP16);
   rt->inject_step = mr_tunable_int(MR_TUNABLE_INJECT_OVERFLOW_STEP);
+  int slow_rank = -1, slow_ms = 0;
+  if (sscanf(mr_tunable_str(MR_TUNABLE_TEST_SLOW), "%d:%d", &slow_rank, &slow_ms) == 2 &&
+      slow_rank == rank)
+    rt->slow_ms = slow_ms;
   rt->overlap = mr_tunable_int(MR_TUNABLE_GRAD_SYNC_OVERLAP) != 0;
   if (mr_tunable_int(MR_TUNABLE_PROFILE) &&
       (rt->prof_op = calloc((size_t)mr_op_count(), sizeof *rt->prof_op)) == NULL) {
@@ -371,6 +376,9 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
   memset(r, 0, sizeof *r);
   r->step = step;
   r->val_loss = NAN;
+  r->stage = p->pipe;
+  if (rt->slow_ms > 0) /* test hook: a slow device */
+    usleep((useconds_t)rt->slow_ms * 1000u);
   rt->cur_step = step;
   rt->comm_wait_s = 0;
   rt->loss_sum = 0;

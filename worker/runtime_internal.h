@@ -49,6 +49,7 @@ struct mr_runtime {
   struct mr_loss_scaler scaler;
   struct mr_adamw adamw;
   int64_t inject_step;
+  int slow_ms;                   // test hook: sleep this long every step
   int overlap;                  // MESHRUN_GRAD_SYNC_OVERLAP
   double comm_wait_s;           // this step
   const struct mr_reporter *rep;
