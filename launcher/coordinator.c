@@ -102,8 +102,7 @@ struct coordinator {
   int failed_rank;
 };
 
-static void rendezvous_free(struct coordinator *co, struct rendezvous *r) {
-  (void)co;
+static void rendezvous_free(struct rendezvous *r) {
   for (int i = 0; r->blobs != NULL && i < r->n; i++)
     free(r->blobs[i].data);
   free(r->blobs);
@@ -115,13 +114,26 @@ static void rendezvous_clear(struct coordinator *co) {
   while (co->rdv != NULL) {
     struct rendezvous *r = co->rdv;
     co->rdv = r->next;
-    rendezvous_free(co, r);
+    rendezvous_free(r);
   }
 }
 
 /* The first failure of a group names it; later ones are consequences. */
 static void group_fail(struct coordinator *co, int rank, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* Node k's place in the current group, or -1. */
+static int group_pos(const struct coordinator *co, int k) {
+  for (int i = 0; i < co->n_group_nodes; i++)
+    if (co->group_nodes[i] == k)
+      return i;
+  return -1;
+}
+
+/* The node that runs rank r in the current group. */
+static int node_of(const struct coordinator *co, int r) {
+  return co->group_nodes[r / co->node_ranks];
+}
 
 /* Tells the launcher of node k (when connected) to start its ranks for the
  * current group, or to stop them. */
@@ -132,9 +144,8 @@ static void send_node_control(struct coordinator *co, int k, Meshrun__Control__K
   ctl.kind = kind;
   ctl.restart = (uint32_t)co->restart;
   ctl.world_size = co->world;
-  for (int i = 0; i < co->n_group_nodes; i++)
-    if (co->group_nodes[i] == k)
-      ctl.first_rank = i * co->node_ranks;
+  if (kind == MESHRUN__CONTROL__KIND__START) /* to a node of the group */
+    ctl.first_rank = group_pos(co, k) * co->node_ranks;
   Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
   env.msg_case = MESHRUN__ENVELOPE__MSG_CONTROL;
   env.control = &ctl;
@@ -199,7 +210,8 @@ static void on_signal(uv_signal_t *h, int signum) {
 
 /* ---- messages from workers ------------------------------------------- */
 
-/* Welcome for rank (a node's launcher: its first rank; mesh NULL). */
+/* Welcome for rank (a node's launcher: 0, mesh NULL; START gives it its
+ * ranks). */
 static void send_welcome(struct coordinator *co, struct mr_conn *c, int rank,
                          Meshrun__Mesh *mesh) {
   Meshrun__Welcome w = MESHRUN__WELCOME__INIT;
@@ -254,19 +266,6 @@ static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
   penv.msg_case = MESHRUN__ENVELOPE__MSG_PLAN;
   penv.plan = &plan;
   mr_conn_send(c, &penv);
-}
-
-/* Node k's place in the current group, or -1. */
-static int group_pos(const struct coordinator *co, int k) {
-  for (int i = 0; i < co->n_group_nodes; i++)
-    if (co->group_nodes[i] == k)
-      return i;
-  return -1;
-}
-
-/* The node that runs rank r in the current group. */
-static int node_of(const struct coordinator *co, int r) {
-  return co->group_nodes[r / co->node_ranks];
 }
 
 /* The launcher of node k > 0: welcome it (the job and the world size), and
@@ -369,7 +368,7 @@ static void on_rendezvous(struct coordinator *co, struct mr_conn *c,
   while (*pp != r)
     pp = &(*pp)->next;
   *pp = r->next;
-  rendezvous_free(co, r);
+  rendezvous_free(r);
 }
 
 /* The self-check's expected digest for a rank: SHA-256 of the job id, the
@@ -510,7 +509,7 @@ static void json_field(FILE *f, const char *key, double v, const char *fmt) {
 
 #define STRAGGLER_EVERY 5  // steps between checks
 #define STRAGGLER_STREAK 3 // checks in a row that name a rank slow
-#define STRAGGLER_MIN_S 0.002 // a lead too small to tell from noise
+#define STRAGGLER_MIN_S 0.005 // a lead too small to tell from noise
 
 /* Names a rank whose work per step stays well above that of the other
  * ranks of its pipeline stage (which do the same work and wait for it at
