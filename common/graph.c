@@ -66,6 +66,31 @@ void mr_box_runs(int ndim, const int64_t *shape, const int64_t *off, const int64
   }
 }
 
+struct box_copy {
+  float *whole, *box;
+  int into_box;
+};
+
+static void box_copy_run(void *ctx, int64_t at, int64_t in_box, int64_t n) {
+  struct box_copy *x = ctx;
+  if (x->into_box)
+    memcpy(x->box + in_box, x->whole + at, (size_t)n * sizeof(float));
+  else
+    memcpy(x->whole + at, x->box + in_box, (size_t)n * sizeof(float));
+}
+
+void mr_box_gather(int ndim, const int64_t *shape, const int64_t *off, const int64_t *len,
+                   const float *whole, float *box) {
+  struct box_copy x = {.whole = (float *)whole, .box = box, .into_box = 1};
+  mr_box_runs(ndim, shape, off, len, box_copy_run, &x);
+}
+
+void mr_box_scatter(int ndim, const int64_t *shape, const int64_t *off, const int64_t *len,
+                    const float *box, float *whole) {
+  struct box_copy x = {.whole = whole, .box = (float *)box, .into_box = 0};
+  mr_box_runs(ndim, shape, off, len, box_copy_run, &x);
+}
+
 int64_t mr_tensor_bytes(const struct mr_tensor *t) {
   return mr_tensor_numel(t) * (int64_t)mr_dtype_size(t->dtype);
 }

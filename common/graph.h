@@ -121,6 +121,13 @@ int mr_tensor_file_shape(const struct mr_tensor *t, int64_t *shape);
 void mr_box_runs(int ndim, const int64_t *shape, const int64_t *off, const int64_t *len,
                  void (*fn)(void *ctx, int64_t at, int64_t in_box, int64_t n), void *ctx);
 
+/* Copies the box (off, len) of a whole row-major float tensor of
+ * shape[ndim] to box (dense, row-major), or box into the whole tensor. */
+void mr_box_gather(int ndim, const int64_t *shape, const int64_t *off, const int64_t *len,
+                   const float *whole, float *box);
+void mr_box_scatter(int ndim, const int64_t *shape, const int64_t *off, const int64_t *len,
+                    const float *box, float *whole);
+
 /* Bytes of tensor t. */
 int64_t mr_tensor_bytes(const struct mr_tensor *t);
 

@@ -357,6 +357,33 @@ START_TEST(test_graph_amp_f16_rounding_matches_dtype) {
 }
 END_TEST
 
+/* A box of a row-major tensor, element by element as worked by hand: of
+ * [2, 3, 4], the box at (1, 0, 1) of lengths (1, 3, 2) holds the elements
+ * 12 + 4r + c for rows r = 0..2 and columns c = 1..2. */
+START_TEST(test_graph_box_gather_and_scatter) {
+  const int64_t shape[3] = {2, 3, 4}, off[3] = {1, 0, 1}, len[3] = {1, 3, 2};
+  float whole[24], box[6], back[24] = {0};
+  for (int i = 0; i < 24; i++)
+    whole[i] = (float)i;
+  mr_box_gather(3, shape, off, len, whole, box);
+  const float want[6] = {13, 14, 17, 18, 21, 22};
+  for (int i = 0; i < 6; i++)
+    ck_assert_msg(box[i] == want[i], "box[%d] = %g, expected %g", i, box[i], want[i]);
+  mr_box_scatter(3, shape, off, len, box, back);
+  for (int i = 0; i < 24; i++) {
+    int in = 0;
+    for (int k = 0; k < 6; k++)
+      in |= (int)want[k] == i;
+    ck_assert_msg(back[i] == (in ? (float)i : 0.0f), "element %d: %g", i, back[i]);
+  }
+  /* an empty box visits nothing */
+  const int64_t none[3] = {1, 0, 2};
+  float untouched[1] = {-1};
+  mr_box_gather(3, shape, off, none, whole, untouched);
+  ck_assert(untouched[0] == -1);
+}
+END_TEST
+
 Suite *graph_suite(void);
 Suite *graph_suite(void) {
   Suite *s = suite_create("graph");
@@ -378,6 +405,7 @@ Suite *graph_suite(void) {
   tcase_add_test(tc, test_graph_shape_mismatch_is_an_error);
   tcase_add_test(tc, test_graph_plan_reuses_dead_buffers);
   tcase_add_test(tc, test_graph_amp_f16_rounding_matches_dtype);
+  tcase_add_test(tc, test_graph_box_gather_and_scatter);
   suite_add_tcase(s, tc);
   return s;
 }

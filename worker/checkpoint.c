@@ -402,16 +402,6 @@ static int check_shape(const char *path, const cJSON *tensors, const struct mr_r
   return 0;
 }
 
-struct box_run {
-  float *box;
-  const float *whole;
-};
-
-static void box_run(void *ctx, int64_t at, int64_t in_box, int64_t n) {
-  struct box_run *x = ctx;
-  memcpy(x->box + in_box, x->whole + at, (size_t)n * sizeof(float));
-}
-
 /* Elements [begin, +count) of p's local box of tensor `name` into dst.  A
  * tensor the checkpoint holds merged is read whole in that shape (the
  * bytes are the same), and the box taken from it. */
@@ -429,9 +419,8 @@ static int read_box(struct mr_ckpt_reader *rd, const char *name, const struct mr
     return MR_ENOMEM;
   int rc = mr_ckpt_reader_read(rd, name, p->ndim - 1, fs, off, fs, 0, all, whole);
   if (rc == 0) {
-    struct box_run x = {.box = whole + all, .whole = whole};
-    mr_box_runs(p->ndim, p->shape, p->goff, p->glen, box_run, &x);
-    memcpy(dst, x.box + begin, (size_t)count * sizeof *dst);
+    mr_box_gather(p->ndim, p->shape, p->goff, p->glen, whole, whole + all);
+    memcpy(dst, whole + all + begin, (size_t)count * sizeof *dst);
   }
   free(whole);
   return rc;

@@ -228,16 +228,6 @@ static void part_path(const char *path, int rank, char *buf, size_t n) {
   snprintf(buf, n, "%s.part-%d", path, rank);
 }
 
-struct place_run {
-  float *full;
-  const float *piece;
-};
-
-static void place_run(void *ctx, int64_t at, int64_t in_box, int64_t n) {
-  struct place_run *x = ctx;
-  memcpy(x->full + at, x->piece + in_box, (size_t)n * sizeof(float));
-}
-
 /* Rank 0: every part's pieces placed into whole tensors, written as one
  * file. */
 static int merge_parts(struct mr_runtime *rt, const char *path) {
@@ -290,10 +280,8 @@ static int merge_parts(struct mr_runtime *rt, const char *path) {
         break;
       }
       rc = mr_st_read(parts[r], s, MR_F32, piece);
-      if (rc == 0) { /* on the host: a plain strided copy */
-        struct place_run x = {.full = full[t], .piece = piece};
-        mr_box_runs(tt->ndim, tt->shape, off, len, place_run, &x);
-      }
+      if (rc == 0) /* on the host: a plain strided copy */
+        mr_box_scatter(tt->ndim, tt->shape, off, len, piece, full[t]);
       free(piece);
     }
   }
