@@ -321,9 +321,8 @@ int mr_agent_run(const struct mr_agent_opts *o) {
   }
   int fl = fcntl(a->fd, F_GETFL);
   fcntl(a->fd, F_SETFL, fl | O_NONBLOCK);
-  MR_INFO("launch", "node %d of %d joined job %s at %s: ranks %d..%d, logs in %s", o->node_rank,
-          o->nnodes, a->job_id, o->master, o->node_rank * o->nproc,
-          (o->node_rank + 1) * o->nproc - 1, o->log_dir);
+  MR_INFO("launch", "node %d of %d joined job %s at %s (%d ranks), logs in %s", o->node_rank,
+          o->nnodes, a->job_id, o->master, o->nproc, o->log_dir);
   uv_loop_init(&a->loop);
   if (mr_ranks_init(&a->ranks, &a->loop, o->nproc, o->nproc, o->node_rank * o->nproc,
                     o->log_dir, a, on_rank_exit) < 0) {

@@ -79,7 +79,12 @@ struct coordinator {
   struct mr_strategy_choice replan;
   char *replan_text;
   enum phase phase;
-  int restart;              // group restarts so far
+  int restart;              // groups started before this one (workers say
+                            // which they belong to)
+  int failures;             // restarts after failures (--max-restarts)
+  int growing;              // an elastic job takes in a node that joined:
+  int64_t grow_step;        //   at a checkpoint of this step or later,
+  int regroup;              //   then it stops to start again, not a failure
   int stop_signal;          // SIGINT/SIGTERM that stopped us, or 0
   int exit_code;
   int next_conn_id;
@@ -268,6 +273,27 @@ static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
   mr_conn_send(c, &penv);
 }
 
+/* Node k joined an elastic job while a group runs without it: a
+ * checkpoint is asked for, and once written the group stops and starts
+ * again with the node (the strategy planned for the ranks there are then).
+ * A job without checkpoints takes it in at its next restart. */
+static void grow(struct coordinator *co, int k) {
+  const struct mr_job *job = co->opts->job;
+  if (job == NULL || job->checkpoint.dir == NULL) {
+    MR_INFO("launch", "node %d takes part from the next group (without checkpoints the "
+            "group cannot start again without losing its steps)", k);
+    return;
+  }
+  co->growing = 1;
+  co->grow_step = 0;
+  for (int i = 0; i < co->world; i++)
+    if (co->ranks.r[i].step > co->grow_step)
+      co->grow_step = co->ranks.r[i].step;
+  MR_WARN("launch", "node %d joined: writing a checkpoint, then starting the group again with "
+          "it", k);
+  mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
+}
+
 /* The launcher of node k > 0: welcome it (the job and the world size), and
  * have it start its ranks if a group it is part of is running. */
 static void on_node_hello(struct coordinator *co, struct mr_conn *c, const Meshrun__Hello *h) {
@@ -293,10 +319,13 @@ static void on_node_hello(struct coordinator *co, struct mr_conn *c, const Meshr
     MR_INFO("launch", "node %d joined from %s (ranks %d..%d)", k, h->host, pos * co->node_ranks,
             (pos + 1) * co->node_ranks - 1);
   else
-    MR_INFO("launch", "node %d joined from %s: it takes part from the next group", k, h->host);
+    MR_INFO("launch", "node %d joined from %s, outside the running group", k, h->host);
   send_welcome(co, c, 0, NULL);
   if (pos >= 0 && co->phase == PHASE_RUNNING && !co->ranks.waiting_restart && !co->gathering)
     send_node_control(co, k, MESHRUN__CONTROL__KIND__START);
+  else if (pos < 0 && co->phase == PHASE_RUNNING && !co->ranks.waiting_restart &&
+           !co->gathering && !co->preempting && !co->growing)
+    grow(co, k);
 }
 
 static void on_hello(struct coordinator *co, struct mr_conn *c,
@@ -420,6 +449,10 @@ static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) 
   if (co->preempting && co->phase == PHASE_RUNNING && p->step >= co->preempt_step) {
     MR_WARN("launch", "checkpoint written: stopping for preemption (the next launch resumes "
                       "from step %lld)", (long long)p->step);
+    begin_stop(co);
+  } else if (co->growing && co->phase == PHASE_RUNNING && p->step >= co->grow_step) {
+    co->growing = 0;
+    co->regroup = 1;
     begin_stop(co);
   }
 }
@@ -830,6 +863,7 @@ static int start_group(struct coordinator *co) {
   co->phase = PHASE_RUNNING;
   co->failure[0] = '\0';
   co->failed_rank = -1;
+  co->growing = 0;
   if (elastic(co) && nodes_connected(co) < co->nnodes) { /* wait for the others a while */
     co->gathering = 1;
     co->gather_ms = mr_clock_ms();
@@ -881,12 +915,22 @@ static void group_stopped(struct coordinator *co) {
     finish(co, 128 + co->stop_signal);
     return;
   }
-  if (co->restart < co->opts->max_restarts) {
+  if (co->regroup) { /* stopped to take in a node: not a failure */
+    co->regroup = 0;
+    co->restart++;
+    MR_WARN("launch", "starting the group again with the nodes that have joined");
+    co->phase = PHASE_RUNNING;
+    co->failed_rank = -1;
+    start_group(co);
+    return;
+  }
+  if (co->failures < co->opts->max_restarts) {
+    co->failures++;
     co->restart++;
     int64_t backoff = mr_tunable_int(MR_TUNABLE_RESTART_BACKOFF_MS);
-    for (int i = 1; i < co->restart && backoff < 60000; i++)
+    for (int i = 1; i < co->failures && backoff < 60000; i++)
       backoff *= 2;
-    MR_WARN("launch", "restarting the group (restart %d of %d)%s", co->restart,
+    MR_WARN("launch", "restarting the group (restart %d of %d)%s", co->failures,
             co->opts->max_restarts, backoff > 0 ? " after a pause" : "");
     co->restart_at_ms = mr_clock_ms() + backoff;
     co->phase = PHASE_RUNNING;

@@ -369,6 +369,46 @@ START_TEST(test_nodes_elastic_goes_on_without_a_lost_node) {
 }
 END_TEST
 
+/* Elastic, growing: the job starts on the two nodes there are (node 2 is
+ * late: node 0 waits the join timeout for it, then plans for two); when
+ * node 2 joins mid-run, a checkpoint is written and the group starts again
+ * on all three, planned for three, without counting as a failure; the
+ * loss at the end is that of a run on three never interrupted. */
+START_TEST(test_nodes_elastic_takes_in_a_late_node) {
+  enum { STEPS = 30 };
+  char dir[64], metrics[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  job_s(dir, "ref.json", STEPS, 0, 6, "");
+  one_node_n(dir, "ref.json", "one", "3");
+  job_s(dir, "job.json", STEPS, 1, 6, "");
+  int port = free_port();
+  struct mr_tproc n[3];
+  nnodes_arg = "2:3";
+  nproc_arg = "1";
+  char *first[] = {"--join-timeout", "2", NULL}; /* and no restarts allowed */
+  char *others[] = {"--join-timeout", "30", NULL};
+  node(&n[0], dir, "job.json", 0, port, "token", "n0", first);
+  node(&n[1], dir, "job.json", 1, port, "token", "n1", others);
+  snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
+  ck_assert_msg(mr_t_wait_for_text(metrics, "\"step\": 6,", 60) >= 0, "never reached step 6");
+  node(&n[2], dir, "job.json", 2, port, "token", "n2", others);
+  nnodes_arg = nproc_arg = "2";
+  expect_exit(&n[0], 0, "node 0", 120);
+  expect_exit(&n[1], 0, "node 1", 30);
+  expect_exit(&n[2], 0, "node 2", 30);
+  stderr_has(&n[0], "re-planned for 2 ranks on 2 nodes");
+  stderr_has(&n[0], "node 2 joined: writing a checkpoint");
+  stderr_has(&n[0], "starting the group again with the nodes that have joined");
+  stderr_has(&n[2], "starting ranks 2..2 of 3 (restart 1)");
+  double a[STEPS], b[2 * STEPS];
+  ck_assert_int_eq(losses(dir, "one", a, STEPS), STEPS);
+  int got = losses(dir, "n0", b, 2 * STEPS);
+  ck_assert_msg(fabs(a[STEPS - 1] - b[got - 1]) <= 1e-4 * fabs(a[STEPS - 1]),
+                "final loss %.7f after taking node 2 in, %.7f on three uninterrupted",
+                b[got - 1], a[STEPS - 1]);
+}
+END_TEST
+
 static Suite *nodes_suite(void) {
   Suite *s = suite_create("nodes");
   TCase *tc = tcase_create("nodes");
@@ -377,6 +417,7 @@ static Suite *nodes_suite(void) {
   tcase_add_test(tc, test_nodes_a_remote_rank_dies_and_both_nodes_restart);
   tcase_add_test(tc, test_nodes_preemption_checkpoints_and_every_node_exits_0);
   tcase_add_test(tc, test_nodes_elastic_goes_on_without_a_lost_node);
+  tcase_add_test(tc, test_nodes_elastic_takes_in_a_late_node);
   tcase_add_test(tc, test_nodes_wrong_token_and_missing_node);
   tcase_add_test(tc, test_nodes_rank_count_mismatch);
   tcase_add_test(tc, test_nodes_bad_flags);
