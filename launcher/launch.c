@@ -276,6 +276,12 @@ int mr_cmd_launch(int argc, char **argv) {
   setenv("MESHRUN_DEVICE", dev_kind, 1);
   int gpu_ranks = strcmp(dev_kind, "cuda") == 0;
   long world = nnodes * nproc; /* every node runs nproc ranks */
+  if (world > 1000000) {
+    fprintf(stderr, "meshrun launch: --nnodes %ld x --nproc %ld: %ld ranks, expected at most "
+            "1000000\n", nnodes, nproc, world);
+    code = 2;
+    goto done;
+  }
   int plans = job_path != NULL && !selfcheck && node_rank == 0; /* node 0 plans */
   if (plans && job.cluster == NULL && gpu_ranks) {
     /* ranks on GPUs and no cluster spec given: measure this machine's

@@ -278,6 +278,8 @@ START_TEST(test_nodes_bad_flags) {
       {{"--nnodes", "2", "--master", "127.0.0.1", "--token-file", "t"},
        "--master 127.0.0.1: expected HOST:PORT"},
       {{"--nnodes", "0"}, "--nnodes"},
+      {{"--nnodes", "1000", "--nproc", "2000", "--master", "127.0.0.1:1", "--token-file", "t"},
+       "2000000 ranks, expected at most 1000000"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char *argv[20] = {(char *)mr_t_meshrun(), "launch"};
@@ -329,6 +331,27 @@ START_TEST(test_nodes_preemption_checkpoints_and_every_node_exits_0) {
 }
 END_TEST
 
+/* An elastic test's jobs in dir: the reference run on one launcher of 3
+ * ranks (done here), and the job the nodes run (global batch 6, the
+ * strategy left to the planner, checkpoints every 5). */
+static void elastic_jobs(const char *dir, int steps) {
+  job_s(dir, "ref.json", steps, 0, 6, "");
+  one_node_n(dir, "ref.json", "one", "3");
+  job_s(dir, "job.json", steps, 1, 6, "");
+}
+
+/* Node 0's last loss is the reference run's last, within 1e-4. */
+static void ends_as_uninterrupted(const char *dir, int steps, const char *what) {
+  double a[64], b[128];
+  ck_assert_int_le(steps, 64);
+  ck_assert_int_eq(losses(dir, "one", a, steps), steps);
+  int got = losses(dir, "n0", b, 2 * steps);
+  ck_assert_int_gt(got, 0);
+  ck_assert_msg(fabs(a[steps - 1] - b[got - 1]) <= 1e-4 * fabs(a[steps - 1]),
+                "final loss %.7f %s, %.7f on three uninterrupted", b[got - 1], what,
+                a[steps - 1]);
+}
+
 /* Elastic (--nnodes 2:3): node 2 is lost for good mid-run (its launcher
  * killed, its rank with it); node 0 waits the join timeout for it, then
  * plans again for the two nodes left, and both resume from the last
@@ -337,9 +360,7 @@ START_TEST(test_nodes_elastic_goes_on_without_a_lost_node) {
   enum { STEPS = 30 };
   char dir[64], metrics[300];
   mr_t_tmpdir(dir, sizeof dir);
-  job_s(dir, "ref.json", STEPS, 0, 6, "");
-  one_node_n(dir, "ref.json", "one", "3");
-  job_s(dir, "job.json", STEPS, 1, 6, "");
+  elastic_jobs(dir, STEPS);
   int port = free_port();
   struct mr_tproc n[3];
   nnodes_arg = "2:3";
@@ -359,13 +380,7 @@ START_TEST(test_nodes_elastic_goes_on_without_a_lost_node) {
   stderr_has(&n[0], "2 of 3 nodes here: waiting up to 3 s for the others");
   stderr_has(&n[0], "re-planned for 2 ranks on 2 nodes");
   stderr_has(&n[1], "starting ranks 1..1 of 2 (restart 1)");
-  double a[STEPS], b[2 * STEPS];
-  ck_assert_int_eq(losses(dir, "one", a, STEPS), STEPS);
-  int got = losses(dir, "n0", b, 2 * STEPS);
-  ck_assert_int_gt(got, STEPS);
-  ck_assert_msg(fabs(a[STEPS - 1] - b[got - 1]) <= 1e-4 * fabs(a[STEPS - 1]),
-                "final loss %.7f on two nodes after the loss, %.7f on three uninterrupted",
-                b[got - 1], a[STEPS - 1]);
+  ends_as_uninterrupted(dir, STEPS, "on two nodes after the loss");
 }
 END_TEST
 
@@ -378,9 +393,7 @@ START_TEST(test_nodes_elastic_takes_in_a_late_node) {
   enum { STEPS = 30 };
   char dir[64], metrics[300];
   mr_t_tmpdir(dir, sizeof dir);
-  job_s(dir, "ref.json", STEPS, 0, 6, "");
-  one_node_n(dir, "ref.json", "one", "3");
-  job_s(dir, "job.json", STEPS, 1, 6, "");
+  elastic_jobs(dir, STEPS);
   int port = free_port();
   struct mr_tproc n[3];
   nnodes_arg = "2:3";
@@ -400,12 +413,7 @@ START_TEST(test_nodes_elastic_takes_in_a_late_node) {
   stderr_has(&n[0], "node 2 joined: writing a checkpoint");
   stderr_has(&n[0], "starting the group again with the nodes that have joined");
   stderr_has(&n[2], "starting ranks 2..2 of 3 (restart 1)");
-  double a[STEPS], b[2 * STEPS];
-  ck_assert_int_eq(losses(dir, "one", a, STEPS), STEPS);
-  int got = losses(dir, "n0", b, 2 * STEPS);
-  ck_assert_msg(fabs(a[STEPS - 1] - b[got - 1]) <= 1e-4 * fabs(a[STEPS - 1]),
-                "final loss %.7f after taking node 2 in, %.7f on three uninterrupted",
-                b[got - 1], a[STEPS - 1]);
+  ends_as_uninterrupted(dir, STEPS, "after taking node 2 in");
 }
 END_TEST
 
