@@ -365,19 +365,22 @@ START_TEST(test_nodes_elastic_goes_on_without_a_lost_node) {
   struct mr_tproc n[3];
   nnodes_arg = "2:3";
   nproc_arg = "1";
-  char *first[] = {"--max-restarts", "1", "--join-timeout", "3", NULL};
-  char *others[] = {"--join-timeout", "30", NULL};
-  node(&n[0], dir, "job.json", 0, port, "token", "n0", first);
+  char *first[] = {"--max-restarts", "1", "--join-timeout", "8", NULL};
+  char *others[] = {"--join-timeout", "60", NULL};
+  /* the others first: they wait for node 0, which waits for them */
   node(&n[1], dir, "job.json", 1, port, "token", "n1", others);
   node(&n[2], dir, "job.json", 2, port, "token", "n2", others);
+  node(&n[0], dir, "job.json", 0, port, "token", "n0", first);
   nnodes_arg = nproc_arg = "2";
+  ck_assert_msg(mr_t_wait_for_text(n[2].err_path, "starting ranks 2..2 of 3", 60) >= 0,
+                "node 2 never started its rank");
   snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
   ck_assert_msg(mr_t_wait_for_text(metrics, "\"step\": 8,", 60) >= 0, "never reached step 8");
   kill(n[2].pid, SIGKILL);
   expect_exit(&n[0], 0, "node 0", 120);
   expect_exit(&n[1], 0, "node 1", 30);
   stderr_has(&n[0], "the launcher of node 2 disconnected");
-  stderr_has(&n[0], "2 of 3 nodes here: waiting up to 3 s for the others");
+  stderr_has(&n[0], "2 of 3 nodes here: waiting up to 8 s for the others");
   stderr_has(&n[0], "re-planned for 2 ranks on 2 nodes");
   stderr_has(&n[1], "starting ranks 1..1 of 2 (restart 1)");
   ends_as_uninterrupted(dir, STEPS, "on two nodes after the loss");
@@ -398,10 +401,10 @@ START_TEST(test_nodes_elastic_takes_in_a_late_node) {
   struct mr_tproc n[3];
   nnodes_arg = "2:3";
   nproc_arg = "1";
-  char *first[] = {"--join-timeout", "2", NULL}; /* and no restarts allowed */
-  char *others[] = {"--join-timeout", "30", NULL};
+  char *first[] = {"--join-timeout", "6", NULL}; /* and no restarts allowed */
+  char *others[] = {"--join-timeout", "60", NULL};
+  node(&n[1], dir, "job.json", 1, port, "token", "n1", others); /* it waits for node 0 */
   node(&n[0], dir, "job.json", 0, port, "token", "n0", first);
-  node(&n[1], dir, "job.json", 1, port, "token", "n1", others);
   snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
   ck_assert_msg(mr_t_wait_for_text(metrics, "\"step\": 6,", 60) >= 0, "never reached step 6");
   node(&n[2], dir, "job.json", 2, port, "token", "n2", others);
