@@ -1,5 +1,4 @@
 /* rpc.c - envelope codec, validation and blocking socket I/O. */
-#include "common/clock.h"
 #include "common/rpc.h"
 
 #include <errno.h>
@@ -11,6 +10,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/tunable.h"
 

@@ -38,10 +38,9 @@ struct agent {
   char master_host[256];
   int master_port;
   char job_id[64];
-  int world;
-  int pending;              // a START waiting for the last group to exit, or -1
-  int first, next_first;    // this node's first rank: in the last group, the next
-  int next_world;           // the next group's ranks
+  int pending;              // a START waiting for the last group to exit (its
+  int pending_first;        //   restart; -1: none), this node's first rank in
+  int pending_world;        //   that group and the group's ranks
   int stopping, killed;     // stopping the ranks; SIGKILL sent
   int64_t stop_ms;
   int connected;            // the connection is open
@@ -106,8 +105,6 @@ static int join(struct agent *a, int64_t deadline) {
     rc = mr_error_set(MR_EPROTO, "node 0's job has %d ranks, not up to %d nodes of %d",
                       w->welcome->world_size, a->o->nnodes, a->o->nproc);
   } else {
-    a->world = a->next_world = w->welcome->world_size;
-    a->first = a->next_first = a->o->node_rank * a->o->nproc;
     snprintf(a->job_id, sizeof a->job_id, "%s", w->welcome->job_id ? w->welcome->job_id : "");
   }
   mr_rpc_free(w);
@@ -127,12 +124,11 @@ static void stop_ranks(struct agent *a) {
   mr_ranks_signal_all(&a->ranks, SIGTERM);
 }
 
-static void spawn(struct agent *a, int restart) {
-  if (a->next_first != a->first || a->next_world != a->world) { /* re-planned */
-    a->first = a->next_first;
-    a->world = a->next_world;
-    mr_ranks_renumber(&a->ranks, a->o->nproc, a->first);
-  }
+/* Starts the ranks of the START pending: ranks first .. first + nproc - 1 of
+ * world (an elastic job's group may number its nodes otherwise than the
+ * last). */
+static void spawn(struct agent *a, int restart, int first, int world) {
+  mr_ranks_renumber(&a->ranks, a->o->nproc, first);
   struct mr_spawn_env env = {
       .worker_bin = a->o->worker_bin,
       .coord_address = a->coord,
@@ -143,11 +139,11 @@ static void spawn(struct agent *a, int restart) {
       .restart = restart,
       .threads = a->o->threads,
       .log_dir = a->o->log_dir,
-      .world = a->world,
+      .world = world,
   };
   a->stopping = 0;
   MR_INFO("launch", "node %d: starting ranks %d..%d of %d (restart %d)", a->o->node_rank,
-          a->ranks.r[0].rank, a->ranks.r[a->ranks.n - 1].rank, a->world, restart);
+          first, first + a->o->nproc - 1, world, restart);
   if (mr_ranks_spawn_all(&a->ranks, &env) < 0) {
     /* node 0 sees the ranks never register and fails the group */
     MR_ERROR("launch", "node %d: %s", a->o->node_rank, mr_error_message());
@@ -165,12 +161,17 @@ static void finish(struct agent *a) {
   uv_close((uv_handle_t *)&a->sigterm, NULL);
 }
 
-static void lost(struct agent *a, const char *why) {
-  if (!a->connected)
-    return;
+/* Stops listening to node 0 (the loop ends once the ranks have exited). */
+static void disconnect(struct agent *a) {
   a->connected = 0;
   uv_poll_stop(&a->poll);
   uv_close((uv_handle_t *)&a->poll, NULL);
+}
+
+static void lost(struct agent *a, const char *why) {
+  if (!a->connected)
+    return;
+  disconnect(a);
   if (why != NULL)
     MR_ERROR("launch", "node %d: lost node 0's launcher (%s): stopping this node's ranks",
              a->o->node_rank, why);
@@ -182,8 +183,8 @@ static void on_control(struct agent *a, const Meshrun__Control *ctl) {
   switch (ctl->kind) {
   case MESHRUN__CONTROL__KIND__START:
     a->pending = (int)ctl->restart;
-    a->next_first = ctl->first_rank;
-    a->next_world = ctl->world_size;
+    a->pending_first = ctl->first_rank;
+    a->pending_world = ctl->world_size;
     if (running(a))
       stop_ranks(a); /* the last group's first: they are on their way out */
     break;
@@ -260,11 +261,8 @@ static void on_signal(uv_signal_t *h, int signum) {
   a->exit_code = 128 + signum;
   a->pending = -1;
   mr_ranks_signal_all(&a->ranks, SIGKILL);
-  if (a->connected) {
-    a->connected = 0;
-    uv_poll_stop(&a->poll);
-    uv_close((uv_handle_t *)&a->poll, NULL);
-  }
+  if (a->connected)
+    disconnect(a);
 }
 
 static void on_tick(uv_timer_t *t) {
@@ -286,7 +284,7 @@ static void on_tick(uv_timer_t *t) {
   if (a->pending >= 0) {
     int restart = a->pending;
     a->pending = -1;
-    spawn(a, restart);
+    spawn(a, restart, a->pending_first, a->pending_world);
   }
 }
 

@@ -141,7 +141,7 @@ static int node_of(const struct coordinator *co, int r) {
 }
 
 /* Tells the launcher of node k (when connected) to start its ranks for the
- * current group, or to stop them. */
+ * current group, to stop them, or the job's exit code. */
 static void send_node_control(struct coordinator *co, int k, Meshrun__Control__Kind kind) {
   if (co->agents == NULL || co->agents[k] == NULL)
     return;
@@ -151,10 +151,21 @@ static void send_node_control(struct coordinator *co, int k, Meshrun__Control__K
   ctl.world_size = co->world;
   if (kind == MESHRUN__CONTROL__KIND__START) /* to a node of the group */
     ctl.first_rank = group_pos(co, k) * co->node_ranks;
+  ctl.exit_code = co->exit_code; /* FINISH */
   Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
   env.msg_case = MESHRUN__ENVELOPE__MSG_CONTROL;
   env.control = &ctl;
   mr_conn_send(co->agents[k], &env);
+}
+
+/* The newest step any rank has reached: a checkpoint asked for now is of
+ * it or a later one. */
+static int64_t newest_step(const struct coordinator *co) {
+  int64_t s = 0;
+  for (int i = 0; i < co->world; i++)
+    if (co->ranks.r[i].step > s)
+      s = co->ranks.r[i].step;
+  return s;
 }
 
 static void begin_stop(struct coordinator *co) {
@@ -194,10 +205,7 @@ static void on_signal(uv_signal_t *h, int signum) {
       job->checkpoint.dir != NULL) {
     co->preempting = 1;
     co->preempt_started_ms = mr_clock_ms();
-    co->preempt_step = 0;
-    for (int i = 0; i < co->world; i++)
-      if (co->ranks.r[i].step > co->preempt_step)
-        co->preempt_step = co->ranks.r[i].step;
+    co->preempt_step = newest_step(co);
     MR_WARN("launch", "SIGTERM: writing a checkpoint, then stopping");
     mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
     return;
@@ -285,10 +293,7 @@ static void grow(struct coordinator *co, int k) {
     return;
   }
   co->growing = 1;
-  co->grow_step = 0;
-  for (int i = 0; i < co->world; i++)
-    if (co->ranks.r[i].step > co->grow_step)
-      co->grow_step = co->ranks.r[i].step;
+  co->grow_step = newest_step(co);
   MR_WARN("launch", "node %d joined: writing a checkpoint, then starting the group again with "
           "it", k);
   mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
@@ -887,16 +892,9 @@ static void finish(struct coordinator *co, int code) {
   uv_close((uv_handle_t *)&co->sigterm, NULL);
   mr_ranks_close_conns(&co->ranks);
   for (int k = 1; k < co->nnodes; k++) { /* the verdict, then the connection */
-    if (co->agents[k] == NULL)
-      continue;
-    Meshrun__Control ctl = MESHRUN__CONTROL__INIT;
-    ctl.kind = MESHRUN__CONTROL__KIND__FINISH;
-    ctl.exit_code = code;
-    Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
-    env.msg_case = MESHRUN__ENVELOPE__MSG_CONTROL;
-    env.control = &ctl;
-    mr_conn_send(co->agents[k], &env);
-    mr_conn_close(co->agents[k], NULL);
+    send_node_control(co, k, MESHRUN__CONTROL__KIND__FINISH);
+    if (co->agents[k] != NULL)
+      mr_conn_close(co->agents[k], NULL);
   }
 }
 
@@ -1040,10 +1038,7 @@ static void on_tick(uv_timer_t *t) {
     return;
   }
   if (co->phase == PHASE_STOPPING) {
-    int remote_left = 0;
-    for (int i = co->ranks.local; i < co->ranks.n; i++)
-      remote_left += !co->ranks.r[i].exited;
-    if (mr_ranks_all_exited(&co->ranks) && remote_left == 0) {
+    if (mr_ranks_all_exited(&co->ranks)) {
       if (mr_ranks_all_closed(&co->ranks))
         group_stopped(co);
       return;
@@ -1104,11 +1099,10 @@ static int listen_all(struct coordinator *co) {
 
   char host[64];
   int port = 0;
-  MR_TRY(mr_bind_parse(co->opts->bind, host, sizeof host, &port));
+  MR_TRY(mr_bind_parse(co->opts->bind, host, sizeof host, &port)); /* an address */
   struct sockaddr_storage sa;
-  if (uv_ip4_addr(host, port, (struct sockaddr_in *)&sa) != 0 &&
-      uv_ip6_addr(host, port, (struct sockaddr_in6 *)&sa) != 0)
-    return mr_error_set(MR_EINVAL, "--bind %s: not an IP address", co->opts->bind);
+  if (uv_ip4_addr(host, port, (struct sockaddr_in *)&sa) != 0)
+    uv_ip6_addr(host, port, (struct sockaddr_in6 *)&sa);
   uv_tcp_init(&co->loop, &co->tcp_server);
   co->tcp_server.data = co;
   rc = uv_tcp_bind(&co->tcp_server, (struct sockaddr *)&sa, 0);
@@ -1157,7 +1151,6 @@ static int make_token(struct coordinator *co) {
     rc = mr_auth_token_read_file(path, co->token);
   return rc;
 }
-
 
 /* Closes whatever an early failure left open, so the loop can close. */
 static void close_walk(uv_handle_t *h, void *arg) {

@@ -32,11 +32,9 @@ int mr_ranks_init(struct mr_ranks *s, uv_loop_t *loop, int n, int local, int bas
   s->start_ms = mr_clock_ms();
   for (int i = 0; i < n; i++) {
     s->r[i].set = s;
-    s->r[i].rank = base + i;
-    s->r[i].remote = i >= local;
-    s->r[i].exited = 1;
     s->r[i].waiting_on = -1;
   }
+  mr_ranks_renumber(s, n, base);
   return 0;
 }
 
@@ -306,7 +304,7 @@ void mr_ranks_close_conns(struct mr_ranks *s) {
 
 int mr_ranks_all_exited(const struct mr_ranks *s) {
   for (int i = 0; i < s->n; i++)
-    if (s->r[i].running)
+    if (s->r[i].remote ? !s->r[i].exited : s->r[i].running)
       return 0;
   return 1;
 }
@@ -414,8 +412,8 @@ void mr_ranks_report_failure(struct mr_ranks *s, int rank, const char *failure,
     return;
   struct mr_rank *r = &s->r[rank];
   if (r->remote) {
-    fprintf(stderr, "meshrun: rank %d ran on node %d: its log is that node's %s/rank-%d.log\n",
-            r->rank, r->rank / s->local, s->log_dir, r->rank);
+    fprintf(stderr, "meshrun: rank %d ran on another node: its log is that node's "
+            "%s/rank-%d.log\n", r->rank, s->log_dir, r->rank);
     return;
   }
   int want = (int)mr_tunable_int(MR_TUNABLE_LOG_TAIL_LINES);

@@ -78,7 +78,7 @@ struct mr_ranks {
   int n;                   // ranks in the set now
   int cap;                 // entries allocated
   int local;               // the first `local` entries are spawned here
-  struct mr_rank *r;       // n entries, owned; r[i].rank = base + i
+  struct mr_rank *r;       // cap entries, owned; r[i].rank = base + i
   const char *log_dir;     // borrowed
   void *ctx;
   void (*on_exit)(void *ctx, int rank, int64_t status, int signal);
@@ -90,7 +90,6 @@ struct mr_ranks {
   Meshrun__Metrics last;   // rank 0's last metrics
   int have_last;
 };
-
 
 /* Prepares ranks base .. base + n - 1, the first `local` of them spawned
  * here; opens nothing yet.  on_exit is called once per worker exit, with
@@ -121,7 +120,8 @@ void mr_ranks_send_control(struct mr_ranks *s, Meshrun__Control__Kind kind);
 /* Closes every rank's RPC connection. */
 void mr_ranks_close_conns(struct mr_ranks *s);
 
-/* True when no rank process is running / when every handle is closed. */
+/* True when no rank process is running and no remote rank is still
+ * connected / when every handle is closed. */
 int mr_ranks_all_exited(const struct mr_ranks *s);
 int mr_ranks_all_closed(const struct mr_ranks *s);
 

@@ -383,6 +383,16 @@ static int same_shape(const cJSON *sh, int ndim, const int64_t *shape) {
   return same;
 }
 
+/* p's shape as files hold it (its last two dims merged when p->merged)
+ * into fs[]; returns its rank. */
+static int file_shape(const struct mr_rt_param *p, int64_t *fs) {
+  memcpy(fs, p->shape, (size_t)p->ndim * sizeof *fs);
+  if (!p->merged)
+    return p->ndim;
+  fs[p->ndim - 2] *= fs[p->ndim - 1];
+  return p->ndim - 1;
+}
+
 /* Checks index tensor `name` has the model's shape; *merged: it has the
  * shape files give it instead (GPT-2's fused q|k|v, [C, 3C], as
  * checkpoints held it before it was held [C, 3, C]). */
@@ -391,10 +401,8 @@ static int check_shape(const char *path, const cJSON *tensors, const struct mr_r
   const cJSON *e = cJSON_GetObjectItemCaseSensitive(tensors, p->name);
   const cJSON *sh = e ? cJSON_GetObjectItemCaseSensitive(e, "shape") : NULL;
   int64_t fs[MR_CKPT_MAX_DIMS];
-  memcpy(fs, p->shape, (size_t)p->ndim * sizeof *fs);
-  if (p->merged)
-    fs[p->ndim - 2] *= fs[p->ndim - 1];
-  *merged = p->merged && same_shape(sh, p->ndim - 1, fs);
+  int fnd = file_shape(p, fs);
+  *merged = p->merged && same_shape(sh, fnd, fs);
   if (e == NULL)
     return mr_error_set(MR_EFORMAT, "%s: no tensor %s", path, p->name);
   if (!*merged && !same_shape(sh, p->ndim, p->shape))
@@ -410,14 +418,13 @@ static int read_box(struct mr_ckpt_reader *rd, const char *name, const struct mr
   if (!merged)
     return mr_ckpt_reader_read(rd, name, p->ndim, p->shape, p->goff, p->glen, begin, count, dst);
   int64_t fs[MR_CKPT_MAX_DIMS], off[MR_CKPT_MAX_DIMS] = {0}, all = 1;
-  for (int d = 0; d < p->ndim; d++)
-    all *= p->shape[d];
-  memcpy(fs, p->shape, (size_t)p->ndim * sizeof *fs);
-  fs[p->ndim - 2] *= fs[p->ndim - 1];
+  int fnd = file_shape(p, fs);
+  for (int d = 0; d < fnd; d++)
+    all *= fs[d];
   float *whole = malloc((size_t)(all + p->numel) * sizeof *whole);
   if (whole == NULL)
     return MR_ENOMEM;
-  int rc = mr_ckpt_reader_read(rd, name, p->ndim - 1, fs, off, fs, 0, all, whole);
+  int rc = mr_ckpt_reader_read(rd, name, fnd, fs, off, fs, 0, all, whole);
   if (rc == 0) {
     mr_box_gather(p->ndim, p->shape, p->goff, p->glen, whole, whole + all);
     memcpy(dst, whole + all + begin, (size_t)count * sizeof *dst);

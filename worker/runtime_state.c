@@ -47,11 +47,7 @@ static int load_param(struct mr_runtime *rt, struct mr_st_file *f, const struct 
   const struct mr_st_tensor *s = mr_st_find(f, t->name);
   if (!s)
     return mr_error_set(MR_EFORMAT, "%s: tensor %s: missing", mr_st_path(f), t->name);
-  int64_t shape[MR_MAX_DIMS];
-  int nd = mr_tensor_file_shape(t, shape), same = s->rank == nd;
-  for (int d = 0; same && d < nd; d++)
-    same = s->shape[d] == shape[d];
-  if (!same)
+  if (!mr_weights_file_matches(s, t))
     return mr_error_set(MR_EFORMAT, "%s: tensor %s: shape does not match the model config",
                         mr_st_path(f), t->name);
   struct mr_st_tensor held = *s; /* the same bytes in the model's shape */

@@ -38,6 +38,14 @@ static int open_file(const char *path, struct mr_st_file **f) {
   return mr_st_open(path, f);
 }
 
+int mr_weights_file_matches(const struct mr_st_tensor *s, const struct mr_tensor *t) {
+  int64_t shape[MR_MAX_DIMS];
+  int nd = mr_tensor_file_shape(t, shape), same = s->rank == nd;
+  for (int d = 0; same && d < nd; d++)
+    same = s->shape[d] == shape[d];
+  return same;
+}
+
 int mr_weights_load(const struct mr_model *m, struct mr_exec *x,
                     const char *path) {
   struct mr_st_file *f;
@@ -54,11 +62,9 @@ int mr_weights_load(const struct mr_model *m, struct mr_exec *x,
                         t->name);
       break;
     }
-    int64_t shape[MR_MAX_DIMS];
-    int nd = mr_tensor_file_shape(t, shape), same = s->rank == nd;
-    for (int d = 0; same && d < nd; d++)
-      same = s->shape[d] == shape[d];
-    if (!same) {
+    if (!mr_weights_file_matches(s, t)) {
+      int64_t shape[MR_MAX_DIMS];
+      int nd = mr_tensor_file_shape(t, shape);
       rc = mr_error_set(MR_EFORMAT, "%s: tensor %s: shape does not match "
                         "the model config (expected [%lld%s%lld])",
                         mr_st_path(f), t->name, (long long)shape[0],

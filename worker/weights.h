@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "common/model.h"
+#include "common/safetensors.h"
 #include "worker/exec.h"
 
 /* Fills every parameter of m in x from its init kind: N(0, std) with
@@ -32,6 +33,10 @@ int mr_weights_save(const struct mr_model *m, const struct mr_exec *x,
  * rest of data unread), with cfg as the config. */
 int mr_weights_write(const struct mr_graph *g, const struct mr_model_config *cfg,
                      float *const *data, const char *path);
+
+/* Whether file tensor s has the shape Hugging Face files give parameter t
+ * (mr_tensor_file_shape). */
+int mr_weights_file_matches(const struct mr_st_tensor *s, const struct mr_tensor *t);
 
 /* Reads the model config stored by mr_weights_save from path's metadata. */
 int mr_weights_read_config(const char *path, struct mr_model_config *cfg);

@@ -373,11 +373,16 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
   memset(&o, 0, sizeof o);
   o.rules = job->shard_rules;
   o.n_rules = job->n_shard_rules;
+#define RULES(r) (o.rules = (r), o.n_rules = (int)(sizeof(r) / sizeof(r)[0]))
   if (lay->tp > 1 && job->n_shard_rules == 0) {
-    int llama = job->model.family == MR_MODEL_LLAMA;
-    o.rules = llama ? (lay->sp ? llama_sp_rules : llama_rules) : gpt2_rules;
-    o.n_rules = llama ? 2 : (int)(sizeof gpt2_rules / sizeof gpt2_rules[0]);
+    if (job->model.family != MR_MODEL_LLAMA)
+      RULES(gpt2_rules);
+    else if (lay->sp)
+      RULES(llama_sp_rules);
+    else
+      RULES(llama_rules);
   }
+#undef RULES
   o.data_dim = L->data_dim >= 0 ? L->data_dim : (lay->dp == 1 && lay->tp == 1 ? 0 : -1);
   o.seq_dim = lay->sp ? L->model_dim : -1;
   MR_TRY_GOTO(rc, mr_spmd_complete(g, &L->mesh, &o, &L->dg), err);
