@@ -124,13 +124,57 @@ static void parse_degree(struct mr_jv *jv, const cJSON *s, const char *key,
     *obj_out = o;
 }
 
+/* pipeline_parallel.layers: the decoder layers of each pipeline chunk, one
+ * entry per chunk (degree x virtual stages), which fixes both.  Checked
+ * against the model's layer count once the whole job is read. */
+static void parse_chunk_layers(struct mr_jv *jv, const cJSON *pp, struct mr_strategy_hint *h) {
+  const char *path = "strategy.pipeline_parallel";
+  const cJSON *a = cJSON_GetObjectItemCaseSensitive(pp, "layers");
+  if (a == NULL)
+    return;
+  int n = cJSON_IsArray(a) ? cJSON_GetArraySize(a) : 0;
+  if (n == 0) {
+    mr_jv_error(jv, path, "layers", "expected an array of layer counts, one per pipeline chunk");
+    return;
+  }
+  if (h->pp == 0) {
+    mr_jv_error(jv, path, "layers", "the layers of each chunk need a fixed degree");
+    return;
+  }
+  int v = h->virtual_stages > 0 ? h->virtual_stages : 1;
+  if (n != h->pp * v) {
+    mr_jv_error(jv, path, "layers", "expected %d entries (degree %d x virtual_stages %d), got %d",
+                h->pp * v, h->pp, v, n);
+    return;
+  }
+  if ((h->chunk_layers = malloc((size_t)n * sizeof *h->chunk_layers)) == NULL)
+    return;
+  for (int i = 0; i < n; i++) {
+    const cJSON *x = cJSON_GetArrayItem(a, i);
+    if (!cJSON_IsNumber(x) || x->valuedouble != (double)(int)x->valuedouble ||
+        x->valuedouble < 1 || x->valuedouble > 1e6) {
+      char shown[96], key[32];
+      snprintf(key, sizeof key, "layers[%d]", i);
+      mr_jv_error(jv, path, key, "expected a positive layer count, got %s",
+                  mr_jv_show(x, shown, sizeof shown));
+      free(h->chunk_layers);
+      h->chunk_layers = NULL;
+      return;
+    }
+    h->chunk_layers[i] = (int)x->valuedouble;
+  }
+  h->n_chunk_layers = n;
+  h->virtual_stages = v;
+}
+
 static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_hint *h) {
   static const char *const keys[] = {
       "auto_mode", "data_parallel", "tensor_parallel", "pipeline_parallel",
       "sequence_parallel", "sharding", "recompute", "amp",
       "gradient_accumulation_steps", "mesh_mapping", NULL};
   static const char *const modes[] = {"full", "semi", "manual", NULL};
-  static const char *const pp_keys[] = {"schedule", "micro_batches", "virtual_stages", NULL};
+  static const char *const pp_keys[] = {"schedule", "micro_batches", "virtual_stages", "layers",
+                                       NULL};
   static const char *const pp_schedules[] = {"1f1b", "gpipe", "interleaved", NULL};
   static const char *const grans[] = {"full", "selective", NULL};
   static const char *const amps[] = {"fp32", "bf16", "fp16", NULL};
@@ -163,6 +207,7 @@ static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_
     if (h->pp_schedule_set && h->pp_schedule == MR_PP_INTERLEAVED && h->pp == 1)
       mr_jv_error(jv, path, "schedule",
                   "\"interleaved\" needs a pipeline degree of at least 2, got 1");
+    parse_chunk_layers(jv, pp, h);
   }
   const cJSON *o = NULL;
   if (mr_jv_obj(jv, s, "strategy", "sequence_parallel", &o) == 1) {
@@ -418,6 +463,15 @@ int mr_job_parse(const char *text, const char *name, const char *dir,
                 "expected at most the model's n_positions (%lld), got %lld",
                 (long long)job->model.max_position_embeddings,
                 (long long)job->train.seq_len);
+  if (jv.n_errors == 0 && job->strategy.n_chunk_layers > 0) {
+    int64_t sum = 0;
+    for (int i = 0; i < job->strategy.n_chunk_layers; i++)
+      sum += job->strategy.chunk_layers[i];
+    if (sum != job->model.num_hidden_layers)
+      mr_jv_error(&jv, "strategy.pipeline_parallel", "layers",
+                  "expected counts adding up to the model's %lld layers, got %lld",
+                  (long long)job->model.num_hidden_layers, (long long)sum);
+  }
   if (jv.n_errors == 0) {
     cJSON *canon = job_to_json(job, root);
     job->text = canon ? cJSON_PrintUnformatted(canon) : NULL;
@@ -464,6 +518,7 @@ void mr_job_close(struct mr_job *job) {
     free(r->match);
   }
   free(job->shard_rules);
+  free(job->strategy.chunk_layers);
   free(job->checkpoint.dir);
   free(job->cluster);
   free(job->text);

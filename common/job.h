@@ -50,6 +50,8 @@ struct mr_strategy_hint {
   int pp_schedule_set;
   int micro_batches;            // 0: not fixed
   int virtual_stages;           // 0: not fixed
+  int *chunk_layers;            // pipeline_parallel.layers: decoder layers of
+  int n_chunk_layers;           //   each pipeline chunk in order; NULL: by FLOPs
   int sequence_parallel;        // -1 not fixed, 0/1
   int zero_stage;               // -1 not fixed, 0..3
   int offload;                  // -1 not fixed, 0/1

@@ -158,7 +158,7 @@ static cJSON *memory_json(const struct mr_memory *m) {
 static void candidate_json(cJSON *o, const struct mr_plan_candidate *c,
                            const struct mr_workload *w, const struct mr_cluster *cl) {
   const struct mr_cost *k = &c->cost;
-  cJSON_AddItemToObject(o, "strategy", mr_strategy_json(&c->strategy, 0));
+  cJSON_AddItemToObject(o, "strategy", mr_strategy_json(&c->strategy, 0, w->chunk_layers, w->n_chunk_layers));
   static int counts[MR_PARTITION_MAX_ITEMS];
   int nk = mr_cost_partition(w, cl, &c->strategy, counts, MR_PARTITION_MAX_ITEMS);
   if (nk > 0)
@@ -391,7 +391,7 @@ int mr_cmd_plan(int argc, char **argv) {
   if (job.strategy.auto_mode == MR_AUTO_MANUAL) {
     rc = mr_plan_manual(&req, &res->top[0].strategy);
     if (rc == 0) {
-      struct mr_workload w = {&job.model, job.train.global_batch, job.train.seq_len};
+      struct mr_workload w = mr_workload_of(&job.model, &job.train, &job.strategy);
       mr_cost_evaluate(&w, &cl, &res->top[0].strategy, &res->top[0].cost);
       res->considered = 1;
       if (res->top[0].cost.fits) {
@@ -418,7 +418,7 @@ int mr_cmd_plan(int argc, char **argv) {
     return 2;
   }
   double params = (double)mr_model_param_count(&job.model);
-  struct mr_workload wl = {&job.model, job.train.global_batch, job.train.seq_len};
+  struct mr_workload wl = mr_workload_of(&job.model, &job.train, &job.strategy);
   if (json) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "job", job_path);

@@ -98,7 +98,8 @@ void mr_strategy_choice_close(struct mr_strategy_choice *c) {
   c->program_digests = NULL;
 }
 
-cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling) {
+cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling, const int *layers,
+                        int n_layers) {
   static const char *const schedules[] = {"1f1b", "gpipe", "interleaved"};
   static const char *const amps[] = {"fp32", "bf16", "fp16"};
   cJSON *st = cJSON_CreateObject();
@@ -116,6 +117,8 @@ cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling) {
   cJSON_AddStringToObject(pp, "schedule", schedules[sched]);
   cJSON_AddNumberToObject(pp, "virtual_stages", v);
   cJSON_AddNumberToObject(pp, "micro_batches", s->micro_batches > 0 ? s->micro_batches : 1);
+  if (layers != NULL && n_layers == s->pp * v)
+    cJSON_AddItemToObject(pp, "layers", cJSON_CreateIntArray(layers, n_layers));
   cJSON_AddStringToObject(st, "mesh_mapping",
                           s->mapping == MR_MAP_TP_PP_DP ? "tp,pp,dp" : "tp,dp,pp");
   cJSON_AddBoolToObject(cJSON_AddObjectToObject(st, "sequence_parallel"), "enable",
@@ -141,8 +144,14 @@ cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling) {
 }
 
 char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s) {
+  return mr_strategy_apply_layers(job, s, job->strategy.chunk_layers,
+                                  job->strategy.n_chunk_layers);
+}
+
+char *mr_strategy_apply_layers(const struct mr_job *job, const struct mr_strategy *s,
+                               const int *layers, int n_layers) {
   cJSON *o = cJSON_Parse(job->text);
-  cJSON *st = mr_strategy_json(s, job->strategy.init_loss_scaling);
+  cJSON *st = mr_strategy_json(s, job->strategy.init_loss_scaling, layers, n_layers);
   if (o == NULL || st == NULL) {
     cJSON_Delete(o), cJSON_Delete(st);
     return NULL;

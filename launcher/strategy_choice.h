@@ -34,14 +34,21 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
 void mr_strategy_choice_close(struct mr_strategy_choice *c);
 
 /* The strategy as a job file's "strategy" object (manual mode, every field
- * set; init_loss_scaling only when > 0), for the plan body and `meshrun
- * plan --json`. */
-cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling);
+ * set; init_loss_scaling only when > 0; pipeline_parallel.layers when
+ * `layers` has one entry per chunk), for the plan body and `meshrun plan
+ * --json`. */
+cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling, const int *layers,
+                        int n_layers);
 
 /* Writes the chosen strategy into the job's canonical text (the plan body
  * the workers parse), under the job file's field names.  Returns a new
  * malloc'd text or NULL. */
 char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s);
+
+/* Same, with the layers of each pipeline chunk fixed to layers[n_layers]
+ * (a re-balanced split; ignored when n_layers is not the chunk count). */
+char *mr_strategy_apply_layers(const struct mr_job *job, const struct mr_strategy *s,
+                               const int *layers, int n_layers);
 
 /* Prints rank `rank`'s program for job under strategy s on world ranks,
  * after checking every rank's communication fits together (meshrun plan

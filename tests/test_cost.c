@@ -153,7 +153,7 @@ END_TEST
 
 START_TEST(test_cost_flops_match_narayanan) {
   struct mr_model_config m = gpt(6144, 48, 40);
-  struct mr_workload w = {&m, 1024, 2048};
+  struct mr_workload w = {.model = &m, .global_batch = 1024, .seq_len = 2048};
   double B = 1024, s = 2048, l = 40, h = 6144, V = 51200;
   double f96 = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
   double f72 = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h));
@@ -190,7 +190,7 @@ START_TEST(test_cost_partition_by_hand) {
   ck_assert(counts[0] + 0.5 <= 3.5 && counts[3] + 1.5 <= 3.5 && counts[1] <= 3 && counts[2] <= 3);
   double cost[10] = {1.5, 1, 1, 1, 1, 1, 1, 1, 1, 2.5};
   int start[4];
-  NEAR(mr_partition_dp(cost, 10, 4, start), 3.5);
+  NEAR(mr_partition_dp(cost, 10, 4, NULL, start), 3.5);
   ck_assert_int_eq(start[0], 0);
   NEAR(mr_partition_uniform(7, 2.0, 1.0, 1.0, 1, counts), 16.0);
   ck_assert(mr_partition_uniform(3, 1.0, 0, 0, 4, NULL) < 0);
@@ -226,7 +226,7 @@ START_TEST(test_cost_partition_closed_form_equals_dp_and_brute_force) {
         cost[l - 1] += extras[e][1];
         int counts[16], start[16];
         double u = mr_partition_uniform(l, 1.0, extras[e][0], extras[e][1], k, counts);
-        double d = mr_partition_dp(cost, l, k, start);
+        double d = mr_partition_dp(cost, l, k, NULL, start);
         double b = brute(cost, l, k, 0);
         ck_assert_msg(fabs(u - b) < 1e-9 && fabs(d - b) < 1e-9,
                       "l %d k %d e %d: uniform %g dp %g brute %g", l, k, e, u, d, b);
@@ -238,6 +238,56 @@ START_TEST(test_cost_partition_closed_form_equals_dp_and_brute_force) {
           sum += counts[i];
         }
         ck_assert_int_eq(sum, l);
+      }
+}
+END_TEST
+
+/* Brute force with chunk j costing speed[j] x its items. */
+static double brute_weighted(const double *c, int n, int k, const double *speed, int j,
+                             int first) {
+  double s = 0;
+  if (j == k - 1) {
+    for (int i = first; i < n; i++)
+      s += c[i];
+    return speed[j] * s;
+  }
+  double best = INFINITY;
+  for (int end = first + 1; end <= n - (k - 1 - j); end++) {
+    s += c[end - 1];
+    best = fmin(best, fmax(speed[j] * s, brute_weighted(c, n, k, speed, j + 1, end)));
+  }
+  return best;
+}
+
+/* A chunk on a device that runs w times slower costs w times its layers:
+ * the weighted split equals the brute force over every cut, and by hand,
+ * 8 equal layers on two stages with the second 3x slow go 6 + 2 (6 against
+ * 3 x 2 = 6; 5 + 3 costs 9). */
+START_TEST(test_cost_partition_weighted_by_device_speed) {
+  double eight[8] = {1, 1, 1, 1, 1, 1, 1, 1}, slow2[2] = {1, 3};
+  int start[8];
+  NEAR(mr_partition_dp(eight, 8, 2, slow2, start), 6.0);
+  ck_assert_int_eq(start[1], 6);
+  const double speeds[][4] = {{1, 1, 1, 1}, {1, 2.5, 1, 1}, {4, 1, 1, 1}, {1, 1, 1.3, 7}};
+  for (int n = 2; n <= 10; n++)
+    for (int k = 2; k <= 4 && k <= n; k++)
+      for (int w = 0; w < 4; w++) {
+        double cost[10];
+        for (int i = 0; i < n; i++)
+          cost[i] = 1.0 + 0.37 * ((i * 7) % 5);
+        double d = mr_partition_dp(cost, n, k, speeds[w], start);
+        double b = brute_weighted(cost, n, k, speeds[w], 0, 0);
+        ck_assert_msg(fabs(d - b) < 1e-9, "n %d k %d w %d: dp %g brute %g", n, k, w, d, b);
+        double worst = 0; /* the cuts it writes cost what it says */
+        for (int j = 0; j < k; j++) {
+          int end = j + 1 < k ? start[j + 1] : n;
+          ck_assert(end > start[j]);
+          double sum = 0;
+          for (int i = start[j]; i < end; i++)
+            sum += cost[i];
+          worst = fmax(worst, speeds[w][j] * sum);
+        }
+        NEAR(worst, d);
       }
 }
 END_TEST
@@ -257,7 +307,7 @@ START_TEST(test_cost_layer_time_matches_korthikanti_table4) {
   snprintf(path, sizeof path, "%s/configs/clusters/a100-80g-node.json", src ? src : ".");
   ck_assert_msg(mr_cluster_load(path, &c) == 0, "%s", mr_error_message());
   struct mr_model_config m = gpt(6144, 64, 48);
-  struct mr_workload w = {&m, 4, 2048};
+  struct mr_workload w = {.model = &m, .global_batch = 4, .seq_len = 2048};
   struct mr_strategy s;
   memset(&s, 0, sizeof s);
   s.dp = 1, s.tp = 8, s.pp = 1, s.micro_batch_size = 4, s.micro_batches = 1;
@@ -287,7 +337,7 @@ START_TEST(test_cost_memory_bound_traffic_of_the_engine) {
   m.hidden_size = 512, m.intermediate_size = 1376, m.num_attention_heads = 8;
   m.num_key_value_heads = 4, m.num_hidden_layers = 4, m.vocab_size = 1000;
   m.max_position_embeddings = 128;
-  struct mr_workload w = {&m, 2, 128};
+  struct mr_workload w = {.model = &m, .global_batch = 2, .seq_len = 128};
   struct mr_strategy s;
   memset(&s, 0, sizeof s);
   s.dp = 1, s.tp = 2, s.pp = 1, s.micro_batch_size = 2, s.micro_batches = 1;
@@ -321,7 +371,7 @@ START_TEST(test_cost_step_time_identities) {
   struct mr_cluster c = test_cluster();
   c.nodes = 16;
   struct mr_model_config m = gpt(4096, 32, 32);
-  struct mr_workload w = {&m, 64, 2048};
+  struct mr_workload w = {.model = &m, .global_batch = 64, .seq_len = 2048};
   struct mr_strategy s = base_strategy();
   ck_assert_int_eq(mr_cost_check(&w, &c, &s), 0);
   struct mr_cost k;
@@ -355,7 +405,7 @@ START_TEST(test_cost_memory_by_hand) {
    * plus the fp32 logits and their gradient. */
   struct mr_cluster c = test_cluster();
   struct mr_model_config m = gpt(1024, 16, 4);
-  struct mr_workload w = {&m, 8, 512};
+  struct mr_workload w = {.model = &m, .global_batch = 8, .seq_len = 512};
   struct mr_strategy s = base_strategy();
   s.dp = 8, s.tp = 1, s.pp = 1, s.micro_batch_size = 1, s.micro_batches = 1;
   s.recompute = MR_RECOMPUTE_NONE;
@@ -383,7 +433,7 @@ START_TEST(test_cost_check_names_the_problem) {
   struct mr_cluster c = test_cluster();
   c.nodes = 16;
   struct mr_model_config m = gpt(4096, 32, 32);
-  struct mr_workload w = {&m, 64, 2048};
+  struct mr_workload w = {.model = &m, .global_batch = 64, .seq_len = 2048};
   struct mr_strategy s = base_strategy();
   s.tp = 3, s.dp = 4, s.pp = 2;
   ck_assert_int_eq(mr_cost_check(&w, &c, &s), MR_EINVAL);
@@ -406,7 +456,7 @@ START_TEST(test_cost_partition_of_a_strategy) {
   struct mr_cluster c = test_cluster();
   c.nodes = 400;
   struct mr_model_config m = gpt(20480, 128, 105);
-  struct mr_workload w = {&m, 2520, 2048};
+  struct mr_workload w = {.model = &m, .global_batch = 2520, .seq_len = 2048};
   struct mr_strategy s = base_strategy();
   s.dp = 9, s.tp = 8, s.pp = 35, s.micro_batches = 280;
   int counts[64];
@@ -416,7 +466,7 @@ START_TEST(test_cost_partition_of_a_strategy) {
   /* interleaved over 2 × 4 chunks of 10 layers: sums to 10, every chunk
    * has one, and the head's chunk holds no more than the middle ones */
   struct mr_model_config m2 = gpt(4096, 32, 10);
-  struct mr_workload w2 = {&m2, 64, 2048};
+  struct mr_workload w2 = {.model = &m2, .global_batch = 64, .seq_len = 2048};
   s = base_strategy();
   s.pp = 2, s.dp = 4, s.tp = 8, s.virtual_stages = 4, s.schedule = MR_PP_INTERLEAVED;
   ck_assert_int_eq(mr_cost_partition(&w2, &c, &s, counts, 64), 8);
@@ -443,6 +493,7 @@ static Suite *cost_suite(void) {
   tcase_add_test(tc, test_cost_params_match_narayanan);
   tcase_add_test(tc, test_cost_partition_by_hand);
   tcase_add_test(tc, test_cost_partition_closed_form_equals_dp_and_brute_force);
+  tcase_add_test(tc, test_cost_partition_weighted_by_device_speed);
   tcase_add_test(tc, test_cost_layer_time_matches_korthikanti_table4);
   tcase_add_test(tc, test_cost_memory_bound_traffic_of_the_engine);
   tcase_add_test(tc, test_cost_step_time_identities);

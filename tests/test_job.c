@@ -163,6 +163,43 @@ START_TEST(test_job_out_of_range_and_inconsistent_values) {
 }
 END_TEST
 
+/* pipeline_parallel.layers: one positive count per chunk (degree x virtual
+ * stages) adding up to the model's layers (2 here). */
+START_TEST(test_job_pipeline_layers) {
+  struct mr_job job;
+  int rc = parse("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"strategy\": "
+                 "{\"pipeline_parallel\": {\"degree\": 2, \"layers\": [1, 1]}}}", "", &job);
+  ck_assert_msg(rc == 0, "%s", mr_error_message());
+  ck_assert_int_eq(job.strategy.n_chunk_layers, 2);
+  ck_assert_int_eq(job.strategy.chunk_layers[0] + job.strategy.chunk_layers[1], 2);
+  ck_assert_int_eq(job.strategy.virtual_stages, 1); /* the count fixes it */
+  ck_assert_msg(strstr(job.text, "\"layers\":[1,1]") != NULL, "%s", job.text);
+  mr_job_close(&job);
+  static const struct {
+    const char *pp, *says;
+  } bad[] = {
+      {"\"degree\": 2, \"layers\": [2]", "strategy.pipeline_parallel.layers: expected 2 entries "
+                                         "(degree 2 x virtual_stages 1), got 1"},
+      {"\"degree\": 2, \"layers\": [1, 2]", "strategy.pipeline_parallel.layers: expected counts "
+                                            "adding up to the model's 2 layers, got 3"},
+      {"\"degree\": 2, \"layers\": [0, 2]", "strategy.pipeline_parallel.layers[0]: expected a "
+                                            "positive layer count, got 0"},
+      {"\"degree\": 2, \"layers\": [1, 1.5]", "layers[1]: expected a positive layer count"},
+      {"\"layers\": [1, 1]", "strategy.pipeline_parallel.layers: the layers of each chunk need "
+                             "a fixed degree"},
+      {"\"degree\": 2, \"layers\": \"1,1\"", "strategy.pipeline_parallel.layers: expected an "
+                                             "array of layer counts"},
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    char body[512];
+    snprintf(body, sizeof body, "{\"model\": %%s%%s, \"data\": {\"train\": \"t\"}, "
+             "\"strategy\": {\"pipeline_parallel\": {%s}}}", bad[k].pp);
+    const char *want[] = {bad[k].says, NULL};
+    expect_error(body, want);
+  }
+}
+END_TEST
+
 START_TEST(test_model_config_errors_name_key) {
   struct mr_model_config c;
   const char *cases[][2] = {
@@ -304,6 +341,7 @@ static Suite *job_suite(void) {
   tcase_add_test(tc, test_job_wrong_type_names_field_path);
   tcase_add_test(tc, test_job_unknown_fields_all_reported);
   tcase_add_test(tc, test_job_out_of_range_and_inconsistent_values);
+  tcase_add_test(tc, test_job_pipeline_layers);
   tcase_add_test(tc, test_model_config_errors_name_key);
   tcase_add_test(tc, test_model_config_llama_param_count);
   suite_add_tcase(s, tc);

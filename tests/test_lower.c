@@ -232,6 +232,49 @@ START_TEST(test_lower_1f1b_in_flight) {
 }
 END_TEST
 
+/* pipeline_parallel.layers puts each layer's ops (forward and backward)
+ * on the chunk the job says, plain and interleaved, and the programs still
+ * fit together. */
+START_TEST(test_lower_fixed_layer_split) {
+  static const struct {
+    const char *strategy;
+    int world, n_chunks, first[5];
+  } cases[] = {
+      {"\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2, \"layers\": [5, 1]}", 2, 2,
+       {0, 5, 6}},
+      {"\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2, \"schedule\": "
+       "\"interleaved\", \"virtual_stages\": 2, \"layers\": [1, 3, 1, 1]}", 2, 4,
+       {0, 1, 4, 5, 6}},
+      {"\"data_parallel\": {\"degree\": 2}, \"pipeline_parallel\": {\"degree\": 2, "
+       "\"micro_batches\": 2, \"layers\": [1, 5]}", 4, 2, {0, 1, 6}},
+  };
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    struct mr_job job;
+    job_for(&job, cases[k].strategy, 6, 0);
+    ck_assert_msg(mr_lower_check_all(&job, cases[k].world, NULL) == 0, "%s: %s",
+                  cases[k].strategy, mr_error_message());
+    struct mr_lowered L;
+    ck_assert_int_eq(mr_lower_graph(&job, cases[k].world, &L), 0);
+    ck_assert_int_eq(L.n_chunks, cases[k].n_chunks);
+    for (int c = 0; c <= L.n_chunks; c++)
+      ck_assert_int_eq(L.chunk_first_layer[c], cases[k].first[c]);
+    const struct mr_graph *g = &L.model.graph;
+    for (int o = 0; o < g->n_ops; o++) {
+      int l = L.op_layer[o], want = 0;
+      if (l >= 6)
+        want = L.n_chunks - 1;
+      else if (l >= 0)
+        while (cases[k].first[want + 1] <= l)
+          want++;
+      ck_assert_msg(L.op_chunk[o] == want, "%s: op %d of layer %d on chunk %d, want %d",
+                    cases[k].strategy, o, l, L.op_chunk[o], want);
+    }
+    mr_lowered_close(&L);
+    mr_job_close(&job);
+  }
+}
+END_TEST
+
 /* Tied embeddings across pipeline stages: the last stage holds a copy the
  * first stage's update refreshes (a check that passes); under ZeRO-3 they
  * are refused naming the parameter. */
@@ -404,6 +447,7 @@ static Suite *lower_suite(void) {
   tcase_add_test(tc, test_lower_zero3_quarter_of_dp8_state);
   tcase_add_test(tc, test_lower_recompute_keeps_fewer_activations);
   tcase_add_test(tc, test_lower_1f1b_in_flight);
+  tcase_add_test(tc, test_lower_fixed_layer_split);
   tcase_add_test(tc, test_lower_tied_embeddings_across_stages);
   tcase_add_test(tc, test_lower_check_names_the_first_mismatch);
   tcase_add_test(tc, test_lower_gpt2_attention_split_by_heads);

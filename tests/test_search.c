@@ -65,7 +65,7 @@ START_TEST(test_search_finds_what_enumeration_finds) {
   struct mr_plan_request req = {&m, &tr, &h, &c, 16, 8};
   struct mr_plan_result *r = calloc(1, sizeof *r);
   ck_assert_int_eq(mr_plan_search(&req, r), 0);
-  struct mr_workload w = {&m, 32, 1024};
+  struct mr_workload w = {.model = &m, .global_batch = 32, .seq_len = 1024};
   double best = INFINITY;
   int64_t valid = 0;
   for (int t = 1; t <= 16; t *= 2)
@@ -316,7 +316,7 @@ START_TEST(test_search_megatron_39b_with_allreduce_after_the_flush) {
   struct mr_cluster c = a100();
   c.nodes = 64;
   struct mr_model_config m = gpt(8192, 64, 48);
-  struct mr_workload w = {&m, 1536, 2048};
+  struct mr_workload w = {.model = &m, .global_batch = 1536, .seq_len = 2048};
   struct mr_strategy s;
   memset(&s, 0, sizeof s);
   s.dp = 32, s.tp = 8, s.pp = 2, s.mapping = MR_MAP_TP_DP_PP;
@@ -377,7 +377,7 @@ START_TEST(test_search_choose_manual_is_the_job_strategy) {
   ck_assert_int_eq(got.strategy.micro_batch_size, 2);
   ck_assert_int_eq(got.strategy.zero_stage, 1);
   ck_assert_int_eq(got.strategy.recompute, MR_RECOMPUTE_NONE);
-  struct mr_workload w = {&m, 32, 1024};
+  struct mr_workload w = {.model = &m, .global_batch = 32, .seq_len = 1024};
   struct mr_cost k;
   mr_cost_evaluate(&w, &c, &got.strategy, &k);
   ck_assert(k.step_time_s == got.cost.step_time_s);

@@ -177,6 +177,10 @@ int mr_cost_check(const struct mr_workload *w, const struct mr_cluster *c,
   if ((int64_t)s->pp * v > MR_PARTITION_MAX_ITEMS)
     return mr_error_set(MR_EINVAL, "%d pipeline chunks: at most %d", s->pp * v,
                         MR_PARTITION_MAX_ITEMS);
+  if (w->n_chunk_layers > 0 && w->n_chunk_layers != s->pp * v)
+    return mr_error_set(MR_EINVAL, "pipeline_parallel.layers gives %d chunks, the strategy has "
+                        "%d (degree %d x virtual stages %d)", w->n_chunk_layers, s->pp * v,
+                        s->pp, v);
   if (v > 1 && (s->pp < 2 || s->schedule != MR_PP_INTERLEAVED))
     return mr_error_set(MR_EINVAL, "%d virtual stages need the interleaved schedule and "
                         "pipeline degree >= 2", v);
@@ -404,14 +408,41 @@ static void stage_memory(const struct mr_workload *w, const struct mr_cluster *c
               mm->workspace;
 }
 
+struct mr_workload mr_workload_of(const struct mr_model_config *m,
+                                  const struct mr_train_config *t,
+                                  const struct mr_strategy_hint *h) {
+  struct mr_workload w = {m, t->global_batch, t->seq_len, NULL, 0};
+  if (h != NULL && h->n_chunk_layers > 0) {
+    w.chunk_layers = h->chunk_layers;
+    w.n_chunk_layers = h->n_chunk_layers;
+  }
+  return w;
+}
+
+/* Layers per chunk into counts[k] and the slowest chunk's time: the
+ * workload's split when it has one for k chunks, else the balanced one. */
+static double chunk_split(const struct mr_workload *w, const struct mr_layer_times *lt, int k,
+                          int *counts) {
+  double per = lt->fwd + lt->bwd + lt->rc;
+  int l = (int)w->model->num_hidden_layers;
+  if (w->n_chunk_layers != k)
+    return mr_partition_uniform(l, per, lt->emb, lt->head, k, counts);
+  double worst = 0;
+  for (int i = 0; i < k; i++) {
+    counts[i] = w->chunk_layers[i];
+    double t = counts[i] * per + (i == 0 ? lt->emb : 0) + (i == k - 1 ? lt->head : 0);
+    worst = fmax(worst, t);
+  }
+  return worst;
+}
+
 void mr_cost_prepare(const struct mr_workload *w, const struct mr_cluster *c,
                      const struct mr_strategy *s, struct mr_cost_prep *prep) {
   layer_times(w, c, s, &prep->lt);
   int v = s->virtual_stages < 1 ? 1 : s->virtual_stages;
-  int k = s->pp * v, l = (int)w->model->num_hidden_layers;
+  int k = s->pp * v;
   int counts[MR_PARTITION_MAX_ITEMS];
-  double per = prep->lt.fwd + prep->lt.bwd + prep->lt.rc;
-  prep->chunk_time = mr_partition_uniform(l, per, prep->lt.emb, prep->lt.head, k, counts);
+  prep->chunk_time = chunk_split(w, &prep->lt, k, counts);
   int maxc = 0;
   for (int i = 0; i < k; i++)
     maxc = counts[i] > maxc ? counts[i] : maxc;
@@ -419,7 +450,15 @@ void mr_cost_prepare(const struct mr_workload *w, const struct mr_cluster *c,
   prep->first_chunk_layers = counts[0];
   prep->last_chunk_layers = counts[k - 1];
   prep->stage_layers[0] = stage_layers(counts, s->pp, v, 0);
+  /* the middle stage that holds most: stage 1 (the most micro-batches in
+   * flight) unless a fixed split gives another more layers */
+  prep->mid_stage = 1;
   prep->stage_layers[1] = s->pp > 2 ? stage_layers(counts, s->pp, v, 1) : 0;
+  for (int i = 2; i < s->pp - 1; i++)
+    if (stage_layers(counts, s->pp, v, i) > prep->stage_layers[1]) {
+      prep->mid_stage = i;
+      prep->stage_layers[1] = stage_layers(counts, s->pp, v, i);
+    }
   prep->stage_layers[2] = stage_layers(counts, s->pp, v, s->pp - 1);
 }
 
@@ -432,8 +471,7 @@ int mr_cost_partition(const struct mr_workload *w, const struct mr_cluster *c,
                         (long long)w->model->num_hidden_layers);
   struct mr_layer_times lt;
   layer_times(w, c, s, &lt);
-  double x = mr_partition_uniform((int)w->model->num_hidden_layers, lt.fwd + lt.bwd + lt.rc,
-                                  lt.emb, lt.head, k, counts);
+  double x = chunk_split(w, &lt, k, counts);
   return x < 0 ? (int)x : k;
 }
 
@@ -448,14 +486,15 @@ static void memory_prepared(const struct mr_workload *w, const struct mr_cluster
   stage_memory(w, c, s, &prep->lt, 0, prep->stage_layers[0], &first);
   stage_memory(w, c, s, &prep->lt, s->pp - 1, prep->stage_layers[2], &last);
   out->mem = first.mem.total >= last.mem.total ? first.mem : last.mem;
+  *psi = fmax(first.psi, last.psi);
   if (s->pp > 2) {
     struct stage_mem mid;
-    stage_memory(w, c, s, &prep->lt, 1, prep->stage_layers[1], &mid);
+    stage_memory(w, c, s, &prep->lt, prep->mid_stage, prep->stage_layers[1], &mid);
     if (mid.mem.total > out->mem.total)
       out->mem = mid.mem;
+    *psi = fmax(*psi, mid.psi);
   }
   out->fits = out->mem.total <= c->memory_bytes;
-  *psi = fmax(first.psi, last.psi);
 }
 
 void mr_cost_memory_prepared(const struct mr_workload *w, const struct mr_cluster *c,

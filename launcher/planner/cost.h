@@ -23,7 +23,15 @@ struct mr_workload {
   const struct mr_model_config *model; // borrowed
   int64_t global_batch;                // sequences per optimizer step
   int64_t seq_len;                     // tokens per sequence
+  const int *chunk_layers;             // borrowed; the job's layers per pipeline
+  int n_chunk_layers;                  //   chunk, or NULL: balanced by cost
 };
+
+/* The workload of a job: its model and batch, and the layer split its
+ * hint fixes (pipeline_parallel.layers; hint may be NULL). */
+struct mr_workload mr_workload_of(const struct mr_model_config *m,
+                                  const struct mr_train_config *t,
+                                  const struct mr_strategy_hint *h);
 
 enum mr_collective {
   MR_COLL_ALLREDUCE = 0,
@@ -174,7 +182,8 @@ struct mr_cost_prep {
   struct mr_layer_times lt;
   double chunk_time;        // s, the slowest pipeline chunk, one micro-batch fwd + bwd
   int chunk_layers_max, first_chunk_layers, last_chunk_layers;
-  int stage_layers[3];      // layers on stage 0, stage 1, stage p-1
+  int stage_layers[3];      // layers on stage 0, stage mid_stage, stage p-1
+  int mid_stage;            // the middle stage holding most
 };
 
 void mr_cost_prepare(const struct mr_workload *w, const struct mr_cluster *c,
@@ -187,9 +196,10 @@ int mr_cost_evaluate_prepared(const struct mr_workload *w, const struct mr_clust
                               struct mr_cost *out);
 
 /* The layer count of each of the pp × virtual_stages pipeline chunks, in
- * model order (chunk j runs on stage j mod pp), balanced by the cost model:
- * the first chunk also runs the embedding, the last the head.  counts has
- * room for n entries.  Returns the number of chunks or MR_EINVAL. */
+ * model order (chunk j runs on stage j mod pp): the workload's own, else
+ * balanced by the cost model (the first chunk also runs the embedding, the
+ * last the head).  counts has room for n entries.  Returns the number of
+ * chunks or MR_EINVAL. */
 int mr_cost_partition(const struct mr_workload *w, const struct mr_cluster *c,
                       const struct mr_strategy *s, int *counts, int n);
 

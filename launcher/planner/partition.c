@@ -6,7 +6,7 @@
 
 #include "common/error.h"
 
-double mr_partition_dp(const double *cost, int n, int k, int *start) {
+double mr_partition_dp(const double *cost, int n, int k, const double *speed, int *start) {
   if (n < 1 || k < 1 || k > n || n > MR_PARTITION_MAX_ITEMS)
     return MR_EINVAL;
   double *prefix = malloc(sizeof(double) * (size_t)(n + 1));
@@ -22,14 +22,15 @@ double mr_partition_dp(const double *cost, int n, int k, int *start) {
   /* best[j][i]: the smallest largest-chunk cost of items [0, i) in j chunks. */
 #define B(j, i) best[(size_t)(j) * (size_t)(n + 1) + (size_t)(i)]
 #define C(j, i) cut[(size_t)(j) * (size_t)(n + 1) + (size_t)(i)]
+#define W(j) (speed != NULL ? speed[(j) - 1] : 1.0)
   for (int i = 0; i <= n; i++)
-    B(1, i) = prefix[i], C(1, i) = 0;
+    B(1, i) = W(1) * prefix[i], C(1, i) = 0;
   for (int j = 2; j <= k; j++) {
     for (int i = j; i <= n; i++) {
       double bv = INFINITY;
       int bc = j - 1;
       for (int c = j - 1; c < i; c++) { // last chunk is [c, i)
-        double v = fmax(B(j - 1, c), prefix[i] - prefix[c]);
+        double v = fmax(B(j - 1, c), W(j) * (prefix[i] - prefix[c]));
         if (v < bv)
           bv = v, bc = c;
       }
@@ -46,6 +47,7 @@ double mr_partition_dp(const double *cost, int n, int k, int *start) {
   }
 #undef B
 #undef C
+#undef W
   free(prefix), free(best), free(cut);
   return result;
 }

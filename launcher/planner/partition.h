@@ -7,11 +7,13 @@
 #define MR_PARTITION_H
 
 /* General case by dynamic programming, O(k·n²): item costs cost[0..n-1]
- * in order, k chunks (k <= n).  Writes the first item of each chunk to
+ * in order, k chunks (k <= n), each at least one item.  Chunk j costs
+ * speed[j] times the sum of its items (a device that runs slower gets
+ * less; speed NULL: all 1).  Writes the first item of each chunk to
  * start[0..k-1] (start[0] = 0) and returns the largest chunk cost, or a
  * negative MR_E code (k out of range; n > MR_PARTITION_MAX_ITEMS). */
 #define MR_PARTITION_MAX_ITEMS 4096
-double mr_partition_dp(const double *cost, int n, int k, int *start);
+double mr_partition_dp(const double *cost, int n, int k, const double *speed, int *start);
 
 /* Uniform layers in closed form: l layers of cost c each over k chunks,
  * the first carrying an extra cost `first`, the last `last` (both when

@@ -258,9 +258,7 @@ static void init_search(struct search *se, const struct mr_plan_request *req,
                         struct mr_plan_result *out, int world) {
   memset(se, 0, sizeof *se);
   se->req = req;
-  se->w.model = req->model;
-  se->w.global_batch = req->train->global_batch;
-  se->w.seq_len = req->train->seq_len;
+  se->w = mr_workload_of(req->model, req->train, req->hint);
   if (req->hint != NULL) {
     se->h = *req->hint;
   } else {
@@ -384,7 +382,7 @@ int mr_plan_manual(const struct mr_plan_request *req, struct mr_strategy *out) {
                         (long long)req->train->global_batch, out->dp, out->micro_batches,
                         out->grad_accum_steps);
   out->micro_batch_size = (int)(req->train->global_batch / per);
-  struct mr_workload w = {req->model, req->train->global_batch, req->train->seq_len};
+  struct mr_workload w = mr_workload_of(req->model, req->train, req->hint);
   return mr_cost_check(&w, req->cluster, out);
 }
 
@@ -394,7 +392,7 @@ int mr_plan_choose(const struct mr_plan_request *req, struct mr_plan_candidate *
     int rc = mr_plan_manual(req, &out->strategy);
     if (rc < 0)
       return rc;
-    struct mr_workload w = {req->model, req->train->global_batch, req->train->seq_len};
+    struct mr_workload w = mr_workload_of(req->model, req->train, req->hint);
     mr_cost_evaluate(&w, req->cluster, &out->strategy, &out->cost);
     if (!out->cost.fits)
       return mr_error_set(MR_ENOFIT, "the job's strategy needs %.1f GiB per device, the "

@@ -329,8 +329,18 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
   int *counts = malloc((size_t)L->n_chunks * sizeof *counts);
   if (!counts)
     goto err;
-  if (mr_partition_uniform(n_layers, layer_f > 0 ? layer_f : 1, first_f, last_f, L->n_chunks,
-                           counts) < 0) {
+  const struct mr_strategy_hint *h = &job->strategy;
+  if (h->n_chunk_layers > 0 && h->n_chunk_layers != L->n_chunks) {
+    free(counts);
+    rc = mr_error_set(MR_EINVAL, "%s: strategy.pipeline_parallel.layers: expected %d entries "
+                      "(degree %d x virtual_stages %d), got %d", job->path, L->n_chunks,
+                      lay->pp, lay->vp, h->n_chunk_layers);
+    goto err;
+  }
+  if (h->n_chunk_layers > 0) { /* the job's split, checked against the model when read */
+    memcpy(counts, h->chunk_layers, (size_t)L->n_chunks * sizeof *counts);
+  } else if (mr_partition_uniform(n_layers, layer_f > 0 ? layer_f : 1, first_f, last_f,
+                                  L->n_chunks, counts) < 0) {
     free(counts);
     rc = mr_error_set(MR_EINVAL, "%s: cannot partition %d layers over %d chunks", job->path,
                       n_layers, L->n_chunks);
