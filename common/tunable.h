@@ -48,10 +48,14 @@
   XX(TEST_EXIT, "MESHRUN_TEST_EXIT", "",                                    \
      "test hook: \"RANK:STEP\" makes that rank exit 0 at that step, unreported") \
   XX(TEST_SLOW, "MESHRUN_TEST_SLOW", "",                                    \
-     "test hook: \"RANK:MS\" makes that rank MS ms slower every step")      \
+     "test hook: \"RANK:MS\" makes that rank MS ms slower every step, "     \
+     "\"RANK:xF\" every kernel of it F times slower")                       \
   XX(STRAGGLER_RATIO, "MESHRUN_STRAGGLER_RATIO", "1.3",                      \
      "a rank whose work per step (step time less communication wait) "      \
      "stays above this many times its stage's median is named slow")        \
+  XX(REBALANCE_GAIN, "MESHRUN_REBALANCE_GAIN", "0.15",                       \
+     "a pipeline whose layers, moved off its slow stages, would run at "    \
+     "least this share faster is re-balanced from a checkpoint (0: never)")  \
   XX(PROFILE, "MESHRUN_PROFILE", "0",                                        \
      "1: each rank times its instructions (the device synchronized after "  \
      "each) and logs seconds per step by instruction and op kind")          \

@@ -24,8 +24,12 @@
 #include "common/tunable.h"
 #include "launcher/conn.h"
 #include "launcher/ranks.h"
+#include "launcher/rebalance.h"
 #include "launcher/strategy_choice.h"
 #include "worker/comm/comm.h"
+
+/* Why a group stops to start again without a failure. */
+enum regroup { REGROUP_NONE = 0, REGROUP_NODES, REGROUP_BALANCE };
 
 enum phase {
   PHASE_RUNNING,   // the group is starting or training
@@ -84,7 +88,16 @@ struct coordinator {
   int failures;             // restarts after failures (--max-restarts)
   int growing;              // an elastic job takes in a node that joined:
   int64_t grow_step;        //   at a checkpoint of this step or later,
-  int regroup;              //   then it stops to start again, not a failure
+  enum regroup regroup;     //   then it stops to start again, not a failure
+  struct mr_split split;    // the running plan's layers per pipeline chunk
+  int split_known;          //   (read at the group's first balance check)
+  int balance_streak;       // balance checks in a row that found a faster split
+  int rebalancing;          // a re-balanced plan waits for its checkpoint,
+  int64_t rebalance_step;   //   of this step or later
+  char *rebalance_text;     // that plan and its programs' digests; once it
+  uint64_t *rebalance_digests; // runs, the plan_text and digests in use:
+  char *balanced_text;      //   kept here
+  uint64_t *balanced_digests;
   int stop_signal;          // SIGINT/SIGTERM that stopped us, or 0
   int exit_code;
   int next_conn_id;
@@ -457,7 +470,15 @@ static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) 
     begin_stop(co);
   } else if (co->growing && co->phase == PHASE_RUNNING && p->step >= co->grow_step) {
     co->growing = 0;
-    co->regroup = 1;
+    co->regroup = REGROUP_NODES;
+    begin_stop(co);
+  } else if (co->rebalancing && co->phase == PHASE_RUNNING && p->step >= co->rebalance_step) {
+    co->rebalancing = 0;
+    co->regroup = REGROUP_BALANCE;
+    free(co->balanced_text), free(co->balanced_digests);
+    co->balanced_text = co->rebalance_text, co->balanced_digests = co->rebalance_digests;
+    co->rebalance_text = NULL, co->rebalance_digests = NULL;
+    co->plan_text = co->balanced_text, co->digests = co->balanced_digests;
     begin_stop(co);
   }
 }
@@ -588,6 +609,81 @@ static void check_stragglers(struct coordinator *co) {
   free(others);
 }
 
+/* Layers per chunk as "4,4" into buf. */
+static void format_counts(const int *counts, int n, char *buf, size_t size) {
+  size_t at = 0;
+  buf[0] = '\0';
+  for (int i = 0; i < n && at + 12 < size; i++)
+    at += (size_t)snprintf(buf + at, size - at, "%s%d", i ? "," : "", counts[i]);
+}
+
+/* Re-balances a pipeline whose stages run at different speeds: when moving
+ * layers off the slow stages would make the slowest chunk at least
+ * MESHRUN_REBALANCE_GAIN faster, in STRAGGLER_STREAK checks running, a
+ * checkpoint is written and the group starts again from it with the new
+ * split (not a failure).  A job that fixes its split keeps it. */
+static void check_balance(struct coordinator *co) {
+  const struct mr_job *job = co->opts->job;
+  double min_gain = atof(mr_tunable_str(MR_TUNABLE_REBALANCE_GAIN));
+  if (job == NULL || job->checkpoint.dir == NULL || job->strategy.n_chunk_layers > 0 ||
+      !(min_gain > 0) || co->plan_text == NULL || co->rebalancing || co->preempting ||
+      co->growing || co->phase != PHASE_RUNNING || co->ranks.waiting_restart)
+    return;
+  if (!co->split_known) {
+    co->split_known = 1;
+    if (mr_split_of_plan(job, co->plan_text, co->world, &co->split) < 0)
+      mr_split_close(&co->split); /* pp stays 0: nothing to balance */
+  }
+  int pp = co->split.pp, k = pp * co->split.vp;
+  if (pp < 2 || job->train.steps - newest_step(co) < 4 * STRAGGLER_EVERY)
+    return;
+  double *busy = calloc((size_t)pp, sizeof *busy), *slowness = calloc((size_t)pp, sizeof *slowness);
+  int *counts = calloc((size_t)k, sizeof *counts);
+  int ready = busy != NULL && slowness != NULL && counts != NULL;
+  for (int i = 0; ready && i < co->world; i++) {
+    const struct mr_rank *r = &co->ranks.r[i];
+    if (r->busy_n < 2 * STRAGGLER_EVERY || r->stage < 0 || r->stage >= pp)
+      ready = 0;
+    else
+      busy[r->stage] = fmax(busy[r->stage], r->busy_s);
+  }
+  struct mr_rebalance_in in = {pp, co->split.vp, co->split.n_layers, co->split.counts,
+                               co->split.layer, co->split.first, co->split.last, busy};
+  struct mr_rebalance_out out = {slowness, counts, 0, 0, 0};
+  if (ready && mr_rebalance(&in, &out) == 0 &&
+      memcmp(counts, co->split.counts, (size_t)k * sizeof *counts) != 0 && out.gain >= min_gain)
+    co->balance_streak++;
+  else
+    co->balance_streak = 0;
+  if (co->balance_streak >= STRAGGLER_STREAK) {
+    co->balance_streak = 0;
+    uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
+    char *text = digests != NULL ? mr_plan_with_split(job, co->plan_text, co->world, counts, k,
+                                                      digests) : NULL;
+    char speeds[256] = "", was[256], now[256];
+    for (int s = 0; s < pp && strlen(speeds) + 16 < sizeof speeds; s++)
+      snprintf(speeds + strlen(speeds), sizeof speeds - strlen(speeds), "%s%.2f",
+               s ? ", " : "", slowness[s]);
+    format_counts(co->split.counts, k, was, sizeof was);
+    format_counts(counts, k, now, sizeof now);
+    if (text == NULL) {
+      MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work %s) but "
+              "layers %s cannot be lowered: %s", speeds, now, mr_error_message());
+      free(digests);
+    } else {
+      MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work by stage: "
+              "%s): moving layers %s -> %s paces it %.0f%% faster; writing a checkpoint, then "
+              "starting again", speeds, was, now, 100.0 * out.gain);
+      free(co->rebalance_text), free(co->rebalance_digests);
+      co->rebalance_text = text, co->rebalance_digests = digests;
+      co->rebalancing = 1;
+      co->rebalance_step = newest_step(co);
+      mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
+    }
+  }
+  free(busy), free(slowness), free(counts);
+}
+
 static void on_metrics(struct coordinator *co, struct mr_conn *c,
                        const Meshrun__Metrics *m) {
   struct mr_rank *r = &co->ranks.r[c->rank];
@@ -595,8 +691,10 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
   busy = busy > 0 ? busy : 0;
   r->busy_s = r->busy_n++ == 0 ? busy : 0.8 * r->busy_s + 0.2 * busy;
   r->stage = m->stage;
-  if (c->rank == 0 && m->step % STRAGGLER_EVERY == 0)
+  if (c->rank == 0 && m->step % STRAGGLER_EVERY == 0) {
     check_stragglers(co);
+    check_balance(co);
+  }
   r->step = m->step;
   if (m->peak_memory_bytes > r->peak_memory)
     r->peak_memory = m->peak_memory_bytes;
@@ -869,6 +967,10 @@ static int start_group(struct coordinator *co) {
   co->failure[0] = '\0';
   co->failed_rank = -1;
   co->growing = 0;
+  co->rebalancing = 0;
+  co->balance_streak = 0;
+  co->split_known = 0;
+  mr_split_close(&co->split);
   if (elastic(co) && nodes_connected(co) < co->nnodes) { /* wait for the others a while */
     co->gathering = 1;
     co->gather_ms = mr_clock_ms();
@@ -913,10 +1015,11 @@ static void group_stopped(struct coordinator *co) {
     finish(co, 128 + co->stop_signal);
     return;
   }
-  if (co->regroup) { /* stopped to take in a node: not a failure */
-    co->regroup = 0;
+  if (co->regroup != REGROUP_NONE) { /* not a failure */
+    MR_WARN("launch", "starting the group again %s", co->regroup == REGROUP_NODES
+            ? "with the nodes that have joined" : "with the pipeline re-balanced");
+    co->regroup = REGROUP_NONE;
     co->restart++;
-    MR_WARN("launch", "starting the group again with the nodes that have joined");
     co->phase = PHASE_RUNNING;
     co->failed_rank = -1;
     start_group(co);
@@ -1242,6 +1345,9 @@ close_loop:
   uv_loop_close(&co->loop);
 out:
   sodium_memzero(co->token, sizeof co->token);
+  mr_split_close(&co->split);
+  free(co->rebalance_text), free(co->rebalance_digests);
+  free(co->balanced_text), free(co->balanced_digests);
   mr_strategy_choice_close(&co->replan);
   free(co->replan_text);
   free(co->group_nodes);

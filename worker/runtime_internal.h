@@ -50,6 +50,7 @@ struct mr_runtime {
   struct mr_adamw adamw;
   int64_t inject_step;
   int slow_ms;                   // test hook: sleep this long every step
+  double slow_factor;            // test hook: every kernel takes this many times as long
   int overlap;                  // MESHRUN_GRAD_SYNC_OVERLAP
   double comm_wait_s;           // this step
   const struct mr_reporter *rep;

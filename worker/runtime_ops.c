@@ -1,8 +1,10 @@
 /* runtime_ops.c - the runtime's instructions and the optimizer step. */
 #include <math.h>
 #include <stdlib.h>
+#include <time.h>
 
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/ops.h"
@@ -80,7 +82,13 @@ int mr__rt_kernel(struct mr_runtime *rt, const struct mr_ins *in, const struct m
   if (fn == NULL)
     return mr_error_set(MR_ENOTSUP, "op %s has no %s kernel", mr_op_def(op->kind)->name,
                         rt->be->ops->name);
+  double t0 = rt->slow_factor > 1 ? mr_clock_s() : 0;
   int rc = fn(rt->be->ops->kernel_ctx(rt->be), lg, op, bufs);
+  if (rt->slow_factor > 1) { /* test hook: a device this many times slower */
+    double extra = (rt->slow_factor - 1) * (mr_clock_s() - t0);
+    struct timespec ts = {(time_t)extra, (long)((extra - floor(extra)) * 1e9)};
+    nanosleep(&ts, NULL);
+  }
   if (rc < 0)
     MR_ERROR("exec", "op %d (%s -> %s): %s", in->op, mr_op_def(op->kind)->name,
              lg->tensors[op->out[0]].name, mr_error_message());

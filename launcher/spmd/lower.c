@@ -326,6 +326,7 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
     else if (l == 0)
       layer_f += f;
   }
+  L->layer_flops = layer_f, L->first_flops = first_f, L->last_flops = last_f;
   int *counts = malloc((size_t)L->n_chunks * sizeof *counts);
   if (!counts)
     goto err;

@@ -88,6 +88,9 @@ struct mr_lowered {
   int *op_layer;                  // [n_ops] -1: embedding, layers: head
   int *chunk_first_layer;         // [n_chunks + 1] layers of chunk c:
                                   //   [first[c], first[c + 1])
+  double layer_flops;             // forward FLOPs of one layer, of what the
+  double first_flops, last_flops; //   first chunk adds (embedding) and the
+                                  //   last (final norm, head, loss)
   struct mr_mesh mesh;            // one stage: data x model (dims > 1)
   int data_dim, model_dim;        // in mesh, -1 when absent
   struct mr_dist_graph dg;

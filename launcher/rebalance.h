@@ -1,0 +1,58 @@
+/* rebalance.h - moving pipeline layers off a stage that runs slow.
+ *
+ * Every micro-batch passes through every pipeline stage, so a stage that
+ * takes longer for its share of the work (a throttled GPU, a busy node)
+ * holds up the whole pipeline.  From each stage's measured work per step
+ * (step time less communication wait) and the work the split gives it,
+ * each stage's slowness relative to the fastest; then the split of layers
+ * over the chunks that is fastest at those speeds (launcher/planner/
+ * partition.h, weighted) and the share of the step it saves.  The cost of
+ * a chunk is its layers' work, the embedding's on the first chunk and the
+ * head's on the last; the slowest chunk paces the pipeline, as in the cost
+ * model (docs/PLANNER.md, "Pipeline schedule").  mr_rebalance is pure
+ * arithmetic; the split of a plan and a plan with another split are read
+ * and written by lowering the plan as every rank does. */
+#ifndef MR_REBALANCE_H
+#define MR_REBALANCE_H
+
+#include <stdint.h>
+
+#include "common/job.h"
+
+struct mr_rebalance_in {
+  int pp, vp;                 // pipeline degree, chunks per stage (chunk c on stage c % pp)
+  int n_layers;
+  const int *counts;          // [pp * vp] layers of each chunk now
+  double layer, first, last;  // work of a layer, of the embedding, of the head
+  const double *busy;         // [pp] each stage's measured work per step, s
+};
+
+struct mr_rebalance_out {
+  double *slowness;           // [pp] time per unit of work over the fastest stage's
+  int *counts;                // [pp * vp] the split fastest at those speeds
+  double now, then;           // the slowest chunk's time, this split and that one
+  double gain;                // 1 - then / now: the share of the pipeline's pace saved
+};
+
+/* Fills out (arrays caller-allocated).  Returns 0, or MR_EINVAL when the
+ * input cannot be weighed (a stage with no measured work, layers that do
+ * not add up). */
+int mr_rebalance(const struct mr_rebalance_in *in, struct mr_rebalance_out *out);
+
+/* The split of a plan (a job's canonical text with its strategy fixed, as
+ * the workers get it; `job` names it in messages) on world ranks.  */
+struct mr_split {
+  int pp, vp, n_layers;
+  int *counts;                // [pp * vp]
+  double layer, first, last;  // forward FLOPs (struct mr_lowered)
+};
+int mr_split_of_plan(const struct mr_job *job, const char *plan, int world, struct mr_split *out);
+void mr_split_close(struct mr_split *s);
+
+/* The plan with strategy.pipeline_parallel.layers set to counts[n],
+ * lowered for every rank and checked; their program digests into
+ * digests[world].  Returns a new malloc'd text, or NULL with a message. */
+char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
+                         const int *counts, int n, uint64_t *digests);
+
+#endif

@@ -1,0 +1,234 @@
+/* test_rebalance.c - a pipeline stage that runs slow has layers moved off
+ * it: the split at measured speeds worked by hand, the plan with another
+ * split, and a real run whose second stage is made four times slower
+ * (MESHRUN_TEST_SLOW=1:x4), which the launcher re-balances from a
+ * checkpoint to a faster step and the losses of a run never slowed. */
+#include <check.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "check_main.h"
+#include "common/error.h"
+#include "common/job.h"
+#include "launcher/rebalance.h"
+#include "testutil.h"
+
+#define NEAR(a, b)                                                                     \
+  ck_assert_msg(fabs((double)(a) - (b)) < 1e-9, "%s = %g, expected %g", #a, (double)(a), \
+                (double)(b))
+
+/* By hand.  Two stages of 4 unit layers, the second measured 4x slower
+ * for its work: split a + (8 - a) costs max(a, 4(8 - a)), least at a = 7
+ * (7 against 4; a = 6 costs 8), where 4 + 4 cost 16: 1 - 7/16 saved. */
+START_TEST(test_rebalance_by_hand) {
+  int now[4] = {4, 4}, to[4];
+  double busy[2] = {4, 16}, slow[2];
+  struct mr_rebalance_in in = {2, 1, 8, now, 1, 0, 0, busy};
+  struct mr_rebalance_out out = {slow, to, 0, 0, 0};
+  ck_assert_int_eq(mr_rebalance(&in, &out), 0);
+  NEAR(slow[0], 1);
+  NEAR(slow[1], 4);
+  ck_assert_int_eq(to[0], 7);
+  ck_assert_int_eq(to[1], 1);
+  NEAR(out.now, 16);
+  NEAR(out.then, 7);
+  NEAR(out.gain, 1 - 7.0 / 16);
+  /* Equal speeds with an embedding of 0.5 and a head of 1.5 layers: 2 + 2
+   * measures 2.5 and 3.5, the same speed, and no split beats its 3.5. */
+  double busy2[2] = {2.5 * 3, 3.5 * 3};
+  struct mr_rebalance_in in2 = {2, 1, 4, (int[]){2, 2}, 1, 0.5, 1.5, busy2};
+  ck_assert_int_eq(mr_rebalance(&in2, &out), 0);
+  NEAR(slow[0], 1);
+  NEAR(slow[1], 1);
+  NEAR(out.now, 3.5);
+  NEAR(out.then, 3.5);
+  NEAR(out.gain, 0);
+  /* Interleaved, 2 stages x 2 chunks of 2 layers, stage 1 twice as slow
+   * (it measures 8 for 4 layers): chunks cost a, 2b, c, 2d; 3 + 1 + 3 + 1
+   * holds 8 layers at 3, nothing below 3 does, and 2 each paces at 4. */
+  int four[4] = {2, 2, 2, 2};
+  double busy3[2] = {4, 8};
+  struct mr_rebalance_in in3 = {2, 2, 8, four, 1, 0, 0, busy3};
+  ck_assert_int_eq(mr_rebalance(&in3, &out), 0);
+  ck_assert_int_eq(to[0], 3);
+  ck_assert_int_eq(to[1], 1);
+  ck_assert_int_eq(to[2], 3);
+  ck_assert_int_eq(to[3], 1);
+  NEAR(out.now, 4);
+  NEAR(out.then, 3);
+  NEAR(out.gain, 0.25);
+  /* a stage with no measured work cannot be weighed */
+  double none[2] = {4, 0};
+  in.busy = none;
+  ck_assert_int_eq(mr_rebalance(&in, &out), MR_EINVAL);
+}
+END_TEST
+
+/* An 8-layer LLaMA over a 2-stage pipeline, `steps` steps, checkpoints
+ * every 10; written to dir/NAME. */
+static void write_job(const char *dir, const char *name, int steps, const char *layers) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/train.bin", dir);
+  if (access(path, F_OK) != 0)
+    mr_t_write_tokens(path, 40000);
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fprintf(f,
+          "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"
+          " \"intermediate_size\": 128, \"num_hidden_layers\": 8, \"num_attention_heads\": 4,"
+          " \"max_position_embeddings\": 32},"
+          " \"data\": {\"train\": \"train.bin\"},"
+          " \"train\": {\"steps\": %d, \"global_batch\": 8, \"seq_len\": 32, \"lr\": 0.003,"
+          " \"seed\": 11},"
+          " \"checkpoint\": {\"dir\": \"%s/ckpt-%s\", \"save_interval_steps\": 10},"
+          " \"strategy\": {\"auto_mode\": \"manual\", \"pipeline_parallel\": {\"degree\": 2,"
+          " \"micro_batches\": 4%s%s}}}\n",
+          steps, dir, name, layers ? ", \"layers\": " : "", layers ? layers : "");
+  fclose(f);
+}
+
+START_TEST(test_rebalance_plan_with_split) {
+  char dir[64], path[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  write_job(dir, "job.json", 4, NULL);
+  snprintf(path, sizeof path, "%s/job.json", dir);
+  struct mr_job job;
+  ck_assert_msg(mr_job_load(path, &job) == 0, "%s", mr_error_message());
+  struct mr_split s;
+  ck_assert_msg(mr_split_of_plan(&job, job.text, 2, &s) == 0, "%s", mr_error_message());
+  ck_assert_int_eq(s.pp, 2);
+  ck_assert_int_eq(s.vp, 1);
+  ck_assert_int_eq(s.n_layers, 8);
+  ck_assert_int_eq(s.counts[0] + s.counts[1], 8);
+  ck_assert(s.layer > 0 && s.last > 0);
+  mr_split_close(&s);
+  uint64_t digests[2] = {0, 0};
+  char *text = mr_plan_with_split(&job, job.text, 2, (int[]){7, 1}, 2, digests);
+  ck_assert_msg(text != NULL, "%s", mr_error_message());
+  ck_assert(digests[0] != 0 && digests[1] != 0 && digests[0] != digests[1]);
+  ck_assert_int_eq(mr_split_of_plan(&job, text, 2, &s), 0);
+  ck_assert_int_eq(s.counts[0], 7);
+  ck_assert_int_eq(s.counts[1], 1);
+  mr_split_close(&s);
+  /* a split the plan cannot run is refused, naming the field */
+  free(text);
+  text = mr_plan_with_split(&job, job.text, 2, (int[]){8, 0}, 2, digests);
+  ck_assert_ptr_null(text);
+  ck_assert_msg(strstr(mr_error_message(), "pipeline_parallel.layers") != NULL, "%s",
+                mr_error_message());
+  mr_job_close(&job);
+}
+END_TEST
+
+struct step_line {
+  double loss, time;
+  int restart, seen;
+};
+
+/* metrics.jsonl by step (a step run twice, before and after a restart:
+ * the later line) into at[1..max]. */
+static void read_steps(const char *path, struct step_line *at, int max) {
+  char *s = mr_t_slurp(path), *save = NULL;
+  for (char *line = strtok_r(s, "\n", &save); line != NULL; line = strtok_r(NULL, "\n", &save)) {
+    char *st = strstr(line, "\"step\": "), *l = strstr(line, "\"loss\": ");
+    char *t = strstr(line, "\"step_time_s\": "), *r = strstr(line, "\"restart\": ");
+    if (st == NULL || l == NULL || t == NULL || r == NULL)
+      continue;
+    int step = atoi(st + 8);
+    if (step < 1 || step > max)
+      continue;
+    at[step] = (struct step_line){atof(l + 8), atof(t + 15), atoi(r + 11), 1};
+  }
+  free(s);
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* The median step time of steps [from, to] run by group `restart`. */
+static double median_time(const struct step_line *at, int from, int to, int restart) {
+  double v[128];
+  int n = 0;
+  for (int s = from; s <= to && n < 128; s++)
+    if (at[s].seen && at[s].restart == restart)
+      v[n++] = at[s].time;
+  ck_assert_int_gt(n, 4);
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return v[n / 2];
+}
+
+static char *run(const char *dir, const char *name, const char *slow, int *code) {
+  char logdir[300], jobf[300];
+  snprintf(logdir, sizeof logdir, "%s/logs-%s", dir, name);
+  snprintf(jobf, sizeof jobf, "%s/%s", dir, name);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--threads", "1",
+                  "--log-dir", logdir, jobf, NULL};
+  static char hook[64];
+  snprintf(hook, sizeof hook, "MESHRUN_TEST_SLOW=%s", slow ? slow : "");
+  char *env[] = {hook, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, env);
+  *code = mr_t_wait(&p, 240);
+  return mr_t_slurp(p.err_path);
+}
+
+/* Stage 1 made 4x slower: the launcher moves its layers to stage 0 from a
+ * checkpoint, once; the steps after run faster than before, and every
+ * step's loss is the loss of the same job never slowed (which nothing
+ * re-balances). */
+START_TEST(test_rebalance_slow_stage_gets_fewer_layers) {
+  enum { STEPS = 60 };
+  char dir[64], path[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  write_job(dir, "ref.json", STEPS, NULL);
+  write_job(dir, "slow.json", STEPS, NULL);
+  int code;
+  char *err = run(dir, "ref.json", NULL, &code);
+  ck_assert_msg(code == 0, "reference: exit %d\n%s", code, err);
+  ck_assert_msg(strstr(err, "unbalanced") == NULL, "re-balanced without a slow stage:\n%s", err);
+  free(err);
+  err = run(dir, "slow.json", "1:x4", &code);
+  ck_assert_msg(code == 0, "slowed: exit %d\n%s", code, err);
+  ck_assert_msg(strstr(err, "moving layers 4,4 -> 7,1") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "starting the group again with the pipeline re-balanced") != NULL,
+                "%s", err);
+  const char *once = strstr(err, "unbalanced");
+  ck_assert_msg(strstr(once + 1, "unbalanced") == NULL, "re-balanced twice:\n%s", err);
+  free(err);
+  static struct step_line ref[STEPS + 1], slow[STEPS + 1];
+  snprintf(path, sizeof path, "%s/logs-ref.json/metrics.jsonl", dir);
+  read_steps(path, ref, STEPS);
+  snprintf(path, sizeof path, "%s/logs-slow.json/metrics.jsonl", dir);
+  read_steps(path, slow, STEPS);
+  for (int s = 1; s <= STEPS; s++) {
+    ck_assert_msg(ref[s].seen && slow[s].seen, "step %d missing", s);
+    ck_assert_msg(fabs(ref[s].loss - slow[s].loss) <= 1e-5 * fabs(ref[s].loss),
+                  "step %d: loss %.7f re-balanced, %.7f never slowed", s, slow[s].loss,
+                  ref[s].loss);
+  }
+  ck_assert_int_eq(slow[5].restart, 0);
+  ck_assert_int_eq(slow[STEPS].restart, 1);
+  double before = median_time(slow, 5, 20, 0), after = median_time(slow, 35, STEPS, 1);
+  ck_assert_msg(after < 0.8 * before, "step %.1f ms after re-balancing, %.1f ms before",
+                after * 1e3, before * 1e3);
+}
+END_TEST
+
+static Suite *rebalance_suite(void) {
+  Suite *s = suite_create("rebalance");
+  TCase *tc = tcase_create("rebalance");
+  tcase_set_timeout(tc, 300);
+  tcase_add_test(tc, test_rebalance_by_hand);
+  tcase_add_test(tc, test_rebalance_plan_with_split);
+  tcase_add_test(tc, test_rebalance_slow_stage_gets_fewer_layers);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+MR_TEST_MAIN(rebalance_suite)
