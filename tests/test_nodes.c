@@ -121,6 +121,17 @@ static void expect_exit(struct mr_tproc *p, int want, const char *who, double ti
   free(err);
 }
 
+/* Waits for text in file; on timeout fails showing what node 0 (and `other`,
+ * when not NULL) said. */
+static void wait_text(const char *file, const char *text, struct mr_tproc *n0,
+                      struct mr_tproc *other) {
+  if (mr_t_wait_for_text(file, text, 60) >= 0)
+    return;
+  char *e0 = mr_t_slurp(n0->err_path), *e1 = mr_t_slurp(other ? other->err_path : "");
+  ck_assert_msg(0, "no \"%s\" in %s within 60 s; node 0:\n%s\nthe other:\n%s", text, file, e0,
+                e1);
+}
+
 static void stderr_has(struct mr_tproc *p, const char *text) {
   char *err = mr_t_slurp(p->err_path);
   ck_assert_msg(strstr(err, text) != NULL, "expected \"%s\" in:\n%s", text, err);
@@ -203,7 +214,7 @@ START_TEST(test_nodes_a_remote_rank_dies_and_both_nodes_restart) {
   node(&n0, dir, "job.json", 0, port, "token", "n0", restarts);
   node(&n1, dir, "job.json", 1, port, "token", "n1", NULL);
   snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
-  ck_assert_msg(mr_t_wait_for_text(metrics, "\"step\": 12,", 60) >= 0, "never reached step 12");
+  wait_text(metrics, "\"step\": 12,", &n0, &n1);
   pid_t kids[8];
   ck_assert_int_eq(mr_t_children(n1.pid, kids, 8), 2);
   kill(kids[1], SIGKILL);
@@ -308,7 +319,7 @@ START_TEST(test_nodes_preemption_checkpoints_and_every_node_exits_0) {
   node(&n0, dir, "job.json", 0, port, "token", "n0", NULL);
   node(&n1, dir, "job.json", 1, port, "token", "n1", NULL);
   snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
-  ck_assert_msg(mr_t_wait_for_text(metrics, "\"step\": 7,", 60) >= 0, "never reached step 7");
+  wait_text(metrics, "\"step\": 7,", &n0, &n1);
   double t0 = mr_t_now();
   kill(n1.pid, SIGTERM);
   kill(n0.pid, SIGTERM);
@@ -372,10 +383,9 @@ START_TEST(test_nodes_elastic_goes_on_without_a_lost_node) {
   node(&n[2], dir, "job.json", 2, port, "token", "n2", others);
   node(&n[0], dir, "job.json", 0, port, "token", "n0", first);
   nnodes_arg = nproc_arg = "2";
-  ck_assert_msg(mr_t_wait_for_text(n[2].err_path, "starting ranks 2..2 of 3", 60) >= 0,
-                "node 2 never started its rank");
+  wait_text(n[2].err_path, "starting ranks 2..2 of 3", &n[0], &n[2]);
   snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
-  ck_assert_msg(mr_t_wait_for_text(metrics, "\"step\": 8,", 60) >= 0, "never reached step 8");
+  wait_text(metrics, "\"step\": 8,", &n[0], &n[2]);
   kill(n[2].pid, SIGKILL);
   expect_exit(&n[0], 0, "node 0", 120);
   expect_exit(&n[1], 0, "node 1", 30);
@@ -406,7 +416,7 @@ START_TEST(test_nodes_elastic_takes_in_a_late_node) {
   node(&n[1], dir, "job.json", 1, port, "token", "n1", others); /* it waits for node 0 */
   node(&n[0], dir, "job.json", 0, port, "token", "n0", first);
   snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
-  ck_assert_msg(mr_t_wait_for_text(metrics, "\"step\": 6,", 60) >= 0, "never reached step 6");
+  wait_text(metrics, "\"step\": 6,", &n[0], &n[1]);
   node(&n[2], dir, "job.json", 2, port, "token", "n2", others);
   nnodes_arg = nproc_arg = "2";
   expect_exit(&n[0], 0, "node 0", 120);
