@@ -3,6 +3,7 @@
 
 #include <cjson/cJSON.h>
 #include <limits.h>
+#include <math.h>
 #include <regex.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -147,12 +148,14 @@ static void parse_chunk_layers(struct mr_jv *jv, const cJSON *pp, struct mr_stra
                 h->pp * v, h->pp, v, n);
     return;
   }
-  if ((h->chunk_layers = malloc((size_t)n * sizeof *h->chunk_layers)) == NULL)
+  if ((h->chunk_layers = malloc((size_t)n * sizeof *h->chunk_layers)) == NULL) {
+    mr_jv_error(jv, path, "layers", "out of memory");
     return;
+  }
   for (int i = 0; i < n; i++) {
     const cJSON *x = cJSON_GetArrayItem(a, i);
-    if (!cJSON_IsNumber(x) || x->valuedouble != (double)(int)x->valuedouble ||
-        x->valuedouble < 1 || x->valuedouble > 1e6) {
+    if (!cJSON_IsNumber(x) || !(x->valuedouble >= 1 && x->valuedouble <= 1e6) ||
+        x->valuedouble != floor(x->valuedouble)) {
       char shown[96], key[32];
       snprintf(key, sizeof key, "layers[%d]", i);
       mr_jv_error(jv, path, key, "expected a positive layer count, got %s",
@@ -257,6 +260,72 @@ static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_
     h->mapping = map;
 }
 
+/* Roughly how many nodes regcomp builds for an extended regex: an atom
+ * counts one, and a repetition copies what it repeats — glibc expands
+ * "x+" to "xx*" and "x{m,n}" to n copies — so stacked or nested
+ * repetitions multiply ("a+++…" doubles per "+").  Bracket expressions and
+ * escapes are one atom; what regcomp would refuse is left to it. */
+#define REGEX_MAX_NODES 4096.0
+static double regex_nodes(const char *re) {
+  double outer[32], cur = 0, last = 0; /* a group's total before it; the last element */
+  int depth = 0;
+  for (const char *p = re; *p != '\0'; p++) {
+    switch (*p) {
+    case '\\':
+      p += p[1] != '\0';
+      cur += 1, last = 1;
+      break;
+    case '[': {
+      const char *q = p + 1;
+      q += *q == '^';
+      q += *q == ']';
+      while (*q != '\0' && *q != ']')
+        q += (*q == '[' && (q[1] == ':' || q[1] == '.' || q[1] == '=')) ? 2 : 1;
+      if (*q == '\0')
+        return cur + 1;
+      p = q;
+      cur += 1, last = 1;
+      break;
+    }
+    case '(':
+      if (depth == 32)
+        return INFINITY;
+      outer[depth++] = cur;
+      cur = 0;
+      break;
+    case ')':
+      if (depth > 0) {
+        last = cur;
+        cur = outer[--depth] + last;
+      }
+      break;
+    case '+':
+      cur += last, last *= 2;
+      break;
+    case '{': {
+      long m = strtol(p + 1, (char **)&p, 10), n = m;
+      if (*p == ',')
+        n = p[1] == '}' ? m + 1 : strtol(p + 1, (char **)&p, 10);
+      if (*p != '}' && (p = strchr(p, '}')) == NULL)
+        return cur;
+      double k = (double)(n > m ? n : m);
+      k = k < 1 ? 1 : k;
+      cur += last * (k - 1), last *= k;
+      break;
+    }
+    case '*':
+    case '?':
+    case '|':
+      break;
+    default:
+      cur += 1, last = 1;
+    }
+  }
+  while (depth > 0)
+    cur += outer[--depth];
+  return cur;
+}
+
 static void parse_shard_rules(struct mr_jv *jv, const cJSON *arr, struct mr_job *job) {
   if (!cJSON_IsArray(arr)) {
     mr_jv_error(jv, "", "shard_rules", "expected an array of {match, placements}");
@@ -280,8 +349,13 @@ static void parse_shard_rules(struct mr_jv *jv, const cJSON *arr, struct mr_job 
     const char *match = NULL;
     if (mr_jv_str(jv, r, path, "match", &match) == 1) {
       regex_t re;
-      int rc = regcomp(&re, match, REG_EXTENDED | REG_NOSUB);
-      if (rc != 0) {
+      double nodes = regex_nodes(match);
+      int rc = nodes <= REGEX_MAX_NODES ? regcomp(&re, match, REG_EXTENDED | REG_NOSUB) : 0;
+      if (nodes > REGEX_MAX_NODES) {
+        mr_jv_error(jv, path, "match", "expected a regex of at most %.0f atoms with its "
+                    "repetitions expanded (\"x+\" is x twice, \"x{n}\" n times), got about %.3g",
+                    REGEX_MAX_NODES, nodes);
+      } else if (rc != 0) {
         char msg[128];
         regerror(rc, &re, msg, sizeof msg);
         mr_jv_error(jv, path, "match", "expected a POSIX extended regex: %s", msg);

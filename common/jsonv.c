@@ -240,6 +240,12 @@ int mr_read_file(const char *path, char **text, size_t *len) {
       return mr_error_set(MR_ENOMEM, "%s: out of memory", path);
     }
     n += fread(buf + n, 1, cap - n - 1, f);
+    if (n > MR_TEXT_FILE_MAX) { /* /dev/zero, a log given by mistake */
+      free(buf);
+      fclose(f);
+      return mr_error_set(MR_EINVAL, "%s: expected a JSON file of at most %d MiB",
+                          path, MR_TEXT_FILE_MAX >> 20);
+    }
     if (n < cap - 1)
       break;
     cap *= 2;

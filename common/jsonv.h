@@ -69,7 +69,10 @@ const char *mr_jv_show(const struct cJSON *v, char *buf, size_t n);
 const char *mr_jv_join(char *buf, size_t n, const char *path, const char *key);
 
 /* Reads a whole file into a NUL-terminated malloc'd buffer.  Returns 0,
- * MR_ENOENT or MR_EIO with a message naming the file. */
+ * MR_ENOENT or MR_EIO with a message naming the file, or MR_EINVAL for one
+ * larger than MR_TEXT_FILE_MAX (every file read so is a JSON document:
+ * a job, a model config, a cluster spec). */
+#define MR_TEXT_FILE_MAX (64 << 20)
 int mr_read_file(const char *path, char **text, size_t *len);
 
 /* Reads and parses a JSON file.  A syntax error is MR_EJOB with the line

@@ -152,6 +152,16 @@ START_TEST(test_job_out_of_range_and_inconsistent_values) {
   const char *w7[] = {"shard_rules[0].match: expected a POSIX extended regex", NULL};
   expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"shard_rules\": [{\"match\": \"q(\","
                " \"placements\": {\"model\": \"Shard(0)\"}}]}", w7);
+  const char *w11[] = {"job.json: model: /dev/zero: expected a JSON file of at most 64 MiB", NULL};
+  expect_error("{\"model\": \"/dev/zero\", \"data\": {\"train\": \"t\"}}", w11);
+  /* repetitions regcomp expands by copying (exponential when stacked) */
+  const char *w12[] = {"shard_rules[0].match: expected a regex of at most 4096 atoms with its "
+                       "repetitions expanded", "got about 1.05e+06", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"shard_rules\": [{\"match\": "
+               "\"k_pro++++++++++++++++++++\", \"placements\": {\"model\": \"Shard(0)\"}}]}", w12);
+  const char *w13[] = {"shard_rules[0].match: expected a regex of at most 4096 atoms", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"shard_rules\": [{\"match\": "
+               "\"((q{100}){100})\", \"placements\": {\"model\": \"Shard(0)\"}}]}", w13);
   const char *w8[] = {"job.json: data: missing", NULL};
   expect_error("{\"model\": %s%s}", w8);
   const char *w9[] = {"train.betas: expected each in [0, 1)", NULL};
