@@ -94,6 +94,53 @@ START_TEST(test_plan_cli_json_has_the_job_field_names) {
 }
 END_TEST
 
+/* The 18.4B model (40 layers) on t 8 x p 2: a job that fixes the split at
+ * 30 + 10 layers gets it in --json (strategy and layers_per_chunk) and a
+ * step paced by a 30-layer chunk, about 30/20 of the balanced split's
+ * pipeline (the search, on the same degrees, splits 20 + 20). */
+static double plan_18b_p2(const char *layers, int *first) {
+  char model[600], text[1200], path[600];
+  megatron("gpt-18.4b.json", model, sizeof model);
+  snprintf(text, sizeof text,
+           "{\"model\": \"%s\", \"data\": {\"train\": \"unused.bin\"},"
+           " \"train\": {\"global_batch\": 1024, \"seq_len\": 2048},"
+           " \"cluster\": \"%s/configs/clusters/a100-80g-node.json\","
+           " \"strategy\": {\"auto_mode\": \"semi\", \"tensor_parallel\": {\"degree\": 8},"
+           " \"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 32%s%s},"
+           " \"recompute\": {\"enable\": true, \"granularity\": \"full\"},"
+           " \"amp\": {\"dtype\": \"fp16\"}, \"sharding\": {\"stage\": 0}}}",
+           model, getenv("MESHRUN_SOURCE_DIR"), layers ? ", \"layers\": " : "",
+           layers ? layers : "");
+  write_file("split.json", text, path, sizeof path);
+  const char *args[] = {path, "--nproc", "256", "--json", NULL};
+  char *out, *err;
+  ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
+  cJSON *j = cJSON_Parse(out);
+  ck_assert_msg(j != NULL, "not JSON: %s", out);
+  const cJSON *lp = cJSON_GetObjectItem(j, "layers_per_chunk");
+  ck_assert_int_eq(cJSON_GetArraySize(lp), 2);
+  *first = cJSON_GetArrayItem(lp, 0)->valueint;
+  const cJSON *fixed = cJSON_GetObjectItem(
+      cJSON_GetObjectItem(cJSON_GetObjectItem(j, "strategy"), "pipeline_parallel"), "layers");
+  ck_assert(layers != NULL ? cJSON_GetArraySize(fixed) == 2 : fixed == NULL);
+  double step = cJSON_GetObjectItem(j, "step_time_s")->valuedouble;
+  cJSON_Delete(j);
+  free(out), free(err);
+  return step;
+}
+
+START_TEST(test_plan_cli_fixed_layer_split) {
+  mr_t_tmpdir(dir, sizeof dir);
+  int first;
+  double balanced = plan_18b_p2(NULL, &first);
+  ck_assert_int_eq(first, 20);
+  double fixed = plan_18b_p2("[30, 10]", &first);
+  ck_assert_int_eq(first, 30);
+  ck_assert_msg(fixed > 1.25 * balanced && fixed < 1.5 * balanced,
+                "30 + 10 layers: %.2f s a step, 20 + 20: %.2f s", fixed, balanced);
+}
+END_TEST
+
 START_TEST(test_plan_cli_text_explains_and_times_itself) {
   mr_t_tmpdir(dir, sizeof dir);
   char job[600];
@@ -539,6 +586,7 @@ static Suite *plan_cli_suite(void) {
   TCase *tc = tcase_create("cli");
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, test_plan_cli_json_has_the_job_field_names);
+  tcase_add_test(tc, test_plan_cli_fixed_layer_split);
   tcase_add_test(tc, test_plan_cli_text_explains_and_times_itself);
   tcase_add_test(tc, test_plan_cli_does_not_fit);
   tcase_add_test(tc, test_plan_cli_bad_input_exits_2_naming_it);
