@@ -617,6 +617,48 @@ static void format_counts(const int *counts, int n, char *buf, size_t size) {
     at += (size_t)snprintf(buf + at, size - at, "%s%d", i ? "," : "", counts[i]);
 }
 
+/* Each stage's work per step (its slowest rank's) into busy[pp]; 0 while
+ * some rank has not reported enough steps to tell. */
+static int stage_busy(const struct coordinator *co, int pp, double *busy) {
+  for (int i = 0; i < co->world; i++) {
+    const struct mr_rank *r = &co->ranks.r[i];
+    if (r->busy_n < 2 * STRAGGLER_EVERY || r->stage < 0 || r->stage >= pp)
+      return 0;
+    busy[r->stage] = fmax(busy[r->stage], r->busy_s);
+  }
+  return 1;
+}
+
+/* Lowers and checks the plan with the layers moved, then asks for the
+ * checkpoint the group starts again from with it. */
+static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_out *out, int k,
+                            int pp) {
+  const struct mr_job *job = co->opts->job;
+  uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
+  char *text = digests != NULL ? mr_plan_with_split(job, co->plan_text, co->world, out->counts,
+                                                    k, digests) : NULL;
+  char speeds[256] = "", was[256], now[256];
+  for (int s = 0; s < pp && strlen(speeds) + 16 < sizeof speeds; s++)
+    snprintf(speeds + strlen(speeds), sizeof speeds - strlen(speeds), "%s%.2f", s ? ", " : "",
+             out->slowness[s]);
+  format_counts(co->split.counts, k, was, sizeof was);
+  format_counts(out->counts, k, now, sizeof now);
+  if (text == NULL) {
+    MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work by stage: "
+            "%s) but layers %s cannot be lowered: %s", speeds, now, mr_error_message());
+    free(digests);
+    return;
+  }
+  MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work by stage: %s): "
+          "moving layers %s -> %s paces it %.0f%% faster; writing a checkpoint, then starting "
+          "again", speeds, was, now, 100.0 * out->gain);
+  free(co->rebalance_text), free(co->rebalance_digests);
+  co->rebalance_text = text, co->rebalance_digests = digests;
+  co->rebalancing = 1;
+  co->rebalance_step = newest_step(co);
+  mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
+}
+
 /* Re-balances a pipeline whose stages run at different speeds: when moving
  * layers off the slow stages would make the slowest chunk at least
  * MESHRUN_REBALANCE_GAIN faster, in STRAGGLER_STREAK checks running, a
@@ -639,47 +681,18 @@ static void check_balance(struct coordinator *co) {
     return;
   double *busy = calloc((size_t)pp, sizeof *busy), *slowness = calloc((size_t)pp, sizeof *slowness);
   int *counts = calloc((size_t)k, sizeof *counts);
-  int ready = busy != NULL && slowness != NULL && counts != NULL;
-  for (int i = 0; ready && i < co->world; i++) {
-    const struct mr_rank *r = &co->ranks.r[i];
-    if (r->busy_n < 2 * STRAGGLER_EVERY || r->stage < 0 || r->stage >= pp)
-      ready = 0;
-    else
-      busy[r->stage] = fmax(busy[r->stage], r->busy_s);
-  }
   struct mr_rebalance_in in = {pp, co->split.vp, co->split.n_layers, co->split.counts,
                                co->split.layer, co->split.first, co->split.last, busy};
   struct mr_rebalance_out out = {slowness, counts, 0, 0, 0};
-  if (ready && mr_rebalance(&in, &out) == 0 &&
-      memcmp(counts, co->split.counts, (size_t)k * sizeof *counts) != 0 && out.gain >= min_gain)
+  if (busy != NULL && slowness != NULL && counts != NULL && stage_busy(co, pp, busy) &&
+      mr_rebalance(&in, &out) == 0 && out.gain >= min_gain &&
+      memcmp(counts, co->split.counts, (size_t)k * sizeof *counts) != 0)
     co->balance_streak++;
   else
     co->balance_streak = 0;
   if (co->balance_streak >= STRAGGLER_STREAK) {
     co->balance_streak = 0;
-    uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
-    char *text = digests != NULL ? mr_plan_with_split(job, co->plan_text, co->world, counts, k,
-                                                      digests) : NULL;
-    char speeds[256] = "", was[256], now[256];
-    for (int s = 0; s < pp && strlen(speeds) + 16 < sizeof speeds; s++)
-      snprintf(speeds + strlen(speeds), sizeof speeds - strlen(speeds), "%s%.2f",
-               s ? ", " : "", slowness[s]);
-    format_counts(co->split.counts, k, was, sizeof was);
-    format_counts(counts, k, now, sizeof now);
-    if (text == NULL) {
-      MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work %s) but "
-              "layers %s cannot be lowered: %s", speeds, now, mr_error_message());
-      free(digests);
-    } else {
-      MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work by stage: "
-              "%s): moving layers %s -> %s paces it %.0f%% faster; writing a checkpoint, then "
-              "starting again", speeds, was, now, 100.0 * out.gain);
-      free(co->rebalance_text), free(co->rebalance_digests);
-      co->rebalance_text = text, co->rebalance_digests = digests;
-      co->rebalancing = 1;
-      co->rebalance_step = newest_step(co);
-      mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
-    }
+    begin_rebalance(co, &out, k, pp);
   }
   free(busy), free(slowness), free(counts);
 }
