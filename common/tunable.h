@@ -54,8 +54,9 @@
      "a rank whose work per step (step time less communication wait) "      \
      "stays above this many times its stage's median is named slow")        \
   XX(REBALANCE_GAIN, "MESHRUN_REBALANCE_GAIN", "0.15",                       \
-     "a pipeline whose layers, moved off its slow stages, would run at "    \
-     "least this share faster is re-balanced from a checkpoint (0: never)")  \
+     "a pipeline whose layers, moved off its slow stages, or an elastic "   \
+     "job whose slow node, left out, would save at least this share of its " \
+     "pace is re-planned from a checkpoint (0: never)")                      \
   XX(PROFILE, "MESHRUN_PROFILE", "0",                                        \
      "1: each rank times its instructions (the device synchronized after "  \
      "each) and logs seconds per step by instruction and op kind")          \

@@ -29,7 +29,7 @@
 #include "worker/comm/comm.h"
 
 /* Why a group stops to start again without a failure. */
-enum regroup { REGROUP_NONE = 0, REGROUP_NODES, REGROUP_BALANCE };
+enum regroup { REGROUP_NONE = 0, REGROUP_NODES, REGROUP_BALANCE, REGROUP_SLOW_NODE };
 
 enum phase {
   PHASE_RUNNING,   // the group is starting or training
@@ -98,6 +98,10 @@ struct coordinator {
   uint64_t *rebalance_digests; // runs, the plan_text and digests in use:
   char *balanced_text;      //   kept here
   uint64_t *balanced_digests;
+  int slow_streak;          // checks in a row that found a node worth leaving out
+  int leaving;              // that node, out once its checkpoint is written (0: none)
+  int64_t leave_step;       //   (of this step or later)
+  unsigned char *left_out;  // [nnodes] elastic nodes left out for running slow
   int stop_signal;          // SIGINT/SIGTERM that stopped us, or 0
   int exit_code;
   int next_conn_id;
@@ -139,6 +143,11 @@ static void rendezvous_clear(struct coordinator *co) {
 /* The first failure of a group names it; later ones are consequences. */
 static void group_fail(struct coordinator *co, int rank, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* An elastic job (--nnodes MIN:MAX) goes on with the nodes it has. */
+static int elastic(const struct coordinator *co) {
+  return co->opts->min_nodes > 0 && co->opts->min_nodes < co->nnodes;
+}
 
 /* Node k's place in the current group, or -1. */
 static int group_pos(const struct coordinator *co, int k) {
@@ -472,6 +481,11 @@ static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) 
     co->growing = 0;
     co->regroup = REGROUP_NODES;
     begin_stop(co);
+  } else if (co->leaving > 0 && co->phase == PHASE_RUNNING && p->step >= co->leave_step) {
+    co->left_out[co->leaving] = 1;
+    co->leaving = 0;
+    co->regroup = REGROUP_SLOW_NODE;
+    begin_stop(co);
   } else if (co->rebalancing && co->phase == PHASE_RUNNING && p->step >= co->rebalance_step) {
     co->rebalancing = 0;
     co->regroup = REGROUP_BALANCE;
@@ -650,13 +664,23 @@ static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_ou
     return;
   }
   MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work by stage: %s): "
-          "moving layers %s -> %s paces it %.0f%% faster; writing a checkpoint, then starting "
-          "again", speeds, was, now, 100.0 * out->gain);
+          "moving layers %s -> %s cuts the slowest chunk's time by %.0f%%; writing a checkpoint, "
+          "then starting again", speeds, was, now, 100.0 * out->gain);
   free(co->rebalance_text), free(co->rebalance_digests);
   co->rebalance_text = text, co->rebalance_digests = digests;
   co->rebalancing = 1;
   co->rebalance_step = newest_step(co);
   mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
+}
+
+/* The running plan's split, read once a group (pp stays 0 when it cannot
+ * be: nothing is then balanced). */
+static void read_split(struct coordinator *co) {
+  if (co->split_known)
+    return;
+  co->split_known = 1;
+  if (mr_split_of_plan(co->opts->job, co->plan_text, co->world, &co->split) < 0)
+    mr_split_close(&co->split);
 }
 
 /* Re-balances a pipeline whose stages run at different speeds: when moving
@@ -671,11 +695,7 @@ static void check_balance(struct coordinator *co) {
       !(min_gain > 0) || co->plan_text == NULL || co->rebalancing || co->preempting ||
       co->growing || co->phase != PHASE_RUNNING || co->ranks.waiting_restart)
     return;
-  if (!co->split_known) {
-    co->split_known = 1;
-    if (mr_split_of_plan(job, co->plan_text, co->world, &co->split) < 0)
-      mr_split_close(&co->split); /* pp stays 0: nothing to balance */
-  }
+  read_split(co);
   int pp = co->split.pp, k = pp * co->split.vp;
   if (pp < 2 || job->train.steps - newest_step(co) < 4 * STRAGGLER_EVERY)
     return;
@@ -697,16 +717,71 @@ static void check_balance(struct coordinator *co) {
   free(busy), free(slowness), free(counts);
 }
 
+/* An elastic job leaves out a node that runs slow: without pipeline
+ * stages every rank does the same work and waits for the slowest at every
+ * step, so when a node's ranks work B_k a step against at most B_o on the
+ * others, the step T carries B_k - B_o of waiting for it; without the node
+ * the others' share of the batch grows by n/(n - 1), so the step would be
+ * T - (B_k - B_o) + B_o/(n - 1), communication unchanged.  When that is at
+ * least MESHRUN_REBALANCE_GAIN faster in STRAGGLER_STREAK checks running,
+ * and --nnodes MIN allows it, a checkpoint is written and the group starts
+ * again without the node, planned for the ranks left.  Node 0 stays. */
+static void check_slow_node(struct coordinator *co) {
+  const struct mr_job *job = co->opts->job;
+  double min_gain = atof(mr_tunable_str(MR_TUNABLE_REBALANCE_GAIN));
+  int n = co->n_group_nodes;
+  if (!elastic(co) || job == NULL || job->checkpoint.dir == NULL || !(min_gain > 0) ||
+      n - 1 < co->opts->min_nodes || co->plan_text == NULL || co->leaving > 0 ||
+      co->rebalancing || co->preempting || co->growing || co->phase != PHASE_RUNNING ||
+      co->ranks.waiting_restart || job->train.steps - newest_step(co) < 4 * STRAGGLER_EVERY)
+    return;
+  read_split(co);
+  if (co->split.pp != 1)
+    return;
+  int slow = -1;
+  double worst = 0, others = 0, gain = 0;
+  for (int pos = 1; pos < n; pos++) {
+    double mine = 0, rest = 0;
+    for (int i = 0; i < co->world; i++) {
+      const struct mr_rank *r = &co->ranks.r[i];
+      if (r->busy_n < 2 * STRAGGLER_EVERY)
+        return;
+      if (i / co->node_ranks == pos)
+        mine = fmax(mine, r->busy_s);
+      else
+        rest = fmax(rest, r->busy_s);
+    }
+    double step = co->ranks.r[0].step_s;
+    double g = mine - rest > STRAGGLER_MIN_S && step > 0
+                   ? (mine - rest - rest / (n - 1)) / step : 0;
+    if (g > gain)
+      slow = co->group_nodes[pos], gain = g, worst = mine, others = rest;
+  }
+  co->slow_streak = slow > 0 && gain >= min_gain ? co->slow_streak + 1 : 0;
+  if (co->slow_streak < STRAGGLER_STREAK)
+    return;
+  co->slow_streak = 0;
+  MR_WARN("launch", "node %d runs slow: %.1f ms of work a step against at most %.1f ms on the "
+          "others; leaving it out (%d of %d nodes) cuts the step by about %.0f%%; writing a "
+          "checkpoint, then starting again", slow, worst * 1e3, others * 1e3, n - 1, co->nnodes,
+          100.0 * gain);
+  co->leaving = slow;
+  co->leave_step = newest_step(co);
+  mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
+}
+
 static void on_metrics(struct coordinator *co, struct mr_conn *c,
                        const Meshrun__Metrics *m) {
   struct mr_rank *r = &co->ranks.r[c->rank];
   double busy = m->step_time_s - m->comm_wait_s;
   busy = busy > 0 ? busy : 0;
+  r->step_s = r->busy_n == 0 ? m->step_time_s : 0.8 * r->step_s + 0.2 * m->step_time_s;
   r->busy_s = r->busy_n++ == 0 ? busy : 0.8 * r->busy_s + 0.2 * busy;
   r->stage = m->stage;
   if (c->rank == 0 && m->step % STRAGGLER_EVERY == 0) {
     check_stragglers(co);
     check_balance(co);
+    check_slow_node(co);
   }
   r->step = m->step;
   if (m->peak_memory_bytes > r->peak_memory)
@@ -894,11 +969,6 @@ static void choose_resume(struct coordinator *co) {
   }
 }
 
-/* An elastic job (--nnodes MIN:MAX) goes on with the nodes it has. */
-static int elastic(const struct coordinator *co) {
-  return co->opts->min_nodes > 0 && co->opts->min_nodes < co->nnodes;
-}
-
 static int nodes_connected(const struct coordinator *co) {
   int n = 1;
   for (int k = 1; k < co->nnodes; k++)
@@ -937,7 +1007,7 @@ static int plan_for(struct coordinator *co, int world) {
 static int begin_group(struct coordinator *co) {
   co->n_group_nodes = 0;
   for (int k = 0; k < co->nnodes; k++)
-    if (!elastic(co) || k == 0 || co->agents[k] != NULL)
+    if ((!elastic(co) || k == 0 || co->agents[k] != NULL) && !co->left_out[k])
       co->group_nodes[co->n_group_nodes++] = k;
   int world = co->n_group_nodes * co->node_ranks;
   if (world != co->world) {
@@ -982,6 +1052,8 @@ static int start_group(struct coordinator *co) {
   co->growing = 0;
   co->rebalancing = 0;
   co->balance_streak = 0;
+  co->leaving = 0;
+  co->slow_streak = 0;
   co->split_known = 0;
   mr_split_close(&co->split);
   if (elastic(co) && nodes_connected(co) < co->nnodes) { /* wait for the others a while */
@@ -1029,8 +1101,10 @@ static void group_stopped(struct coordinator *co) {
     return;
   }
   if (co->regroup != REGROUP_NONE) { /* not a failure */
-    MR_WARN("launch", "starting the group again %s", co->regroup == REGROUP_NODES
-            ? "with the nodes that have joined" : "with the pipeline re-balanced");
+    MR_WARN("launch", "starting the group again %s",
+            co->regroup == REGROUP_NODES     ? "with the nodes that have joined"
+            : co->regroup == REGROUP_BALANCE ? "with the pipeline re-balanced"
+                                             : "without the slow node");
     co->regroup = REGROUP_NONE;
     co->restart++;
     co->phase = PHASE_RUNNING;
@@ -1290,7 +1364,8 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   co->node_ranks = opts->node_ranks > 0 ? opts->node_ranks : opts->nproc;
   co->agents = calloc((size_t)co->nnodes, sizeof *co->agents);
   co->group_nodes = calloc((size_t)co->nnodes, sizeof *co->group_nodes);
-  if (co->agents == NULL || co->group_nodes == NULL)
+  co->left_out = calloc((size_t)co->nnodes, 1);
+  if (co->agents == NULL || co->group_nodes == NULL || co->left_out == NULL)
     goto out;
   co->world = opts->nproc; /* the launch planned for every node */
   co->n_group_nodes = co->nnodes;
@@ -1361,6 +1436,7 @@ out:
   mr_split_close(&co->split);
   free(co->rebalance_text), free(co->rebalance_digests);
   free(co->balanced_text), free(co->balanced_digests);
+  free(co->left_out);
   mr_strategy_choice_close(&co->replan);
   free(co->replan_text);
   free(co->group_nodes);

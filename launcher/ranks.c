@@ -210,6 +210,7 @@ static void begin_group(struct mr_rank *r, int pid) {
   r->step = 0;
   r->waiting_on = -1;
   r->busy_n = r->slow_streak = r->slow_named = 0;
+  r->busy_s = r->step_s = 0;
 }
 
 static int spawn_one(struct mr_ranks *s, int i, const struct mr_spawn_env *e) {

@@ -55,7 +55,8 @@ struct mr_rank {
   int64_t progress_ms;     // when step or last_done last changed
   int stage;               // its pipeline stage, from its metrics
   double busy_s;           // its work per step (step time less the time it
-  int busy_n;              //   waited on communication), a moving average
+  int busy_n;              //   waited on communication), a moving average,
+  double step_s;           //   and of its step time
   int slow_streak;         // checks in a row it was slow
   int slow_named;          // named slow in this group
 };

@@ -60,8 +60,9 @@ static void job(const char *dir, const char *name, int steps, int ckpt) {
         "\"tensor_parallel\": {\"degree\": 2}");
 }
 
-/* "MESHRUN_WORKER=..." for the launchers node() starts, or "". */
-static char worker_env[400];
+/* "MESHRUN_WORKER=..." and "MESHRUN_TEST_SLOW=..." for the launchers
+ * node() starts, or "". */
+static char worker_env[400], slow_env[64];
 /* their --nnodes and --nproc */
 static const char *nnodes_arg = "2", *nproc_arg = "2";
 
@@ -84,8 +85,13 @@ static void node(struct mr_tproc *p, const char *dir, const char *name, int node
     argv[n++] = extra[i];
   argv[n++] = jobf[node];
   argv[n] = NULL;
-  static char *env[] = {"MESHRUN_COMM_TRANSPORT=tcp", NULL, NULL};
-  env[1] = worker_env[0] ? worker_env : NULL;
+  char *env[4] = {"MESHRUN_COMM_TRANSPORT=tcp"};
+  int e = 1;
+  if (worker_env[0])
+    env[e++] = worker_env;
+  if (slow_env[0])
+    env[e++] = slow_env;
+  env[e] = NULL;
   mr_t_spawn(p, dir, argv, env);
 }
 
@@ -430,6 +436,66 @@ START_TEST(test_nodes_elastic_takes_in_a_late_node) {
 }
 END_TEST
 
+/* The median step time node 0 logged for the steps group `restart` ran
+ * from step `from` on. */
+static double median_step(const char *dir, int restart, int from) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/n0/metrics.jsonl", dir);
+  char *text = mr_t_slurp(path), *save = NULL;
+  double v[256];
+  int n = 0;
+  for (char *l = strtok_r(text, "\n", &save); l != NULL && n < 256; l = strtok_r(NULL, "\n", &save)) {
+    char *st = strstr(l, "\"step\": "), *t = strstr(l, "\"step_time_s\": ");
+    char *r = strstr(l, "\"restart\": ");
+    if (st != NULL && t != NULL && r != NULL && atoi(r + 11) == restart && atoi(st + 8) >= from)
+      v[n++] = atof(t + 15);
+  }
+  free(text);
+  ck_assert_int_gt(n, 4);
+  for (int a = 1; a < n; a++) /* insertion sort: a few dozen steps */
+    for (int b = a; b > 0 && v[b - 1] > v[b]; b--) {
+      double x = v[b];
+      v[b] = v[b - 1], v[b - 1] = x;
+    }
+  return v[n / 2];
+}
+
+/* Elastic (--nnodes 2:3), node 2's rank 250 ms slower every step
+ * (MESHRUN_TEST_SLOW=2:250): the three ranks wait for it at every step, so
+ * node 0 leaves node 2 out — a checkpoint, then the group again on two
+ * nodes, planned for them — and the steps run faster than before; node 2
+ * idles until the job ends and exits with it; the loss at the end is that
+ * of three ranks never slowed. */
+START_TEST(test_nodes_elastic_leaves_out_a_slow_node) {
+  enum { STEPS = 60 };
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  elastic_jobs(dir, STEPS);
+  int port = free_port();
+  struct mr_tproc n[3];
+  nnodes_arg = "2:3";
+  nproc_arg = "1";
+  snprintf(slow_env, sizeof slow_env, "MESHRUN_TEST_SLOW=2:250");
+  char *first[] = {"--join-timeout", "30", NULL};
+  char *others[] = {"--join-timeout", "60", NULL};
+  node(&n[1], dir, "job.json", 1, port, "token", "n1", others);
+  node(&n[2], dir, "job.json", 2, port, "token", "n2", others);
+  node(&n[0], dir, "job.json", 0, port, "token", "n0", first);
+  nnodes_arg = nproc_arg = "2";
+  slow_env[0] = '\0';
+  expect_exit(&n[0], 0, "node 0", 180);
+  expect_exit(&n[1], 0, "node 1", 30);
+  expect_exit(&n[2], 0, "node 2", 30);
+  stderr_has(&n[0], "node 2 runs slow");
+  stderr_has(&n[0], "starting the group again without the slow node");
+  stderr_has(&n[0], "re-planned for 2 ranks on 2 nodes");
+  ends_as_uninterrupted(dir, STEPS, "on two nodes after leaving the slow one out");
+  double before = median_step(dir, 0, 3), after = median_step(dir, 1, 35);
+  ck_assert_msg(after < 0.8 * before, "step %.2f ms without node 2, %.2f ms with it",
+                after * 1e3, before * 1e3);
+}
+END_TEST
+
 static Suite *nodes_suite(void) {
   Suite *s = suite_create("nodes");
   TCase *tc = tcase_create("nodes");
@@ -439,6 +505,7 @@ static Suite *nodes_suite(void) {
   tcase_add_test(tc, test_nodes_preemption_checkpoints_and_every_node_exits_0);
   tcase_add_test(tc, test_nodes_elastic_goes_on_without_a_lost_node);
   tcase_add_test(tc, test_nodes_elastic_takes_in_a_late_node);
+  tcase_add_test(tc, test_nodes_elastic_leaves_out_a_slow_node);
   tcase_add_test(tc, test_nodes_wrong_token_and_missing_node);
   tcase_add_test(tc, test_nodes_rank_count_mismatch);
   tcase_add_test(tc, test_nodes_bad_flags);
