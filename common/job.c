@@ -264,12 +264,20 @@ static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_
  * counts one, and a repetition copies what it repeats — glibc expands
  * "x+" to "xx*" and "x{m,n}" to n copies — so stacked or nested
  * repetitions multiply ("a+++…" doubles per "+").  Bracket expressions and
- * escapes are one atom; what regcomp would refuse is left to it. */
+ * escapes are one atom; what regcomp would refuse is left to it.  More
+ * than two operators in a row ("a***", cubic time in regcomp) count as
+ * too many. */
 #define REGEX_MAX_NODES 4096.0
+#define REGEX_MAX_CHARS 1024
 static double regex_nodes(const char *re) {
   double outer[32], cur = 0, last = 0; /* a group's total before it; the last element */
-  int depth = 0;
+  int depth = 0, run = 0;
+  if (strlen(re) > REGEX_MAX_CHARS)
+    return INFINITY;
   for (const char *p = re; *p != '\0'; p++) {
+    run = strchr("*+?{", *p) != NULL ? run + 1 : 0;
+    if (run > 2)
+      return INFINITY;
     switch (*p) {
     case '\\':
       p += p[1] != '\0';
@@ -303,12 +311,12 @@ static double regex_nodes(const char *re) {
       cur += last, last *= 2;
       break;
     case '{': {
-      long m = strtol(p + 1, (char **)&p, 10), n = m;
+      double m = (double)strtol(p + 1, (char **)&p, 10), n = m;
       if (*p == ',')
-        n = p[1] == '}' ? m + 1 : strtol(p + 1, (char **)&p, 10);
+        n = p[1] == '}' ? m + 1 : (double)strtol(p + 1, (char **)&p, 10);
       if (*p != '}' && (p = strchr(p, '}')) == NULL)
         return cur;
-      double k = (double)(n > m ? n : m);
+      double k = n > m ? n : m;
       k = k < 1 ? 1 : k;
       cur += last * (k - 1), last *= k;
       break;
@@ -352,9 +360,11 @@ static void parse_shard_rules(struct mr_jv *jv, const cJSON *arr, struct mr_job 
       double nodes = regex_nodes(match);
       int rc = nodes <= REGEX_MAX_NODES ? regcomp(&re, match, REG_EXTENDED | REG_NOSUB) : 0;
       if (nodes > REGEX_MAX_NODES) {
-        mr_jv_error(jv, path, "match", "expected a regex of at most %.0f atoms with its "
-                    "repetitions expanded (\"x+\" is x twice, \"x{n}\" n times), got about %.3g",
-                    REGEX_MAX_NODES, nodes);
+        mr_jv_error(jv, path, "match", "expected a regex of at most %d characters and %.0f "
+                    "atoms with its repetitions expanded (\"x+\" is x twice, \"x{n}\" n times; "
+                    "at most two operators in a row), got %s%.4g", REGEX_MAX_CHARS,
+                    REGEX_MAX_NODES, isinf(nodes) ? "more than " : "about ",
+                    isinf(nodes) ? REGEX_MAX_NODES : nodes);
       } else if (rc != 0) {
         char msg[128];
         regerror(rc, &re, msg, sizeof msg);

@@ -267,6 +267,49 @@ int mr_read_file(const char *path, char **text, size_t *len) {
   return 0;
 }
 
+static int cmp_key(const void *a, const void *b) {
+  return strcmp((*(const cJSON *const *)a)->string, (*(const cJSON *const *)b)->string);
+}
+
+/* A key given twice in one object under v, its path into path
+ * ("strategy.pipeline_parallel.degree"); 0 when there is none.  cJSON keeps
+ * both and finds the first, so a job rewritten from it would read the
+ * other: such a document is refused.  Keys are sorted, so a huge object
+ * costs n log n. */
+static int duplicate_key(const cJSON *v, char *path, size_t n, size_t at) {
+  int count = 0;
+  for (const cJSON *a = v->child; a != NULL; a = a->next)
+    count++;
+  if (cJSON_IsObject(v) && count > 1) {
+    const cJSON **keys = malloc((size_t)count * sizeof *keys);
+    if (keys == NULL)
+      return 0;
+    int k = 0;
+    for (const cJSON *a = v->child; a != NULL; a = a->next)
+      keys[k++] = a;
+    qsort(keys, (size_t)count, sizeof *keys, cmp_key);
+    for (k = 1; k < count && strcmp(keys[k - 1]->string, keys[k]->string) != 0; k++)
+      ;
+    if (k < count)
+      snprintf(path + at, n - at, "%s%s", at ? "." : "", keys[k]->string);
+    free(keys);
+    if (k < count)
+      return 1;
+  }
+  int i = 0;
+  for (const cJSON *a = v->child; a != NULL; a = a->next, i++) {
+    if (!cJSON_IsObject(a) && !cJSON_IsArray(a))
+      continue;
+    int w = cJSON_IsObject(v) ? snprintf(path + at, n - at, "%s%s", at ? "." : "", a->string)
+                              : snprintf(path + at, n - at, "[%d]", i);
+    size_t len = at + (size_t)(w > 0 ? w : 0);
+    if (duplicate_key(a, path, n, len < n ? len : n - 1))
+      return 1;
+    path[at] = '\0';
+  }
+  return 0;
+}
+
 int mr_json_parse(const char *text, const char *name, cJSON **out) {
   const char *end = NULL;
   cJSON *obj = cJSON_ParseWithOpts(text, &end, 1);
@@ -283,6 +326,11 @@ int mr_json_parse(const char *text, const char *name, cJSON **out) {
     }
     return mr_error_set(MR_EJOB, "%s: not valid JSON: line %d, column %d", name,
                         line, col);
+  }
+  char path[256] = "";
+  if (duplicate_key(obj, path, sizeof path, 0)) {
+    cJSON_Delete(obj);
+    return mr_error_set(MR_EJOB, "%s: %s: given twice; expected each key once", name, path);
   }
   *out = obj;
   return 0;

@@ -155,13 +155,20 @@ START_TEST(test_job_out_of_range_and_inconsistent_values) {
   const char *w11[] = {"job.json: model: /dev/zero: expected a JSON file of at most 64 MiB", NULL};
   expect_error("{\"model\": \"/dev/zero\", \"data\": {\"train\": \"t\"}}", w11);
   /* repetitions regcomp expands by copying (exponential when stacked) */
-  const char *w12[] = {"shard_rules[0].match: expected a regex of at most 4096 atoms with its "
-                       "repetitions expanded", "got about 1.05e+06", NULL};
+  const char *w12[] = {"shard_rules[0].match: expected a regex of at most 1024 characters and "
+                       "4096 atoms with its repetitions expanded", "got about 2.097e+06", NULL};
   expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"shard_rules\": [{\"match\": "
-               "\"k_pro++++++++++++++++++++\", \"placements\": {\"model\": \"Shard(0)\"}}]}", w12);
-  const char *w13[] = {"shard_rules[0].match: expected a regex of at most 4096 atoms", NULL};
+               "\"k_((((((((((((((((((((o+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+\", \"placements\": {\"model\": \"Shard(0)\"}}]}", w12);
+  const char *w13[] = {"shard_rules[0].match: expected a regex of at most 1024 characters", NULL};
   expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"shard_rules\": [{\"match\": "
                "\"((q{100}){100})\", \"placements\": {\"model\": \"Shard(0)\"}}]}", w13);
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"shard_rules\": [{\"match\": "
+               "\"q***\", \"placements\": {\"model\": \"Shard(0)\"}}]}", w13);
+  /* a key given twice: cJSON would read the first, a rewritten job the other */
+  const char *w14[] = {"job.json: strategy.pipeline_parallel.degree: given twice; expected each "
+                       "key once", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"strategy\": "
+               "{\"pipeline_parallel\": {\"degree\": 2, \"degree\": 1}}}", w14);
   const char *w8[] = {"job.json: data: missing", NULL};
   expect_error("{\"model\": %s%s}", w8);
   const char *w9[] = {"train.betas: expected each in [0, 1)", NULL};
