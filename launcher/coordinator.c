@@ -659,7 +659,7 @@ static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_ou
   format_counts(out->counts, k, now, sizeof now);
   if (text == NULL) {
     MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work by stage: "
-            "%s) but layers %s cannot be lowered: %s", speeds, now, mr_error_message());
+            "%s) but layers %s cannot run: %s", speeds, now, mr_error_message());
     free(digests);
     return;
   }

@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "launcher/planner/partition.h"
 #include "launcher/spmd/lower.h"
+#include "launcher/strategy_choice.h"
 
 /* The work of chunk c holding n layers. */
 static double chunk_work(const struct mr_rebalance_in *in, int c, int n) {
@@ -109,10 +110,17 @@ char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
   cJSON_AddItemToObject(pp, "layers", cJSON_CreateIntArray(counts, n));
   char *text = cJSON_PrintUnformatted(o);
   cJSON_Delete(o);
+  /* the plan's strategy is fixed (manual): choosing evaluates it — it
+   * must fit the device's memory with its layers moved — and lowers and
+   * checks every rank's program */
   struct mr_job j;
+  struct mr_strategy_choice choice;
   int rc = text != NULL ? mr_job_parse(text, job->path, "/", &j) : MR_ENOMEM;
   if (rc == 0) {
-    rc = mr_lower_check_all(&j, world, digests);
+    rc = mr_strategy_choose(&j, world, &choice);
+    if (rc == 0)
+      memcpy(digests, choice.program_digests, (size_t)world * sizeof *digests);
+    mr_strategy_choice_close(&choice);
     mr_job_close(&j);
   }
   if (rc < 0) {

@@ -85,12 +85,14 @@ static void node(struct mr_tproc *p, const char *dir, const char *name, int node
     argv[n++] = extra[i];
   argv[n++] = jobf[node];
   argv[n] = NULL;
-  char *env[4] = {"MESHRUN_COMM_TRANSPORT=tcp"};
+  char *env[5] = {"MESHRUN_COMM_TRANSPORT=tcp"};
   int e = 1;
   if (worker_env[0])
     env[e++] = worker_env;
-  if (slow_env[0])
+  if (slow_env[0]) { /* and re-planning for it on */
     env[e++] = slow_env;
+    env[e++] = "MESHRUN_REBALANCE_GAIN=0.15";
+  }
   env[e] = NULL;
   mr_t_spawn(p, dir, argv, env);
 }
