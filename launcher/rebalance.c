@@ -108,6 +108,10 @@ char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
   }
   cJSON_DeleteItemFromObjectCaseSensitive(pp, "layers");
   cJSON_AddItemToObject(pp, "layers", cJSON_CreateIntArray(counts, n));
+  if (job->cluster != NULL) { /* the spec the launch planned with (a GPU machine's, measured) */
+    cJSON_DeleteItemFromObjectCaseSensitive(o, "cluster");
+    cJSON_AddStringToObject(o, "cluster", job->cluster);
+  }
   char *text = cJSON_PrintUnformatted(o);
   cJSON_Delete(o);
   /* the plan's strategy is fixed (manual): choosing evaluates it — it

@@ -50,10 +50,10 @@ int mr_split_of_plan(const struct mr_job *job, const char *plan, int world, stru
 void mr_split_close(struct mr_split *s);
 
 /* The plan with strategy.pipeline_parallel.layers set to counts[n],
- * evaluated by the cost model (it must fit the job's cluster spec's device
- * memory) and lowered for every rank and checked; their program digests
- * into digests[world].  Returns a new malloc'd text, or NULL with a
- * message. */
+ * evaluated by the cost model on job's cluster spec (the one the launch
+ * planned with: it must fit the device memory) and lowered for every rank
+ * and checked; their program digests into digests[world].  Returns a new
+ * malloc'd text, or NULL with a message. */
 char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
                          const int *counts, int n, uint64_t *digests);
 
