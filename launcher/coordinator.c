@@ -346,13 +346,14 @@ static void on_node_hello(struct coordinator *co, struct mr_conn *c, const Meshr
     MR_INFO("launch", "node %d joined from %s (ranks %d..%d)", k, h->host, pos * co->node_ranks,
             (pos + 1) * co->node_ranks - 1);
   else
-    MR_INFO("launch", "node %d joined from %s, outside the running group", k, h->host);
+    MR_INFO("launch", "node %d joined from %s, outside the running group%s", k, h->host,
+            co->left_out[k] ? " (left out for running slow)" : "");
   send_welcome(co, c, 0, NULL);
   if (pos >= 0 && co->phase == PHASE_RUNNING && !co->ranks.waiting_restart && !co->gathering)
     send_node_control(co, k, MESHRUN__CONTROL__KIND__START);
   else if (pos < 0 && co->phase == PHASE_RUNNING && !co->ranks.waiting_restart &&
-           !co->gathering && !co->preempting && !co->growing)
-    grow(co, k);
+           !co->gathering && !co->preempting && !co->growing && !co->left_out[k])
+    grow(co, k); /* a node left out for running slow stays out */
 }
 
 static void on_hello(struct coordinator *co, struct mr_conn *c,
