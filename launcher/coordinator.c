@@ -79,28 +79,23 @@ struct coordinator {
   int gathering;            // an elastic group waits for nodes to join
   int64_t gather_ms;
   const char *plan_text;    // the plan body the workers get, and their
-  const uint64_t *digests;  //   programs' digests: the launch's, or a re-plan's
-  struct mr_strategy_choice replan;
-  char *replan_text;
+  const uint64_t *digests;  //   programs' digests: the launch's, or
+  char *own_text;           //   one made here (re-planned for another world,
+  uint64_t *own_digests;    //   or re-balanced), owned
   enum phase phase;
   int restart;              // groups started before this one (workers say
                             // which they belong to)
   int failures;             // restarts after failures (--max-restarts)
-  int growing;              // an elastic job takes in a node that joined:
-  int64_t grow_step;        //   at a checkpoint of this step or later,
-  enum regroup regroup;     //   then it stops to start again, not a failure
+  enum regroup pending;     // a regroup waiting for its checkpoint (of
+  int64_t pending_step;     //   pending_step or later), taking in the nodes
+  int leaving;              //   that joined, leaving out this node, or
+  char *balanced_text;      //   running this plan (and its programs'
+  uint64_t *balanced_digests; //  digests); then
+  enum regroup regroup;     //   the group stops to start again, not a failure
   struct mr_split split;    // the running plan's layers per pipeline chunk
   int split_known;          //   (read at the group's first balance check)
   int balance_streak;       // balance checks in a row that found a faster split
-  int rebalancing;          // a re-balanced plan waits for its checkpoint,
-  int64_t rebalance_step;   //   of this step or later
-  char *rebalance_text;     // that plan and its programs' digests; once it
-  uint64_t *rebalance_digests; // runs, the plan_text and digests in use:
-  char *balanced_text;      //   kept here
-  uint64_t *balanced_digests;
   int slow_streak;          // checks in a row that found a node worth leaving out
-  int leaving;              // that node, out once its checkpoint is written (0: none)
-  int64_t leave_step;       //   (of this step or later)
   unsigned char *left_out;  // [nnodes] elastic nodes left out for running slow
   int stop_signal;          // SIGINT/SIGTERM that stopped us, or 0
   int exit_code;
@@ -188,6 +183,21 @@ static int64_t newest_step(const struct coordinator *co) {
     if (co->ranks.r[i].step > s)
       s = co->ranks.r[i].step;
   return s;
+}
+
+/* Asks for the checkpoint a regroup of this kind starts again from. */
+static void ask_regroup(struct coordinator *co, enum regroup kind) {
+  co->pending = kind;
+  co->pending_step = newest_step(co);
+  mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
+}
+
+/* The plan the next groups run becomes text (with its programs' digests),
+ * owned here. */
+static void adopt_plan(struct coordinator *co, char *text, uint64_t *digests) {
+  free(co->own_text), free(co->own_digests);
+  co->own_text = text, co->own_digests = digests;
+  co->plan_text = text, co->digests = digests;
 }
 
 static void begin_stop(struct coordinator *co) {
@@ -314,11 +324,9 @@ static void grow(struct coordinator *co, int k) {
             "group cannot start again without losing its steps)", k);
     return;
   }
-  co->growing = 1;
-  co->grow_step = newest_step(co);
   MR_WARN("launch", "node %d joined: writing a checkpoint, then starting the group again with "
           "it", k);
-  mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
+  ask_regroup(co, REGROUP_NODES);
 }
 
 /* The launcher of node k > 0: welcome it (the job and the world size), and
@@ -352,7 +360,8 @@ static void on_node_hello(struct coordinator *co, struct mr_conn *c, const Meshr
   if (pos >= 0 && co->phase == PHASE_RUNNING && !co->ranks.waiting_restart && !co->gathering)
     send_node_control(co, k, MESHRUN__CONTROL__KIND__START);
   else if (pos < 0 && co->phase == PHASE_RUNNING && !co->ranks.waiting_restart &&
-           !co->gathering && !co->preempting && !co->growing && !co->left_out[k])
+           !co->gathering && !co->preempting && co->pending == REGROUP_NONE &&
+           !co->left_out[k])
     grow(co, k); /* a node left out for running slow stays out */
 }
 
@@ -478,22 +487,16 @@ static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) 
     MR_WARN("launch", "checkpoint written: stopping for preemption (the next launch resumes "
                       "from step %lld)", (long long)p->step);
     begin_stop(co);
-  } else if (co->growing && co->phase == PHASE_RUNNING && p->step >= co->grow_step) {
-    co->growing = 0;
-    co->regroup = REGROUP_NODES;
-    begin_stop(co);
-  } else if (co->leaving > 0 && co->phase == PHASE_RUNNING && p->step >= co->leave_step) {
-    co->left_out[co->leaving] = 1;
-    co->leaving = 0;
-    co->regroup = REGROUP_SLOW_NODE;
-    begin_stop(co);
-  } else if (co->rebalancing && co->phase == PHASE_RUNNING && p->step >= co->rebalance_step) {
-    co->rebalancing = 0;
-    co->regroup = REGROUP_BALANCE;
-    free(co->balanced_text), free(co->balanced_digests);
-    co->balanced_text = co->rebalance_text, co->balanced_digests = co->rebalance_digests;
-    co->rebalance_text = NULL, co->rebalance_digests = NULL;
-    co->plan_text = co->balanced_text, co->digests = co->balanced_digests;
+  } else if (co->pending != REGROUP_NONE && co->phase == PHASE_RUNNING &&
+             p->step >= co->pending_step) {
+    if (co->pending == REGROUP_SLOW_NODE)
+      co->left_out[co->leaving] = 1;
+    if (co->pending == REGROUP_BALANCE) {
+      adopt_plan(co, co->balanced_text, co->balanced_digests);
+      co->balanced_text = NULL, co->balanced_digests = NULL;
+    }
+    co->regroup = co->pending;
+    co->pending = REGROUP_NONE;
     begin_stop(co);
   }
 }
@@ -667,11 +670,23 @@ static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_ou
   MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work by stage: %s): "
           "moving layers %s -> %s cuts the slowest chunk's time by %.0f%%; writing a checkpoint, "
           "then starting again", speeds, was, now, 100.0 * out->gain);
-  free(co->rebalance_text), free(co->rebalance_digests);
-  co->rebalance_text = text, co->rebalance_digests = digests;
-  co->rebalancing = 1;
-  co->rebalance_step = newest_step(co);
-  mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
+  free(co->balanced_text), free(co->balanced_digests);
+  co->balanced_text = text, co->balanced_digests = digests;
+  ask_regroup(co, REGROUP_BALANCE);
+}
+
+/* The least share of the step a regroup for slow ranks must save
+ * (MESHRUN_REBALANCE_GAIN), or 0 when none may be asked for now: no
+ * checkpoints to start again from, another regroup or a preemption under
+ * way, or too few steps left to gain back the restart. */
+static double replan_gain(const struct coordinator *co) {
+  const struct mr_job *job = co->opts->job;
+  double min_gain = atof(mr_tunable_str(MR_TUNABLE_REBALANCE_GAIN));
+  if (job == NULL || job->checkpoint.dir == NULL || !(min_gain > 0) || co->plan_text == NULL ||
+      co->pending != REGROUP_NONE || co->preempting || co->phase != PHASE_RUNNING ||
+      co->ranks.waiting_restart || job->train.steps - newest_step(co) < 4 * STRAGGLER_EVERY)
+    return 0;
+  return min_gain;
 }
 
 /* The running plan's split, read once a group (pp stays 0 when it cannot
@@ -690,15 +705,12 @@ static void read_split(struct coordinator *co) {
  * checkpoint is written and the group starts again from it with the new
  * split (not a failure).  A job that fixes its split keeps it. */
 static void check_balance(struct coordinator *co) {
-  const struct mr_job *job = co->opts->job;
-  double min_gain = atof(mr_tunable_str(MR_TUNABLE_REBALANCE_GAIN));
-  if (job == NULL || job->checkpoint.dir == NULL || job->strategy.n_chunk_layers > 0 ||
-      !(min_gain > 0) || co->plan_text == NULL || co->rebalancing || co->preempting ||
-      co->growing || co->phase != PHASE_RUNNING || co->ranks.waiting_restart)
+  double min_gain = replan_gain(co);
+  if (!(min_gain > 0) || co->opts->job->strategy.n_chunk_layers > 0)
     return;
   read_split(co);
   int pp = co->split.pp, k = pp * co->split.vp;
-  if (pp < 2 || job->train.steps - newest_step(co) < 4 * STRAGGLER_EVERY)
+  if (pp < 2)
     return;
   double *busy = calloc((size_t)pp, sizeof *busy), *slowness = calloc((size_t)pp, sizeof *slowness);
   int *counts = calloc((size_t)k, sizeof *counts);
@@ -728,47 +740,44 @@ static void check_balance(struct coordinator *co) {
  * and --nnodes MIN allows it, a checkpoint is written and the group starts
  * again without the node, planned for the ranks left.  Node 0 stays. */
 static void check_slow_node(struct coordinator *co) {
-  const struct mr_job *job = co->opts->job;
-  double min_gain = atof(mr_tunable_str(MR_TUNABLE_REBALANCE_GAIN));
+  double min_gain = replan_gain(co);
   int n = co->n_group_nodes;
-  if (!elastic(co) || job == NULL || job->checkpoint.dir == NULL || !(min_gain > 0) ||
-      n - 1 < co->opts->min_nodes || co->plan_text == NULL || co->leaving > 0 ||
-      co->rebalancing || co->preempting || co->growing || co->phase != PHASE_RUNNING ||
-      co->ranks.waiting_restart || job->train.steps - newest_step(co) < 4 * STRAGGLER_EVERY)
+  if (!elastic(co) || !(min_gain > 0) || n - 1 < co->opts->min_nodes)
     return;
   read_split(co);
   if (co->split.pp != 1)
     return;
-  int slow = -1;
-  double worst = 0, others = 0, gain = 0;
-  for (int pos = 1; pos < n; pos++) {
-    double mine = 0, rest = 0;
-    for (int i = 0; i < co->world; i++) {
-      const struct mr_rank *r = &co->ranks.r[i];
-      if (r->busy_n < 2 * STRAGGLER_EVERY)
-        return;
-      if (i / co->node_ranks == pos)
-        mine = fmax(mine, r->busy_s);
-      else
-        rest = fmax(rest, r->busy_s);
+  double *node_busy = calloc((size_t)n, sizeof *node_busy); /* by place in the group */
+  if (node_busy == NULL)
+    return;
+  for (int i = 0; i < co->world; i++) {
+    const struct mr_rank *r = &co->ranks.r[i];
+    if (r->busy_n < 2 * STRAGGLER_EVERY) {
+      free(node_busy);
+      return;
     }
-    double step = co->ranks.r[0].step_s;
-    double g = mine - rest > STRAGGLER_MIN_S && step > 0
-                   ? (mine - rest - rest / (n - 1)) / step : 0;
-    if (g > gain)
-      slow = co->group_nodes[pos], gain = g, worst = mine, others = rest;
+    node_busy[i / co->node_ranks] = fmax(node_busy[i / co->node_ranks], r->busy_s);
   }
-  co->slow_streak = slow > 0 && gain >= min_gain ? co->slow_streak + 1 : 0;
+  /* only the busiest node can be worth leaving out: any other waits for it */
+  int top = 0;
+  for (int pos = 1; pos < n; pos++)
+    top = node_busy[pos] > node_busy[top] ? pos : top;
+  double worst = node_busy[top], others = 0, step = co->ranks.r[0].step_s;
+  for (int pos = 0; pos < n; pos++)
+    others = pos != top ? fmax(others, node_busy[pos]) : others;
+  free(node_busy);
+  double gain = top > 0 && worst - others > STRAGGLER_MIN_S && step > 0
+                    ? (worst - others - others / (n - 1)) / step : 0;
+  co->slow_streak = gain >= min_gain ? co->slow_streak + 1 : 0;
   if (co->slow_streak < STRAGGLER_STREAK)
     return;
   co->slow_streak = 0;
+  co->leaving = co->group_nodes[top];
   MR_WARN("launch", "node %d runs slow: %.1f ms of work a step against at most %.1f ms on the "
           "others; leaving it out (%d of %d nodes) cuts the step by about %.0f%%; writing a "
-          "checkpoint, then starting again", slow, worst * 1e3, others * 1e3, n - 1, co->nnodes,
-          100.0 * gain);
-  co->leaving = slow;
-  co->leave_step = newest_step(co);
-  mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
+          "checkpoint, then starting again", co->leaving, worst * 1e3, others * 1e3, n - 1,
+          co->nnodes, 100.0 * gain);
+  ask_regroup(co, REGROUP_SLOW_NODE);
 }
 
 static void on_metrics(struct coordinator *co, struct mr_conn *c,
@@ -986,21 +995,23 @@ static int plan_for(struct coordinator *co, int world) {
     co->digests = o->program_digests;
     return 0;
   }
-  mr_strategy_choice_close(&co->replan);
-  free(co->replan_text);
-  co->replan_text = NULL;
   co->plan_text = NULL;
   co->digests = NULL;
-  MR_TRY(mr_strategy_choose(o->job, world, &co->replan));
-  if ((co->replan_text = mr_strategy_apply(o->job, &co->replan.chosen.strategy)) == NULL)
-    return MR_ENOMEM;
-  co->plan_text = co->replan_text;
-  co->digests = co->replan.program_digests;
-  MR_WARN("launch", "re-planned for %d ranks on %d node%s:", world, co->n_group_nodes,
-          co->n_group_nodes == 1 ? "" : "s");
-  mr_strategy_print(&co->replan, stdout);
-  fflush(stdout);
-  return 0;
+  struct mr_strategy_choice choice;
+  int rc = mr_strategy_choose(o->job, world, &choice);
+  char *text = rc == 0 ? mr_strategy_apply(o->job, &choice.chosen.strategy) : NULL;
+  if (rc == 0 && text == NULL)
+    rc = MR_ENOMEM;
+  if (rc == 0) {
+    adopt_plan(co, text, choice.program_digests);
+    choice.program_digests = NULL;
+    MR_WARN("launch", "re-planned for %d ranks on %d node%s:", world, co->n_group_nodes,
+            co->n_group_nodes == 1 ? "" : "s");
+    mr_strategy_print(&choice, stdout);
+    fflush(stdout);
+  }
+  mr_strategy_choice_close(&choice);
+  return rc;
 }
 
 /* Starts a group on its nodes: every node in its place, or for an elastic
@@ -1050,10 +1061,8 @@ static int start_group(struct coordinator *co) {
   co->phase = PHASE_RUNNING;
   co->failure[0] = '\0';
   co->failed_rank = -1;
-  co->growing = 0;
-  co->rebalancing = 0;
+  co->pending = REGROUP_NONE;
   co->balance_streak = 0;
-  co->leaving = 0;
   co->slow_streak = 0;
   co->split_known = 0;
   mr_split_close(&co->split);
@@ -1435,11 +1444,9 @@ close_loop:
 out:
   sodium_memzero(co->token, sizeof co->token);
   mr_split_close(&co->split);
-  free(co->rebalance_text), free(co->rebalance_digests);
   free(co->balanced_text), free(co->balanced_digests);
+  free(co->own_text), free(co->own_digests);
   free(co->left_out);
-  mr_strategy_choice_close(&co->replan);
-  free(co->replan_text);
   free(co->group_nodes);
   free(co->agents);
   free(co);

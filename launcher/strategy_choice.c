@@ -144,14 +144,9 @@ cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling, c
 }
 
 char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s) {
-  return mr_strategy_apply_layers(job, s, job->strategy.chunk_layers,
-                                  job->strategy.n_chunk_layers);
-}
-
-char *mr_strategy_apply_layers(const struct mr_job *job, const struct mr_strategy *s,
-                               const int *layers, int n_layers) {
   cJSON *o = cJSON_Parse(job->text);
-  cJSON *st = mr_strategy_json(s, job->strategy.init_loss_scaling, layers, n_layers);
+  cJSON *st = mr_strategy_json(s, job->strategy.init_loss_scaling, job->strategy.chunk_layers,
+                               job->strategy.n_chunk_layers);
   if (o == NULL || st == NULL) {
     cJSON_Delete(o), cJSON_Delete(st);
     return NULL;

@@ -45,11 +45,6 @@ cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling, c
  * malloc'd text or NULL. */
 char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s);
 
-/* Same, with the layers of each pipeline chunk fixed to layers[n_layers]
- * (a re-balanced split; ignored when n_layers is not the chunk count). */
-char *mr_strategy_apply_layers(const struct mr_job *job, const struct mr_strategy *s,
-                               const int *layers, int n_layers);
-
 /* Prints rank `rank`'s program for job under strategy s on world ranks,
  * after checking every rank's communication fits together (meshrun plan
  * --rank R --dump).  Returns an exit code: 0, 1 (the check or the lowering

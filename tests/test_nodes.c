@@ -359,6 +359,18 @@ static void elastic_jobs(const char *dir, int steps) {
   job_s(dir, "job.json", steps, 1, 6, "");
 }
 
+/* Starts node k of an elastic job of 2 to 3 one-rank nodes on dir/job.json;
+ * node 0 gets `first`, the others wait up to 60 s for it. */
+static void elastic_node(struct mr_tproc *p, const char *dir, int k, int port,
+                         char *const first[]) {
+  static char *others[] = {"--join-timeout", "60", NULL};
+  static const char *logs[] = {"n0", "n1", "n2"};
+  nnodes_arg = "2:3";
+  nproc_arg = "1";
+  node(p, dir, "job.json", k, port, "token", logs[k], k == 0 ? first : others);
+  nnodes_arg = nproc_arg = "2";
+}
+
 /* Node 0's last loss is the reference run's last, within 1e-4. */
 static void ends_as_uninterrupted(const char *dir, int steps, const char *what) {
   double a[64], b[128];
@@ -382,15 +394,11 @@ START_TEST(test_nodes_elastic_goes_on_without_a_lost_node) {
   elastic_jobs(dir, STEPS);
   int port = free_port();
   struct mr_tproc n[3];
-  nnodes_arg = "2:3";
-  nproc_arg = "1";
   char *first[] = {"--max-restarts", "1", "--join-timeout", "8", NULL};
-  char *others[] = {"--join-timeout", "60", NULL};
   /* the others first: they wait for node 0, which waits for them */
-  node(&n[1], dir, "job.json", 1, port, "token", "n1", others);
-  node(&n[2], dir, "job.json", 2, port, "token", "n2", others);
-  node(&n[0], dir, "job.json", 0, port, "token", "n0", first);
-  nnodes_arg = nproc_arg = "2";
+  elastic_node(&n[1], dir, 1, port, NULL);
+  elastic_node(&n[2], dir, 2, port, NULL);
+  elastic_node(&n[0], dir, 0, port, first);
   wait_text(n[2].err_path, "starting ranks 2..2 of 3", &n[0], &n[2]);
   snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
   wait_text(metrics, "\"step\": 8,", &n[0], &n[2]);
@@ -417,16 +425,12 @@ START_TEST(test_nodes_elastic_takes_in_a_late_node) {
   elastic_jobs(dir, STEPS);
   int port = free_port();
   struct mr_tproc n[3];
-  nnodes_arg = "2:3";
-  nproc_arg = "1";
   char *first[] = {"--join-timeout", "6", NULL}; /* and no restarts allowed */
-  char *others[] = {"--join-timeout", "60", NULL};
-  node(&n[1], dir, "job.json", 1, port, "token", "n1", others); /* it waits for node 0 */
-  node(&n[0], dir, "job.json", 0, port, "token", "n0", first);
+  elastic_node(&n[1], dir, 1, port, NULL); /* it waits for node 0 */
+  elastic_node(&n[0], dir, 0, port, first);
   snprintf(metrics, sizeof metrics, "%s/n0/metrics.jsonl", dir);
   wait_text(metrics, "\"step\": 6,", &n[0], &n[1]);
-  node(&n[2], dir, "job.json", 2, port, "token", "n2", others);
-  nnodes_arg = nproc_arg = "2";
+  elastic_node(&n[2], dir, 2, port, NULL);
   expect_exit(&n[0], 0, "node 0", 120);
   expect_exit(&n[1], 0, "node 1", 30);
   expect_exit(&n[2], 0, "node 2", 30);
@@ -475,15 +479,11 @@ START_TEST(test_nodes_elastic_leaves_out_a_slow_node) {
   elastic_jobs(dir, STEPS);
   int port = free_port();
   struct mr_tproc n[3];
-  nnodes_arg = "2:3";
-  nproc_arg = "1";
   snprintf(slow_env, sizeof slow_env, "MESHRUN_TEST_SLOW=2:250");
   char *first[] = {"--join-timeout", "30", NULL};
-  char *others[] = {"--join-timeout", "60", NULL};
-  node(&n[1], dir, "job.json", 1, port, "token", "n1", others);
-  node(&n[2], dir, "job.json", 2, port, "token", "n2", others);
-  node(&n[0], dir, "job.json", 0, port, "token", "n0", first);
-  nnodes_arg = nproc_arg = "2";
+  elastic_node(&n[1], dir, 1, port, NULL);
+  elastic_node(&n[2], dir, 2, port, NULL);
+  elastic_node(&n[0], dir, 0, port, first);
   slow_env[0] = '\0';
   expect_exit(&n[0], 0, "node 0", 180);
   expect_exit(&n[1], 0, "node 1", 30);

@@ -3,7 +3,6 @@
 #include <stdlib.h>
 #include <time.h>
 
-
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"

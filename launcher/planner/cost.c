@@ -454,11 +454,11 @@ void mr_cost_prepare(const struct mr_workload *w, const struct mr_cluster *c,
    * flight) unless a fixed split gives another more layers */
   prep->mid_stage = 1;
   prep->stage_layers[1] = s->pp > 2 ? stage_layers(counts, s->pp, v, 1) : 0;
-  for (int i = 2; i < s->pp - 1; i++)
-    if (stage_layers(counts, s->pp, v, i) > prep->stage_layers[1]) {
-      prep->mid_stage = i;
-      prep->stage_layers[1] = stage_layers(counts, s->pp, v, i);
-    }
+  for (int i = 2; i < s->pp - 1; i++) {
+    int n = stage_layers(counts, s->pp, v, i);
+    if (n > prep->stage_layers[1])
+      prep->mid_stage = i, prep->stage_layers[1] = n;
+  }
   prep->stage_layers[2] = stage_layers(counts, s->pp, v, s->pp - 1);
 }
 
