@@ -98,18 +98,27 @@ int mr_auth_token_read_file(const char *path, uint8_t token[MR_TOKEN_BYTES]) {
 
 int mr_auth_token_write_file(const char *path,
                              const uint8_t token[MR_TOKEN_BYTES]) {
-  int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  /* written whole beside it, then linked into place: other nodes polling
+   * for the file never see it empty, and a file there already stays */
+  char tmp[4096];
+  if (snprintf(tmp, sizeof tmp, "%s.XXXXXX", path) >= (int)sizeof tmp)
+    return mr_error_set(MR_EINVAL, "job token file %s: path too long", path);
+  int fd = mkostemp(tmp, O_CLOEXEC); /* mode 0600 */
   if (fd < 0)
-    return mr_error_set(mr_from_errno(errno), "job token file %s: %s", path,
-                        strerror(errno));
+    return mr_error_set(mr_from_errno(errno), "job token file %s: %s", tmp, strerror(errno));
   char hex[66];
   mr_auth_token_hex(token, hex);
   hex[64] = '\n';
   ssize_t w = write(fd, hex, 65);
+  sodium_memzero(hex, sizeof hex);
   close(fd);
+  int rc = 0;
   if (w != 65)
-    return mr_error_set(MR_EIO, "job token file %s: short write", path);
-  return 0;
+    rc = mr_error_set(MR_EIO, "job token file %s: short write", tmp);
+  else if (link(tmp, path) != 0)
+    rc = mr_error_set(mr_from_errno(errno), "job token file %s: %s", path, strerror(errno));
+  unlink(tmp);
+  return rc;
 }
 
 int mr_auth_token_memfd(const uint8_t token[MR_TOKEN_BYTES]) {

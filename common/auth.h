@@ -57,7 +57,8 @@ int mr_auth_token_read_fd(int fd, uint8_t token[MR_TOKEN_BYTES]);
  * read (it must be 0600 or stricter). */
 int mr_auth_token_read_file(const char *path, uint8_t token[MR_TOKEN_BYTES]);
 
-/* Writes the token to a new file created with mode 0600. */
+/* Writes the token to a new file of mode 0600, whole at once (readers
+ * never see it partly written); fails when the file exists. */
 int mr_auth_token_write_file(const char *path,
                              const uint8_t token[MR_TOKEN_BYTES]);
 
