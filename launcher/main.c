@@ -69,6 +69,8 @@ int main(int argc, char **argv) {
   }
   /* a worker that dies mid-write must not take the launcher with it */
   signal(SIGPIPE, SIG_IGN);
+  /* a file past the size limit fails its write (EFBIG) with a message */
+  signal(SIGXFSZ, SIG_IGN);
   const char *cmd = argv[1];
   if (strcmp(cmd, "launch") == 0)
     return mr_cmd_launch(argc - 1, argv + 1);

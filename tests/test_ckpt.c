@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -210,6 +211,64 @@ START_TEST(test_ckpt_corrupt_or_incomplete_checkpoint_skipped) {
   snprintf(metrics, sizeof metrics, "%s/b/metrics.jsonl", dir);
   double loss[16];
   ck_assert_int_eq(mr_t_read_losses(metrics, loss, 16), 4);
+}
+END_TEST
+
+/* A save that cannot be written (here: past the file-size limit, EFBIG; a
+ * full disk is ENOSPC through the same path) fails its rank at once, naming
+ * the file, not at the next save; the last complete checkpoint stays, and a
+ * launch after it resumes from there to the uninterrupted run's weights. */
+START_TEST(test_ckpt_failed_save_fails_at_once_and_keeps_the_last) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "ref.json", 40, 0, "ck-ref");
+  write_job(dir, "ten.json", 10, 10, "ck");
+  write_job(dir, "all.json", 40, 10, "ck");
+  ck_assert_int_eq(run_to_end(dir, "ref.json", "ref", 2), 0);
+  ck_assert_int_eq(run_to_end(dir, "ten.json", "ten", 2), 0);
+
+  /* every rank's shard is larger than the limit, the logs are not (the
+   * limit applies to shared-memory segments too: the ranks talk over TCP) */
+  static char slow[] = "MESHRUN_TEST_SLOW=0:20", tcp[] = "MESHRUN_COMM_TRANSPORT=tcp";
+  char *env[] = {slow, tcp, NULL};
+  struct rlimit old, lim;
+  ck_assert_int_eq(getrlimit(RLIMIT_FSIZE, &old), 0);
+  lim = old;
+  lim.rlim_cur = 128 * 1024;
+  ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &lim), 0);
+  struct mr_tproc p;
+  start(&p, dir, "all.json", "full", 2, 0, env);
+  ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &old), 0);
+  int code = mr_t_wait(&p, 120);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
+  ck_assert_msg(strstr(err, "checkpoint of step 20") != NULL &&
+                    strstr(err, "step-00000020/rank-") != NULL &&
+                    strstr(err, "File too large") != NULL,
+                "%s", err);
+  free(err);
+  /* resumed at 11; failed within a few steps of the save at 20, long before
+   * the next save (30) would have waited for it */
+  char metrics[200];
+  snprintf(metrics, sizeof metrics, "%s/full/metrics.jsonl", dir);
+  double loss[64];
+  int n = mr_t_read_losses(metrics, loss, 64);
+  ck_assert_msg(n >= 10 && n < 15, "%d steps after step 10 (the save at 20 failed)", n);
+  char ck[160], d10[200], d20[200], mk[260];
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  mr_ckpt_step_dir(ck, 10, d10, sizeof d10);
+  mr_ckpt_step_dir(ck, 20, d20, sizeof d20);
+  int64_t step;
+  ck_assert_int_eq(mr_ckpt_verify(d10, &step), 0);
+  ck_assert_int_eq(step, 10);
+  snprintf(mk, sizeof mk, "%s/COMPLETE", d20);
+  ck_assert_int_ne(access(mk, F_OK), 0);
+
+  ck_assert_int_eq(run_to_end(dir, "all.json", "again", 2), 0);
+  char a[200], b[200];
+  snprintf(a, sizeof a, "%s/ref/model.safetensors", dir);
+  snprintf(b, sizeof b, "%s/again/model.safetensors", dir);
+  ck_assert_msg(mr_t_same_file(a, b), "final weights differ from the uninterrupted run");
 }
 END_TEST
 
@@ -553,6 +612,7 @@ static Suite *ckpt_suite(void) {
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, test_ckpt_killed_ranks_resume_bitwise);
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
+  tcase_add_test(tc, test_ckpt_failed_save_fails_at_once_and_keeps_the_last);
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
   tcase_add_test(tc, test_ckpt_resume_on_another_strategy_or_world_size);
   tcase_add_test(tc, test_ckpt_gpt2_fused_weight_across_layouts);

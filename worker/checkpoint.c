@@ -80,6 +80,7 @@ struct mr_ckpt_saver {
   const struct mr_job *job;      // borrowed
   pthread_t thread;
   int in_flight;
+  atomic_int written;            // the writer thread has set result
   int result;                    // of the last save
   char error[512];
   /* the snapshot being written */
@@ -244,6 +245,7 @@ static void *write_main(void *arg) {
     s->reporter.checkpoint_written(s->reporter.ctx, s->step, names, sha_ptrs, nfiles);
   }
   s->result = rc;
+  atomic_store(&s->written, 1);
   return NULL;
 }
 
@@ -255,6 +257,12 @@ int mr_ckpt_saver_wait(struct mr_ckpt_saver *s) {
   if (s->result < 0)
     return mr_error_set(s->result, "checkpoint of step %lld: %s", (long long)s->step, s->error);
   return 0;
+}
+
+int mr_ckpt_saver_poll(struct mr_ckpt_saver *s) {
+  if (s == NULL || !s->in_flight || !atomic_load(&s->written))
+    return 0;
+  return mr_ckpt_saver_wait(s);
 }
 
 /* Queues the copy of n floats from src (state of rt) to dst (the block):
@@ -357,6 +365,7 @@ int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_runtime *rt, int64_t step,
   s->index = NULL;
   if (s->rank == 0 && (s->index = index_text(s, mr_runtime_lowered(rt))) == NULL)
     return MR_ENOMEM;
+  atomic_store(&s->written, 0);
   if (pthread_create(&s->thread, NULL, write_main, s) != 0)
     return mr_error_set(MR_ESYS, "cannot start the checkpoint writer");
   s->in_flight = 1;

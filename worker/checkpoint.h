@@ -49,6 +49,13 @@ int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_runtime *rt, int64_t step,
 /* Waits for the save in flight, if any; returns its result. */
 int mr_ckpt_saver_wait(struct mr_ckpt_saver *s);
 
+/* Without waiting: the result of a save that has finished (joining its
+ * thread), 0 while one is still being written or none is.  A rank calls it
+ * every step, so a save that failed (a full disk) fails the rank at once
+ * instead of at the next save, and the group restarts from the last
+ * complete checkpoint having lost the fewest steps.  NULL is a no-op. */
+int mr_ckpt_saver_poll(struct mr_ckpt_saver *s);
+
 /* Waits, then frees.  NULL is a no-op. */
 void mr_ckpt_saver_free(struct mr_ckpt_saver *s);
 

@@ -84,6 +84,8 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
       MR_TRY_GOTO(rc, mr_runtime_agree(rt, asked, &asked), out);
     if (saver != NULL && ((every > 0 && s % every == 0) || asked))
       MR_TRY_GOTO(rc, mr_ckpt_save(saver, rt, s, env->reporter), out);
+    else
+      MR_TRY_GOTO(rc, mr_ckpt_saver_poll(saver), out);
   }
   if (saver != NULL)
     MR_TRY_GOTO(rc, mr_ckpt_saver_wait(saver), out);

@@ -202,6 +202,9 @@ int main(int argc, char **argv) {
   else
     mr_log_set_prefix("worker");
   signal(SIGPIPE, SIG_IGN);
+  /* a file past the size limit (ulimit -f) is a write error naming the file
+   * (EFBIG), as a full disk is, not a killed rank */
+  signal(SIGXFSZ, SIG_IGN);
   signal(SIGINT, SIG_IGN); /* the launcher decides; it stops us with SIGTERM */
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
