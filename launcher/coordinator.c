@@ -82,6 +82,10 @@ struct coordinator {
   const uint64_t *digests;  //   programs' digests: the launch's, or
   char *own_text;           //   one made here (re-planned for another world,
   uint64_t *own_digests;    //   or re-balanced), owned
+  double predicted_s;       // the plan's predicted step time (0: none)
+  double *step_s;           // rank 0's step times under that plan, past
+  int n_step_s, cap_step_s; //   each group's first WARMUP_STEPS
+  int group_steps;          // rank 0's steps reported in this group
   enum phase phase;
   int restart;              // groups started before this one (workers say
                             // which they belong to)
@@ -90,7 +94,8 @@ struct coordinator {
   int64_t pending_step;     //   pending_step or later), taking in the nodes
   int leaving;              //   that joined, leaving out this node, or
   char *balanced_text;      //   running this plan (and its programs'
-  uint64_t *balanced_digests; //  digests); then
+  uint64_t *balanced_digests; //  digests, its predicted step); then
+  double balanced_s;
   enum regroup regroup;     //   the group stops to start again, not a failure
   struct mr_split split;    // the running plan's layers per pipeline chunk
   int split_known;          //   (read at the group's first balance check)
@@ -194,10 +199,13 @@ static void ask_regroup(struct coordinator *co, enum regroup kind) {
 
 /* The plan the next groups run becomes text (with its programs' digests),
  * owned here. */
-static void adopt_plan(struct coordinator *co, char *text, uint64_t *digests) {
+static void adopt_plan(struct coordinator *co, char *text, uint64_t *digests,
+                       double predicted_s) {
   free(co->own_text), free(co->own_digests);
   co->own_text = text, co->own_digests = digests;
   co->plan_text = text, co->digests = digests;
+  co->predicted_s = predicted_s;
+  co->n_step_s = 0; /* measured under another plan */
 }
 
 static void begin_stop(struct coordinator *co) {
@@ -492,7 +500,7 @@ static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) 
     if (co->pending == REGROUP_SLOW_NODE)
       co->left_out[co->leaving] = 1;
     if (co->pending == REGROUP_BALANCE) {
-      adopt_plan(co, co->balanced_text, co->balanced_digests);
+      adopt_plan(co, co->balanced_text, co->balanced_digests, co->balanced_s);
       co->balanced_text = NULL, co->balanced_digests = NULL;
     }
     co->regroup = co->pending;
@@ -653,8 +661,9 @@ static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_ou
                             int pp) {
   const struct mr_job *job = co->opts->job;
   uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
+  double step_s = 0;
   char *text = digests != NULL ? mr_plan_with_split(job, co->plan_text, co->world, out->counts,
-                                                    k, digests) : NULL;
+                                                    k, digests, &step_s) : NULL;
   char speeds[256] = "", was[256], now[256];
   for (int s = 0; s < pp && strlen(speeds) + 16 < sizeof speeds; s++)
     snprintf(speeds + strlen(speeds), sizeof speeds - strlen(speeds), "%s%.2f", s ? ", " : "",
@@ -671,7 +680,7 @@ static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_ou
           "moving layers %s -> %s cuts the slowest chunk's time by %.0f%%; writing a checkpoint, "
           "then starting again", speeds, was, now, 100.0 * out->gain);
   free(co->balanced_text), free(co->balanced_digests);
-  co->balanced_text = text, co->balanced_digests = digests;
+  co->balanced_text = text, co->balanced_digests = digests, co->balanced_s = step_s;
   ask_regroup(co, REGROUP_BALANCE);
 }
 
@@ -780,6 +789,36 @@ static void check_slow_node(struct coordinator *co) {
   ask_regroup(co, REGROUP_SLOW_NODE);
 }
 
+#define WARMUP_STEPS 2 // a group's first steps allocate and fill caches
+
+/* Keeps rank 0's step time for the closing summary. */
+static void record_step(struct coordinator *co, double step_s) {
+  if (co->group_steps++ < WARMUP_STEPS)
+    return;
+  if (co->n_step_s == co->cap_step_s) {
+    int cap = co->cap_step_s ? 2 * co->cap_step_s : 256;
+    double *p = realloc(co->step_s, (size_t)cap * sizeof *p);
+    if (p == NULL)
+      return;
+    co->step_s = p, co->cap_step_s = cap;
+  }
+  co->step_s[co->n_step_s++] = step_s;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* The median of the recorded step times (sorts them), 0 when none. */
+static double median_step(struct coordinator *co) {
+  int n = co->n_step_s;
+  if (n == 0)
+    return 0;
+  qsort(co->step_s, (size_t)n, sizeof *co->step_s, cmp_double);
+  return n % 2 ? co->step_s[n / 2] : 0.5 * (co->step_s[n / 2 - 1] + co->step_s[n / 2]);
+}
+
 static void on_metrics(struct coordinator *co, struct mr_conn *c,
                        const Meshrun__Metrics *m) {
   struct mr_rank *r = &co->ranks.r[c->rank];
@@ -798,6 +837,7 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
     r->peak_memory = m->peak_memory_bytes;
   if (c->rank != 0 || co->opts->selfcheck)
     return;
+  record_step(co, m->step_time_s);
   uint64_t peak = 0, rss = 0;
   for (int i = 0; i < co->world; i++) {
     if (co->ranks.r[i].peak_memory > peak)
@@ -993,6 +1033,8 @@ static int plan_for(struct coordinator *co, int world) {
   if (world == o->nproc || o->job == NULL) {
     co->plan_text = o->job != NULL ? o->job->text : NULL;
     co->digests = o->program_digests;
+    if (co->predicted_s != o->predicted_step_s)
+      co->predicted_s = o->predicted_step_s, co->n_step_s = 0;
     return 0;
   }
   co->plan_text = NULL;
@@ -1003,7 +1045,7 @@ static int plan_for(struct coordinator *co, int world) {
   if (rc == 0 && text == NULL)
     rc = MR_ENOMEM;
   if (rc == 0) {
-    adopt_plan(co, text, choice.program_digests);
+    adopt_plan(co, text, choice.program_digests, choice.chosen.cost.step_time_s);
     choice.program_digests = NULL;
     MR_WARN("launch", "re-planned for %d ranks on %d node%s:", world, co->n_group_nodes,
             co->n_group_nodes == 1 ? "" : "s");
@@ -1018,6 +1060,7 @@ static int plan_for(struct coordinator *co, int world) {
  * job the nodes connected now, numbered in node order. */
 static int begin_group(struct coordinator *co) {
   co->n_group_nodes = 0;
+  co->group_steps = 0;
   for (int k = 0; k < co->nnodes; k++)
     if ((!elastic(co) || k == 0 || co->agents[k] != NULL) && !co->left_out[k])
       co->group_nodes[co->n_group_nodes++] = k;
@@ -1232,7 +1275,7 @@ static void on_tick(uv_timer_t *t) {
         printf("meshrun: self-check passed: %d ranks registered, authenticated, "
                "exchanged a rendezvous and reported the expected digests\n",
                co->world);
-      mr_ranks_print_summary(&co->ranks);
+      mr_ranks_print_summary(&co->ranks, median_step(co), co->n_step_s, co->predicted_s);
       finish(co, 0);
     }
     return;
@@ -1367,6 +1410,7 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   co->token_fd = -1;
   co->failed_rank = -1;
   co->last_ckpt_step = -1;
+  co->predicted_s = opts->predicted_step_s;
   int code = 1;
   if (mr_auth_init() < 0)
     goto out;
@@ -1446,6 +1490,7 @@ out:
   mr_split_close(&co->split);
   free(co->balanced_text), free(co->balanced_digests);
   free(co->own_text), free(co->own_digests);
+  free(co->step_s);
   free(co->left_out);
   free(co->group_nodes);
   free(co->agents);

@@ -56,6 +56,9 @@ struct mr_launch_opts {
   const struct mr_devices *devices; // borrowed
   const uint64_t *program_digests; // [nproc] each rank's program as the
                                    // launcher checked it; NULL: unchecked
+  double predicted_step_s;      // the planner's step time for the job's plan
+                                // (0: none); the closing summary sets the
+                                // measured one beside it
 };
 
 /* Splits a --bind value "HOST:PORT" (an IPv4 or IPv6 address, "[::1]"

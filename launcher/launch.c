@@ -371,6 +371,7 @@ int mr_cmd_launch(int argc, char **argv) {
       .metrics_path = metrics,
       .devices = &devices,
       .program_digests = choice.program_digests,
+      .predicted_step_s = plans ? choice.chosen.cost.step_time_s : 0,
   };
   code = mr_coordinator_run(&opts);
 done:

@@ -433,12 +433,24 @@ void mr_ranks_report_failure(struct mr_ranks *s, int rank, const char *failure,
   }
 }
 
-void mr_ranks_print_summary(struct mr_ranks *s) {
+void mr_ranks_print_summary(struct mr_ranks *s, double median_s, int n, double predicted_s) {
   clear_progress(s);
   if (!s->have_last)
     return;
   double secs = (double)(mr_clock_ms() - s->start_ms) / 1000.0;
   printf("meshrun: done: %lld steps in %.1f s, final loss %.4f, %.0f tokens/s\n",
          (long long)s->last.step, secs, s->last.loss, s->last.tokens_per_s);
+  if (n > 0 && predicted_s > 0) {
+    double ratio = median_s / predicted_s;
+    printf("meshrun: step time: median %.4g ms over %d steps, predicted %.4g ms "
+           "(measured / predicted %.2f)\n", 1e3 * median_s, n, 1e3 * predicted_s, ratio);
+    /* a step of a few ms is mostly the fixed costs of a step (waking the
+     * ranks, the optimizer's pass, logging) the model does not count */
+    if ((ratio > 2.0 || ratio < 0.5) && predicted_s >= 0.01)
+      printf("meshrun: the cluster spec the plan was made for does not describe these "
+             "devices well; `meshrun calibrate` measures this machine and writes one\n");
+  } else if (n > 0) {
+    printf("meshrun: step time: median %.4g ms over %d steps\n", 1e3 * median_s, n);
+  }
   fflush(stdout);
 }

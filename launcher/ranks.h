@@ -142,7 +142,10 @@ void mr_ranks_progress(struct mr_ranks *s, const Meshrun__Metrics *m, uint64_t p
 void mr_ranks_report_failure(struct mr_ranks *s, int rank, const char *failure,
                              int max_restarts);
 
-/* Prints the job's closing summary (training jobs). */
-void mr_ranks_print_summary(struct mr_ranks *s);
+/* Prints the job's closing summary (training jobs): with n > 0 the median
+ * step time measured over n steps, beside the planner's prediction when
+ * predicted_s > 0, and a hint when they are more than 2x apart (for steps
+ * of 10 ms or more). */
+void mr_ranks_print_summary(struct mr_ranks *s, double median_s, int n, double predicted_s);
 
 #endif

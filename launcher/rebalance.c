@@ -97,7 +97,7 @@ void mr_split_close(struct mr_split *s) {
 }
 
 char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
-                         const int *counts, int n, uint64_t *digests) {
+                         const int *counts, int n, uint64_t *digests, double *step_s) {
   cJSON *o = cJSON_Parse(plan);
   cJSON *pp = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(o, "strategy"),
                                                "pipeline_parallel");
@@ -124,6 +124,8 @@ char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
     rc = mr_strategy_choose(&j, world, &choice);
     if (rc == 0)
       memcpy(digests, choice.program_digests, (size_t)world * sizeof *digests);
+    if (rc == 0 && step_s != NULL)
+      *step_s = choice.chosen.cost.step_time_s;
     mr_strategy_choice_close(&choice);
     mr_job_close(&j);
   }

@@ -52,9 +52,10 @@ void mr_split_close(struct mr_split *s);
 /* The plan with strategy.pipeline_parallel.layers set to counts[n],
  * evaluated by the cost model on job's cluster spec (the one the launch
  * planned with: it must fit the device memory) and lowered for every rank
- * and checked; their program digests into digests[world].  Returns a new
- * malloc'd text, or NULL with a message. */
+ * and checked; their program digests into digests[world], its predicted
+ * step time into *step_s (unless NULL).  Returns a new malloc'd text, or
+ * NULL with a message. */
 char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
-                         const int *counts, int n, uint64_t *digests);
+                         const int *counts, int n, uint64_t *digests, double *step_s);
 
 #endif

@@ -162,7 +162,7 @@ static void describe(const struct mr_plan_candidate *c, char *buf, size_t n) {
   const struct mr_strategy *s = &c->strategy;
   static const char *const rcs[] = {"", ", selective recompute", ", full recompute"};
   snprintf(buf, n, "dp%d x tp%d x pp%d%s%s, ZeRO-%d%s%s, micro-batch %d x %d, %s; predicted "
-           "%.3f s/step, %.0f tokens/s, %.1f%% MFU, %.0f MiB per rank",
+           "%.3g s/step, %.0f tokens/s, %.1f%% MFU, %.0f MiB per rank",
            s->dp, s->tp, s->pp,
            s->pp > 1 ? (s->virtual_stages > 1 ? " (interleaved)"
                         : s->schedule == MR_PP_GPIPE ? " (gpipe)" : " (1f1b)") : "",

@@ -2,6 +2,7 @@
  * workers on the self-check job, with failures injected from outside. */
 #include <check.h>
 #include <fcntl.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -479,6 +480,63 @@ START_TEST(test_launch_persistently_slow_rank_named) {
 }
 END_TEST
 
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* The closing summary sets the median step time measured (rank 0's steps
+ * past the first two, as metrics.jsonl has them) beside the step time
+ * `meshrun plan` predicts for the same job and ranks. */
+START_TEST(test_launch_summary_measured_beside_predicted) {
+  char dir[64], path[300], logdir[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  tiny_job(dir, 9, path, sizeof path);
+  snprintf(logdir, sizeof logdir, "%s/logs", dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--log-dir", logdir,
+                  path, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 60), 0);
+  char *out = mr_t_slurp(p.out_path);
+  const char *line = strstr(out, "meshrun: step time: median ");
+  ck_assert_msg(line != NULL, "%s", out);
+  double median, predicted, ratio;
+  int n;
+  ck_assert_int_eq(sscanf(line, "meshrun: step time: median %lf ms over %d steps, predicted %lf ms "
+                                "(measured / predicted %lf)", &median, &n, &predicted, &ratio), 4);
+  free(out);
+
+  char mpath[340];
+  snprintf(mpath, sizeof mpath, "%s/metrics.jsonl", logdir);
+  char *m = mr_t_slurp(mpath);
+  double steps[16];
+  int k = 0;
+  for (char *at = strstr(m, "\"step_time_s\": "); at != NULL && k < 16;
+       at = strstr(at + 1, "\"step_time_s\": "))
+    steps[k++] = 1e3 * atof(at + strlen("\"step_time_s\": "));
+  free(m);
+  ck_assert_int_eq(k, 9);
+  qsort(steps + 2, 7, sizeof *steps, cmp_double);
+  ck_assert_int_eq(n, 7);
+  ck_assert_msg(fabs(median - steps[5]) <= 1e-3 * steps[5], "median %g, metrics say %g", median,
+                steps[5]);
+
+  char *pargv[] = {(char *)mr_t_meshrun(), "plan", path, "--nproc", "2", "--json", NULL};
+  mr_t_spawn(&p, dir, pargv, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 60), 0);
+  char *plan = mr_t_slurp(p.out_path);
+  const char *st = strstr(plan, "\"step_time_s\":");
+  ck_assert_msg(st != NULL, "%s", plan);
+  double want = 1e3 * atof(st + strlen("\"step_time_s\":"));
+  free(plan);
+  ck_assert_msg(fabs(predicted - want) <= 1e-3 * want, "predicted %g ms, plan says %g", predicted,
+                want);
+  ck_assert_msg(fabs(ratio - median / predicted) <= 0.006, "ratio %g of %g / %g", ratio, median,
+                predicted);
+}
+END_TEST
+
 static Suite *launch_suite(void) {
   Suite *s = suite_create("launch");
   TCase *tc = tcase_create("e2e");
@@ -494,6 +552,7 @@ static Suite *launch_suite(void) {
   tcase_add_test(tc, test_launch_killed_rank_leaves_no_shared_memory);
   tcase_add_test(tc, test_launch_bind_and_metrics_flags);
   tcase_add_test(tc, test_launch_persistently_slow_rank_named);
+  tcase_add_test(tc, test_launch_summary_measured_beside_predicted);
   suite_add_tcase(s, tc);
   return s;
 }

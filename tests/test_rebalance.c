@@ -109,7 +109,7 @@ START_TEST(test_rebalance_plan_with_split) {
   ck_assert(s.layer > 0 && s.last > 0);
   mr_split_close(&s);
   uint64_t digests[2] = {0, 0};
-  char *text = mr_plan_with_split(&job, job.text, 2, (int[]){7, 1}, 2, digests);
+  char *text = mr_plan_with_split(&job, job.text, 2, (int[]){7, 1}, 2, digests, NULL);
   ck_assert_msg(text != NULL, "%s", mr_error_message());
   ck_assert(digests[0] != 0 && digests[1] != 0 && digests[0] != digests[1]);
   ck_assert_int_eq(mr_split_of_plan(&job, text, 2, &s), 0);
@@ -118,7 +118,7 @@ START_TEST(test_rebalance_plan_with_split) {
   mr_split_close(&s);
   /* a split the plan cannot run is refused, naming the field */
   free(text);
-  text = mr_plan_with_split(&job, job.text, 2, (int[]){8, 0}, 2, digests);
+  text = mr_plan_with_split(&job, job.text, 2, (int[]){8, 0}, 2, digests, NULL);
   ck_assert_ptr_null(text);
   ck_assert_msg(strstr(mr_error_message(), "pipeline_parallel.layers") != NULL, "%s",
                 mr_error_message());
@@ -177,10 +177,10 @@ START_TEST(test_rebalance_split_must_fit) {
   struct mr_job job;
   ck_assert_msg(mr_job_load(path, &job) == 0, "%s", mr_error_message());
   uint64_t digests[2];
-  char *ok = mr_plan_with_split(&job, job.text, 2, (int[]){4, 4}, 2, digests);
+  char *ok = mr_plan_with_split(&job, job.text, 2, (int[]){4, 4}, 2, digests, NULL);
   ck_assert_msg(ok != NULL, "%s", mr_error_message());
   free(ok);
-  ck_assert_ptr_null(mr_plan_with_split(&job, job.text, 2, (int[]){7, 1}, 2, digests));
+  ck_assert_ptr_null(mr_plan_with_split(&job, job.text, 2, (int[]){7, 1}, 2, digests, NULL));
   ck_assert_msg(strstr(mr_error_message(), "GiB per device") != NULL, "%s", mr_error_message());
   mr_job_close(&job);
 }
