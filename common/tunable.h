@@ -49,7 +49,8 @@
      "test hook: \"RANK:STEP\" makes that rank exit 0 at that step, unreported") \
   XX(TEST_SLOW, "MESHRUN_TEST_SLOW", "",                                    \
      "test hook: \"RANK:MS\" makes that rank MS ms slower every step, "     \
-     "\"RANK:xF\" every kernel of it F times slower")                       \
+     "\"RANK:xF\" every kernel of it F times slower; a comma-separated list " \
+     "of them")                                                              \
   XX(STRAGGLER_RATIO, "MESHRUN_STRAGGLER_RATIO", "1.3",                      \
      "a rank whose work per step (step time less communication wait) "      \
      "stays above this many times its stage's median is named slow")        \

@@ -247,13 +247,16 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
   rt->adamw = mr_adamw_of_job(&job->train);
   mr_loss_scaler_of_job(&rt->scaler, job, L->lay.amp == MR_AMP_FP16);
   rt->inject_step = mr_tunable_int(MR_TUNABLE_INJECT_OVERFLOW_STEP);
-  int slow_rank = -1, slow_ms = 0;
-  double slow_factor = 0;
-  const char *slow = mr_tunable_str(MR_TUNABLE_TEST_SLOW);
-  if (sscanf(slow, "%d:x%lf", &slow_rank, &slow_factor) == 2 && slow_rank == rank)
-    rt->slow_factor = slow_factor;
-  else if (sscanf(slow, "%d:%d", &slow_rank, &slow_ms) == 2 && slow_rank == rank)
-    rt->slow_ms = slow_ms;
+  /* test hook: "RANK:MS" or "RANK:xF", a comma-separated list of them */
+  for (const char *slow = mr_tunable_str(MR_TUNABLE_TEST_SLOW); slow != NULL && *slow != '\0';
+       slow = strchr(slow, ',') != NULL ? strchr(slow, ',') + 1 : NULL) {
+    int slow_rank = -1, slow_ms = 0;
+    double slow_factor = 0;
+    if (sscanf(slow, "%d:x%lf", &slow_rank, &slow_factor) == 2 && slow_rank == rank)
+      rt->slow_factor = slow_factor;
+    else if (sscanf(slow, "%d:%d", &slow_rank, &slow_ms) == 2 && slow_rank == rank)
+      rt->slow_ms = slow_ms;
+  }
   rt->overlap = mr_tunable_int(MR_TUNABLE_GRAD_SYNC_OVERLAP) != 0;
   if (mr_tunable_int(MR_TUNABLE_PROFILE) &&
       (rt->prof_op = calloc((size_t)mr_op_count(), sizeof *rt->prof_op)) == NULL) {
