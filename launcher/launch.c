@@ -11,6 +11,7 @@
 #include "launcher/agent.h"
 #include "launcher/cli.h"
 #include "launcher/coordinator.h"
+#include "launcher/slurm.h"
 #include "launcher/strategy_choice.h"
 #include "common/discovery.h"
 #include "launcher/gpu_probe.h"
@@ -47,7 +48,10 @@ static void usage(FILE *f) {
           "  --master HOST:PORT     where node 0's launcher listens\n"
           "  --token-file FILE      the job token on a file system every node sees: node 0\n"
           "                         writes it (mode 0600) when missing, the others read it\n"
-          "  --join-timeout S       how long nodes wait for one another (default 600)\n");
+          "  --join-timeout S       how long nodes wait for one another (default 600)\n"
+          "Inside a Slurm step (srun --ntasks-per-node=1 meshrun launch JOB.json) what\n"
+          "these flags leave unsaid comes from the step: its nodes, SLURM_NODEID, node 0's\n"
+          "host at port 20000 + job id %% 20000, the token in ~/.cache/meshrun.\n");
 }
 
 static char *job_stem(const char *path) {
@@ -85,7 +89,7 @@ int mr_cmd_launch(int argc, char **argv) {
   const char *log_dir = NULL, *metrics = NULL, *bind = NULL;
   const char *master = NULL, *token_file = NULL;
   const char *devices_spec = NULL, *device = NULL;
-  int selfcheck = 0;
+  int selfcheck = 0, nnodes_given = 0, rank_given = 0;
   optind = 1;
   opterr = 0;
   int c;
@@ -140,11 +144,13 @@ int mr_cmd_launch(int argc, char **argv) {
       if (mr_cli_int("launch", "--nnodes", colon ? colon + 1 : optarg, 1, 100000, &nnodes) < 0 ||
           mr_cli_int("launch", "--nnodes", lo, 1, nnodes, &min_nodes) < 0)
         return 2;
+      nnodes_given = 1;
       break;
     }
     case 'K':
       if (mr_cli_int("launch", "--node-rank", optarg, 0, 99999, &node_rank) < 0)
         return 2;
+      rank_given = 1;
       break;
     case 'M':
       master = optarg;
@@ -166,6 +172,35 @@ int mr_cmd_launch(int argc, char **argv) {
       usage(stderr);
       return 2;
     }
+  }
+  /* inside a Slurm step, what the flags leave unsaid comes from it */
+  struct mr_slurm_step slurm = {0};
+  int all_given = nnodes_given && rank_given && master != NULL && token_file != NULL;
+  if (!all_given && mr_slurm_step(&slurm) < 0) {
+    fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
+    return 2;
+  }
+  if (slurm.in_step && slurm.nnodes > 1) {
+    if (!nnodes_given)
+      nnodes = min_nodes = slurm.nnodes;
+    if (!rank_given)
+      node_rank = slurm.node_rank;
+    if (master == NULL)
+      master = slurm.master;
+    if (token_file == NULL && slurm.token_file[0] != '\0') {
+      char dir[4096];
+      snprintf(dir, sizeof dir, "%s", slurm.token_file);
+      *strrchr(dir, '/') = '\0';
+      if (mr_mkdir_p(dir) == 0)
+        token_file = slurm.token_file;
+    }
+    printf("meshrun: Slurm job %ld: node %ld of %ld, node 0 at %s, job token in %s\n",
+           slurm.job_id, node_rank, nnodes, master, token_file ? token_file : "(none)");
+    fflush(stdout);
+  } else if (!slurm.in_step && slurm.in_job_nodes > 1 && !nnodes_given) {
+    fprintf(stderr, "meshrun launch: note: Slurm job %ld has %d nodes, but this is not an "
+            "srun step: running on this node only (srun --ntasks-per-node=1 meshrun launch "
+            "... runs a launcher on every node)\n", slurm.job_id, slurm.in_job_nodes);
   }
   if (node_rank >= nnodes) {
     fprintf(stderr, "meshrun launch: --node-rank %ld: expected 0..%ld (--nnodes %ld)\n",

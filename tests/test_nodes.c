@@ -16,6 +16,8 @@
 #include <unistd.h>
 
 #include "check_main.h"
+#include "common/error.h"
+#include "launcher/slurm.h"
 #include "testutil.h"
 
 /* A free TCP port on loopback (bound, read, released). */
@@ -511,6 +513,145 @@ START_TEST(test_nodes_elastic_leaves_out_a_slow_node) {
 }
 END_TEST
 
+/* Slurm host lists: the first host, by hand; malformed ones refused. */
+START_TEST(test_nodes_slurm_first_host) {
+  static const char *const good[][2] = {
+      {"gpu[07-09,12],cpu3", "gpu07"}, {"node1", "node1"},         {"a[1-2]b[03]", "a1b03"},
+      {"rack1-[2-3]", "rack1-2"},      {"127.0.0.[1-2]", "127.0.0.1"}, {"n[5],m[1-9]", "n5"}};
+  char host[64];
+  for (int i = 0; i < 6; i++) {
+    ck_assert_msg(mr_slurm_first_host(good[i][0], host, sizeof host) == 0, "%s: %s", good[i][0],
+                  mr_error_message());
+    ck_assert_str_eq(host, good[i][1]);
+  }
+  static const char *const bad[] = {"", ",x", "[", "n[", "n[]", "n[a-b]", "n[1-2", "n o", "n[1]]"};
+  for (int i = 0; i < 9; i++) {
+    ck_assert_msg(mr_slurm_first_host(bad[i], host, sizeof host) == MR_EINVAL, "%s accepted",
+                  bad[i]);
+    ck_assert_msg(strstr(mr_error_message(), "Slurm host list") != NULL ||
+                      strstr(mr_error_message(), "host") != NULL,
+                  "%s", mr_error_message());
+  }
+  ck_assert_int_eq(mr_slurm_first_host("averylonghostname", host, 8), MR_EINVAL);
+}
+END_TEST
+
+static void slurm_env(const char *const *kv) {
+  static const char *const all[] = {"SLURM_JOB_ID", "SLURM_JOBID", "SLURM_STEP_ID",
+                                    "SLURM_STEPID", "SLURM_NNODES", "SLURM_JOB_NUM_NODES",
+                                    "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS",
+                                    "SLURM_NTASKS", "SLURM_NODEID", "SLURM_STEP_NODELIST",
+                                    "SLURM_JOB_NODELIST", "SLURM_NODELIST"};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+    unsetenv(all[i]);
+  for (int i = 0; kv[i] != NULL; i += 2)
+    setenv(kv[i], kv[i + 1], 1);
+}
+
+/* A step's environment read as the flags it stands for; a step that is
+ * not one launcher a node refused naming why. */
+START_TEST(test_nodes_slurm_step_environment) {
+  struct mr_slurm_step s;
+  setenv("HOME", "/home/u", 1);
+  slurm_env((const char *const[]){NULL});
+  ck_assert_int_eq(mr_slurm_step(&s), 0);
+  ck_assert_int_eq(s.in_step, 0);
+  ck_assert_int_eq(s.in_job_nodes, 0);
+  /* the batch script: a job of 4 nodes, not a step */
+  slurm_env((const char *const[]){"SLURM_JOB_ID", "77", "SLURM_NNODES", "4", NULL});
+  ck_assert_int_eq(mr_slurm_step(&s), 0);
+  ck_assert_int_eq(s.in_step, 0);
+  ck_assert_int_eq(s.in_job_nodes, 4);
+  /* srun --ntasks-per-node=1 on 3 nodes, this one the second */
+  slurm_env((const char *const[]){"SLURM_JOB_ID", "123456", "SLURM_STEP_ID", "0",
+                                   "SLURM_NNODES", "8", "SLURM_STEP_NUM_NODES", "3",
+                                   "SLURM_STEP_NUM_TASKS", "3", "SLURM_NODEID", "1",
+                                   "SLURM_JOB_NODELIST", "x[1-8]",
+                                   "SLURM_STEP_NODELIST", "gpu[010-012]", NULL});
+  ck_assert_int_eq(mr_slurm_step(&s), 0);
+  ck_assert_int_eq(s.in_step, 1);
+  ck_assert_int_eq(s.nnodes, 3);
+  ck_assert_int_eq(s.node_rank, 1);
+  ck_assert_str_eq(s.master, "gpu010:23456"); /* 20000 + 123456 % 20000 */
+  ck_assert_str_eq(s.token_file, "/home/u/.cache/meshrun/slurm-123456.token");
+  /* srun -n 16 on 2 nodes: a launcher a GPU */
+  slurm_env((const char *const[]){"SLURM_JOB_ID", "9", "SLURM_STEP_ID", "1",
+                                   "SLURM_STEP_NUM_NODES", "2", "SLURM_STEP_NUM_TASKS", "16",
+                                   "SLURM_NODEID", "0", "SLURM_STEP_NODELIST", "n[1-2]", NULL});
+  ck_assert_int_eq(mr_slurm_step(&s), MR_EINVAL);
+  ck_assert_msg(strstr(mr_error_message(), "16 tasks on 2 nodes") != NULL &&
+                    strstr(mr_error_message(), "--ntasks-per-node=1") != NULL,
+                "%s", mr_error_message());
+  /* a node id past the step's nodes; a malformed count; a bad host list */
+  slurm_env((const char *const[]){"SLURM_JOB_ID", "9", "SLURM_STEP_ID", "1",
+                                   "SLURM_STEP_NUM_NODES", "2", "SLURM_NODEID", "2",
+                                   "SLURM_STEP_NODELIST", "n[1-2]", NULL});
+  ck_assert_int_eq(mr_slurm_step(&s), MR_EINVAL);
+  ck_assert_msg(strstr(mr_error_message(), "SLURM_NODEID is \"2\"") != NULL, "%s",
+                mr_error_message());
+  slurm_env((const char *const[]){"SLURM_JOB_ID", "9x", NULL});
+  ck_assert_int_eq(mr_slurm_step(&s), MR_EINVAL);
+  ck_assert_msg(strstr(mr_error_message(), "SLURM_JOB_ID") != NULL, "%s", mr_error_message());
+  slurm_env((const char *const[]){"SLURM_JOB_ID", "9", "SLURM_STEP_ID", "1",
+                                   "SLURM_STEP_NUM_NODES", "2", "SLURM_NODEID", "0",
+                                   "SLURM_STEP_NODELIST", "n[1-", NULL});
+  ck_assert_int_eq(mr_slurm_step(&s), MR_EINVAL);
+  ck_assert_msg(strstr(mr_error_message(), "SLURM_STEP_NODELIST") != NULL, "%s",
+                mr_error_message());
+}
+END_TEST
+
+/* Two launchers given nothing but --nproc inside a (simulated) Slurm step
+ * of 2 nodes train as one launcher of 4 ranks: the node count, each one's
+ * index, node 0's address and port and the token file all from the step. */
+START_TEST(test_nodes_slurm_step_needs_no_flags) {
+  char dir[64], home[200], ids[32], host_env[] = "SLURM_STEP_NODELIST=127.0.0.[1-2]";
+  mr_t_tmpdir(dir, sizeof dir);
+  job(dir, "job.json", 6, 0);
+  one_node(dir, "job.json", "one");
+  /* a job id whose port is free */
+  long id = 0;
+  for (long j = getpid() % MR_SLURM_PORT_SPAN; id == 0; j = (j + 7) % MR_SLURM_PORT_SPAN) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)(MR_SLURM_PORT_BASE + j))};
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0)
+      id = j + MR_SLURM_PORT_SPAN;
+    close(fd);
+  }
+  snprintf(home, sizeof home, "HOME=%s", dir);
+  snprintf(ids, sizeof ids, "SLURM_JOB_ID=%ld", id);
+  struct mr_tproc n[2];
+  for (int k = 1; k >= 0; k--) { /* node 1 first: it waits for node 0 */
+    static char nodeid[2][32], logdir[2][300], jobf[300];
+    snprintf(nodeid[k], sizeof nodeid[k], "SLURM_NODEID=%d", k);
+    snprintf(logdir[k], sizeof logdir[k], "%s/n%d", dir, k);
+    snprintf(jobf, sizeof jobf, "%s/job.json", dir);
+    char *env[] = {"MESHRUN_COMM_TRANSPORT=tcp", home, ids, "SLURM_STEP_ID=0",
+                   "SLURM_STEP_NUM_NODES=2", "SLURM_STEP_NUM_TASKS=2", nodeid[k], host_env,
+                   NULL};
+    char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--threads", "1",
+                    "--log-dir", logdir[k], jobf, NULL};
+    mr_t_spawn(&n[k], dir, argv, env);
+  }
+  expect_exit(&n[0], 0, "node 0", 120);
+  expect_exit(&n[1], 0, "node 1", 30);
+  char *out = mr_t_slurp(n[1].out_path), want[200];
+  snprintf(want, sizeof want, "meshrun: Slurm job %ld: node 1 of 2, node 0 at 127.0.0.1:%ld, "
+           "job token in %s/.cache/meshrun/slurm-%ld.token", id, MR_SLURM_PORT_BASE + id %
+           MR_SLURM_PORT_SPAN, dir, id);
+  ck_assert_msg(strstr(out, want) != NULL, "no \"%s\" in:\n%s", want, out);
+  free(out);
+  stderr_has(&n[1], "starting ranks 2..3 of 4");
+  double a[6], b[6];
+  ck_assert_int_eq(losses(dir, "one", a, 6), 6);
+  ck_assert_int_eq(losses(dir, "n0", b, 6), 6);
+  for (int s = 0; s < 6; s++)
+    ck_assert_msg(fabs(a[s] - b[s]) <= 1e-5 * fabs(a[s]), "step %d: one node %.7f, two %.7f",
+                  s + 1, a[s], b[s]);
+}
+END_TEST
+
 static Suite *nodes_suite(void) {
   Suite *s = suite_create("nodes");
   TCase *tc = tcase_create("nodes");
@@ -524,6 +665,9 @@ static Suite *nodes_suite(void) {
   tcase_add_test(tc, test_nodes_wrong_token_and_missing_node);
   tcase_add_test(tc, test_nodes_rank_count_mismatch);
   tcase_add_test(tc, test_nodes_bad_flags);
+  tcase_add_test(tc, test_nodes_slurm_first_host);
+  tcase_add_test(tc, test_nodes_slurm_step_environment);
+  tcase_add_test(tc, test_nodes_slurm_step_needs_no_flags);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -1,12 +1,15 @@
-/* fuzz_mesh.c - libFuzzer target for the notations users write: the input
- * (NUL-terminated copy) is parsed as a --mesh spec, a placement and a
- * DistAttr of 1..4 mesh dims; whatever parses is printed and parsed back,
- * which must give the same value. */
+/* fuzz_mesh.c - libFuzzer target for the notations users (and schedulers)
+ * write: the input (NUL-terminated copy) is parsed as a --mesh spec, a
+ * placement and a DistAttr of 1..4 mesh dims — whatever parses is printed
+ * and parsed back, which must give the same value — and as a Slurm host
+ * list, whose first host must be a non-empty host name that is itself a
+ * host list naming it. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/mesh.h"
+#include "launcher/slurm.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -36,6 +39,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       continue;
     mr_dist_format(&d, buf, sizeof buf);
     if (mr_dist_parse(buf, nd, &d2) != 0 || !mr_dist_eq(&d, &d2))
+      abort();
+  }
+  char host[64], again[64];
+  if (mr_slurm_first_host(s, host, sizeof host) == 0) {
+    size_t n = strlen(host);
+    if (n == 0 || n >= sizeof host || strpbrk(host, "[],") != NULL ||
+        mr_slurm_first_host(host, again, sizeof again) != 0 || strcmp(host, again) != 0)
       abort();
   }
   free(s);
