@@ -44,7 +44,8 @@ static void usage(FILE *f) {
           "  --nnodes N             nodes of the job, each running --nproc ranks (default 1)\n"
           "  --nnodes MIN:MAX       elastic: a group goes on with the nodes there are, at\n"
           "                         least MIN, the strategy planned again for them\n"
-          "  --node-rank K          this node, 0 .. N-1\n"
+          "  --node-rank K          this node, 0 .. N-1 (default JOB_COMPLETION_INDEX, a\n"
+          "                         Kubernetes indexed Job's pod index, else 0)\n"
           "  --master HOST:PORT     where node 0's launcher listens\n"
           "  --token-file FILE      the job token on a file system every node sees: node 0\n"
           "                         writes it (mode 0600) when missing, the others read it\n"
@@ -202,6 +203,11 @@ int mr_cmd_launch(int argc, char **argv) {
             "srun step: running on this node only (srun --ntasks-per-node=1 meshrun launch "
             "... runs a launcher on every node)\n", slurm.job_id, slurm.in_job_nodes);
   }
+  /* a Kubernetes indexed Job: the pod's index is the node's */
+  const char *pod = getenv("JOB_COMPLETION_INDEX");
+  if (!rank_given && !slurm.in_step && nnodes > 1 && pod != NULL &&
+      mr_cli_int("launch", "JOB_COMPLETION_INDEX", pod, 0, nnodes - 1, &node_rank) < 0)
+    return 2;
   if (node_rank >= nnodes) {
     fprintf(stderr, "meshrun launch: --node-rank %ld: expected 0..%ld (--nnodes %ld)\n",
             node_rank, nnodes - 1, nnodes);

@@ -601,14 +601,46 @@ START_TEST(test_nodes_slurm_step_environment) {
 }
 END_TEST
 
-/* Two launchers given nothing but --nproc inside a (simulated) Slurm step
- * of 2 nodes train as one launcher of 4 ranks: the node count, each one's
- * index, node 0's address and port and the token file all from the step. */
-START_TEST(test_nodes_slurm_step_needs_no_flags) {
-  char dir[64], home[200], ids[32], host_env[] = "SLURM_STEP_NODELIST=127.0.0.[1-2]";
-  mr_t_tmpdir(dir, sizeof dir);
+/* Two launchers of 2 ranks each on dir/job.json, node k with its own
+ * environment env[k] and the flags `flags` besides --nproc, train as one
+ * launcher of 4 ranks: the same loss at every step.  Returns what node 1
+ * printed. */
+static char *pair_as_one(const char *dir, char *env[2][10], char *const flags[]) {
   job(dir, "job.json", 6, 0);
   one_node(dir, "job.json", "one");
+  struct mr_tproc n[2];
+  for (int k = 1; k >= 0; k--) { /* node 1 first: it waits for node 0 */
+    static char logdir[2][300], jobf[300];
+    snprintf(logdir[k], sizeof logdir[k], "%s/n%d", dir, k);
+    snprintf(jobf, sizeof jobf, "%s/job.json", dir);
+    char *argv[24] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--threads", "1",
+                      "--log-dir", logdir[k]};
+    int a = 8;
+    for (int i = 0; flags[i] != NULL; i++)
+      argv[a++] = flags[i];
+    argv[a++] = jobf;
+    argv[a] = NULL;
+    mr_t_spawn(&n[k], dir, argv, env[k]);
+  }
+  expect_exit(&n[0], 0, "node 0", 120);
+  expect_exit(&n[1], 0, "node 1", 30);
+  stderr_has(&n[1], "node 1: starting ranks 2..3 of 4");
+  double a[6], b[6];
+  ck_assert_int_eq(losses(dir, "one", a, 6), 6);
+  ck_assert_int_eq(losses(dir, "n0", b, 6), 6);
+  for (int s = 0; s < 6; s++)
+    ck_assert_msg(fabs(a[s] - b[s]) <= 1e-5 * fabs(a[s]), "step %d: one node %.7f, two %.7f",
+                  s + 1, a[s], b[s]);
+  return mr_t_slurp(n[1].out_path);
+}
+
+/* Two launchers given nothing but --nproc inside a (simulated) Slurm step
+ * of 2 nodes train as one launcher of 4 ranks: the node count, each one's
+ * index, node 0's address and port and the token file all from the step,
+ * which node 1 says. */
+START_TEST(test_nodes_slurm_step_needs_no_flags) {
+  char dir[64], home[200], ids[32], list[] = "SLURM_STEP_NODELIST=127.0.0.[1-2]";
+  mr_t_tmpdir(dir, sizeof dir);
   /* a job id whose port is free */
   long id = 0;
   for (long j = getpid() % MR_SLURM_PORT_SPAN; id == 0; j = (j + 7) % MR_SLURM_PORT_SPAN) {
@@ -621,34 +653,33 @@ START_TEST(test_nodes_slurm_step_needs_no_flags) {
   }
   snprintf(home, sizeof home, "HOME=%s", dir);
   snprintf(ids, sizeof ids, "SLURM_JOB_ID=%ld", id);
-  struct mr_tproc n[2];
-  for (int k = 1; k >= 0; k--) { /* node 1 first: it waits for node 0 */
-    static char nodeid[2][32], logdir[2][300], jobf[300];
-    snprintf(nodeid[k], sizeof nodeid[k], "SLURM_NODEID=%d", k);
-    snprintf(logdir[k], sizeof logdir[k], "%s/n%d", dir, k);
-    snprintf(jobf, sizeof jobf, "%s/job.json", dir);
-    char *env[] = {"MESHRUN_COMM_TRANSPORT=tcp", home, ids, "SLURM_STEP_ID=0",
-                   "SLURM_STEP_NUM_NODES=2", "SLURM_STEP_NUM_TASKS=2", nodeid[k], host_env,
-                   NULL};
-    char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--threads", "1",
-                    "--log-dir", logdir[k], jobf, NULL};
-    mr_t_spawn(&n[k], dir, argv, env);
-  }
-  expect_exit(&n[0], 0, "node 0", 120);
-  expect_exit(&n[1], 0, "node 1", 30);
-  char *out = mr_t_slurp(n[1].out_path), want[200];
+  char *env[2][10] = {{"MESHRUN_COMM_TRANSPORT=tcp", home, ids, "SLURM_STEP_ID=0",
+                       "SLURM_STEP_NUM_NODES=2", "SLURM_STEP_NUM_TASKS=2", "SLURM_NODEID=0",
+                       list, NULL},
+                      {"MESHRUN_COMM_TRANSPORT=tcp", home, ids, "SLURM_STEP_ID=0",
+                       "SLURM_STEP_NUM_NODES=2", "SLURM_STEP_NUM_TASKS=2", "SLURM_NODEID=1",
+                       list, NULL}};
+  char *none[] = {NULL};
+  char *out = pair_as_one(dir, env, none), want[200];
   snprintf(want, sizeof want, "meshrun: Slurm job %ld: node 1 of 2, node 0 at 127.0.0.1:%ld, "
            "job token in %s/.cache/meshrun/slurm-%ld.token", id, MR_SLURM_PORT_BASE + id %
            MR_SLURM_PORT_SPAN, dir, id);
   ck_assert_msg(strstr(out, want) != NULL, "no \"%s\" in:\n%s", want, out);
   free(out);
-  stderr_has(&n[1], "starting ranks 2..3 of 4");
-  double a[6], b[6];
-  ck_assert_int_eq(losses(dir, "one", a, 6), 6);
-  ck_assert_int_eq(losses(dir, "n0", b, 6), 6);
-  for (int s = 0; s < 6; s++)
-    ck_assert_msg(fabs(a[s] - b[s]) <= 1e-5 * fabs(a[s]), "step %d: one node %.7f, two %.7f",
-                  s + 1, a[s], b[s]);
+}
+END_TEST
+
+/* Pods of a Kubernetes indexed Job run the same command: each one's
+ * JOB_COMPLETION_INDEX is its node index. */
+START_TEST(test_nodes_indexed_job_pod_is_the_node) {
+  char dir[64], master[64], token[200];
+  mr_t_tmpdir(dir, sizeof dir);
+  snprintf(master, sizeof master, "127.0.0.1:%d", free_port());
+  snprintf(token, sizeof token, "%s/token", dir);
+  char *env[2][10] = {{"MESHRUN_COMM_TRANSPORT=tcp", "JOB_COMPLETION_INDEX=0", NULL},
+                      {"MESHRUN_COMM_TRANSPORT=tcp", "JOB_COMPLETION_INDEX=1", NULL}};
+  char *flags[] = {"--nnodes", "2", "--master", master, "--token-file", token, NULL};
+  free(pair_as_one(dir, env, flags));
 }
 END_TEST
 
@@ -668,6 +699,7 @@ static Suite *nodes_suite(void) {
   tcase_add_test(tc, test_nodes_slurm_first_host);
   tcase_add_test(tc, test_nodes_slurm_step_environment);
   tcase_add_test(tc, test_nodes_slurm_step_needs_no_flags);
+  tcase_add_test(tc, test_nodes_indexed_job_pod_is_the_node);
   suite_add_tcase(s, tc);
   return s;
 }
