@@ -624,6 +624,16 @@ static int shm_open_group(struct mr__group *g) {
         shm_unlink(s->name);
       goto err;
     }
+    /* the pages now, not at their first touch: a /dev/shm too small (a
+     * container's 64 MiB) is then this error, not SIGBUS mid-step */
+    int e = posix_fallocate(fd, 0, (off_t)s->bytes);
+    if (e != 0 && e != EOPNOTSUPP && e != EINVAL) {
+      rc = mr_error_set(MR_ESYS, "comm group %s: %zu KiB of shared memory in /dev/shm: %s "
+                        "(a container's /dev/shm is small: docker run --shm-size=1g, or "
+                        "MESHRUN_COMM_TRANSPORT=tcp)", g->desc, s->bytes >> 10, strerror(e));
+      shm_unlink(s->name);
+      goto err;
+    }
   } else {
     while ((fd = shm_open(s->name, O_RDWR, 0600)) < 0) {
       if (errno != ENOENT || mr_clock_ns() > deadline) {
