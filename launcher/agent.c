@@ -54,7 +54,11 @@ struct agent {
 static int read_token(struct agent *a, int64_t deadline) {
   for (;;) {
     int rc = mr_auth_token_read_file(a->o->token_file, a->token);
-    if (rc != MR_ENOENT || mr_clock_ms() >= deadline)
+    if (rc == MR_ENOENT && mr_clock_ms() >= deadline)
+      return mr_error_set(MR_ETIMEDOUT, "no job token at %s within %.0f s: node 0 writes it "
+                          "there, so it must be on a file system every node sees (--token-file)",
+                          a->o->token_file, a->o->join_timeout_s);
+    if (rc != MR_ENOENT)
       return rc;
     usleep(200000);
   }

@@ -242,8 +242,9 @@ START_TEST(test_nodes_a_remote_rank_dies_and_both_nodes_restart) {
 }
 END_TEST
 
-/* Node 1 with another token is refused; node 0 waits for it no longer
- * than the join timeout and names the rank that never came. */
+/* Node 1 with another token is refused, and one whose token file never
+ * appears says where it looked; node 0 waits for it no longer than the
+ * join timeout and names the rank that never came. */
 START_TEST(test_nodes_wrong_token_and_missing_node) {
   char dir[64], path[300];
   mr_t_tmpdir(dir, sizeof dir);
@@ -260,6 +261,12 @@ START_TEST(test_nodes_wrong_token_and_missing_node) {
   node(&n1, dir, "job.json", 1, port, "other", "n1", join);
   expect_exit(&n1, 1, "node 1", 30);
   stderr_has(&n1, "refused our job token");
+  /* a token file node 0 never writes (not the one it was given): named */
+  char *soon[] = {"--join-timeout", "1", NULL};
+  node(&n1, dir, "job.json", 1, port, "nowhere", "n1", soon);
+  expect_exit(&n1, 1, "node 1", 30);
+  stderr_has(&n1, "nowhere within 1 s: node 0 writes it there, so it must be on a file system "
+                  "every node sees");
   expect_exit(&n0, 1, "node 0", 60);
   stderr_has(&n0, "rank 2 did not register within 3.0 s: no launcher joined as its node");
 }
