@@ -341,6 +341,7 @@ int mr_agent_run(const struct mr_agent_opts *o) {
   a->sigint.data = a->sigterm.data = a;
   uv_signal_start(&a->sigint, on_signal, SIGINT);
   uv_signal_start(&a->sigterm, on_signal, SIGTERM);
+  signal(SIGUSR1, SIG_IGN); /* a checkpoint asked for: node 0's to write */
   uv_timer_init(&a->loop, &a->tick);
   a->tick.data = a;
   uv_timer_start(&a->tick, on_tick, 20, 20);

@@ -60,7 +60,7 @@ struct coordinator {
   const struct mr_launch_opts *opts;
   uv_pipe_t unix_server;
   uv_tcp_t tcp_server;
-  uv_signal_t sigint, sigterm;
+  uv_signal_t sigint, sigterm, sigusr1;
   uv_timer_t tick;
   uint8_t token[MR_TOKEN_BYTES];
   int token_fd;
@@ -259,6 +259,22 @@ static void on_signal(uv_signal_t *h, int signum) {
   co->failure[0] = '\0';
   co->phase = PHASE_RUNNING; /* so begin_stop runs even mid-restart */
   begin_stop(co);
+}
+
+/* SIGUSR1, a scheduler's warning before a time limit (Slurm's --signal):
+ * a checkpoint now, and training goes on. */
+static void on_usr1(uv_signal_t *h, int signum) {
+  (void)signum;
+  struct coordinator *co = h->data;
+  const struct mr_job *job = co->opts->job;
+  if (job == NULL || co->opts->selfcheck || co->phase != PHASE_RUNNING || co->preempting)
+    return;
+  if (job->checkpoint.dir == NULL) {
+    MR_WARN("launch", "SIGUSR1: the job has no checkpoint.dir: no checkpoint to write");
+    return;
+  }
+  MR_WARN("launch", "SIGUSR1: writing a checkpoint (training goes on)");
+  mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__CHECKPOINT_NOW);
 }
 
 /* ---- messages from workers ------------------------------------------- */
@@ -1130,6 +1146,7 @@ static void finish(struct coordinator *co, int code) {
   uv_close((uv_handle_t *)&co->tcp_server, NULL);
   uv_close((uv_handle_t *)&co->sigint, NULL);
   uv_close((uv_handle_t *)&co->sigterm, NULL);
+  uv_close((uv_handle_t *)&co->sigusr1, NULL);
   mr_ranks_close_conns(&co->ranks);
   for (int k = 1; k < co->nnodes; k++) { /* the verdict, then the connection */
     send_node_control(co, k, MESHRUN__CONTROL__KIND__FINISH);
@@ -1459,6 +1476,9 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   co->sigint.data = co->sigterm.data = co;
   uv_signal_start(&co->sigint, on_signal, SIGINT);
   uv_signal_start(&co->sigterm, on_signal, SIGTERM);
+  uv_signal_init(&co->loop, &co->sigusr1);
+  co->sigusr1.data = co;
+  uv_signal_start(&co->sigusr1, on_usr1, SIGUSR1);
   uv_timer_init(&co->loop, &co->tick);
   co->tick.data = co;
   uv_timer_start(&co->tick, on_tick, 20, 20);

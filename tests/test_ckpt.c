@@ -318,6 +318,48 @@ START_TEST(test_ckpt_sigterm_checkpoints_and_exits_0) {
 }
 END_TEST
 
+/* SIGUSR1 (Slurm's --signal warning before a time limit), sent to the
+ * launcher and every worker as a step's processes get it: a complete
+ * checkpoint of a step no interval asked for, every rank alive and
+ * training on past it; SIGTERM then stops the job at a later one. */
+START_TEST(test_ckpt_sigusr1_checkpoints_and_goes_on) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "long.json", 100000, 0, "ck");
+  struct mr_tproc p;
+  start(&p, dir, "long.json", "run", 2, 0, NULL);
+  char metrics[200], ck[160], latest[4096];
+  snprintf(metrics, sizeof metrics, "%s/run/metrics.jsonl", dir);
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  ck_assert(mr_t_wait_for_text(metrics, "\"step\": 3,", 60) >= 0);
+  pid_t kids[8];
+  int n = mr_t_children(p.pid, kids, 8);
+  ck_assert_int_eq(n, 2);
+  kill(p.pid, SIGUSR1);
+  for (int i = 0; i < n; i++)
+    kill(kids[i], SIGUSR1);
+  ck_assert(mr_t_wait_for_text(p.err_path, "complete:", 60) >= 0);
+  int64_t step;
+  ck_assert_int_eq(mr_ckpt_find_latest(ck, latest, sizeof latest, &step), 1);
+  ck_assert_int_ge(step, 3);
+  char want[32];
+  snprintf(want, sizeof want, "\"step\": %lld,", (long long)step + 5);
+  ck_assert_msg(mr_t_wait_for_text(metrics, want, 60) >= 0, "no step %lld after the checkpoint",
+                (long long)step + 5);
+  ck_assert_int_eq(mr_t_children(p.pid, kids, 8), 2);
+  kill(p.pid, SIGTERM);
+  int code = mr_t_wait(&p, 60);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "exit %d:\n%s", code, err);
+  ck_assert_msg(strstr(err, "SIGUSR1: writing a checkpoint (training goes on)") != NULL, "%s",
+                err);
+  free(err);
+  int64_t last;
+  ck_assert_int_eq(mr_ckpt_find_latest(ck, latest, sizeof latest, &last), 1);
+  ck_assert_int_ge(last, step + 5);
+}
+END_TEST
+
 /* SIGTERM while a periodic checkpoint is still being written (the test
  * hook slows each write): that save completing is not the preemption's —
  * the job stops at a checkpoint of the step it had reached, or later. */
@@ -614,6 +656,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
   tcase_add_test(tc, test_ckpt_failed_save_fails_at_once_and_keeps_the_last);
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
+  tcase_add_test(tc, test_ckpt_sigusr1_checkpoints_and_goes_on);
   tcase_add_test(tc, test_ckpt_resume_on_another_strategy_or_world_size);
   tcase_add_test(tc, test_ckpt_gpt2_fused_weight_across_layouts);
   tcase_add_test(tc, test_ckpt_sigterm_during_a_save_keeps_the_newer_steps);

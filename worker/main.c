@@ -206,6 +206,7 @@ int main(int argc, char **argv) {
    * (EFBIG), as a full disk is, not a killed rank */
   signal(SIGXFSZ, SIG_IGN);
   signal(SIGINT, SIG_IGN); /* the launcher decides; it stops us with SIGTERM */
+  signal(SIGUSR1, SIG_IGN); /* a scheduler's, for the launcher (a checkpoint) */
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_sigterm;
