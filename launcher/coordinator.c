@@ -1207,9 +1207,13 @@ static void on_rank_exit(void *ctx, int rank, int64_t status, int signal) {
   struct coordinator *co = ctx;
   struct mr_rank *r = &co->ranks.r[rank];
   if (co->phase == PHASE_RUNNING) {
+    char why[160] = "";
+    if (signal == SIGKILL && r->rss_peak > 0) /* not ours: we were running */
+      snprintf(why, sizeof why, " (the kernel's out-of-memory killer sends it: the rank's "
+               "resident size had reached %.0f MiB)", (double)r->rss_peak / 1048576.0);
     if (signal != 0)
-      group_fail(co, rank, "rank %d (pid %d) was killed by signal %d (%s)", rank, r->pid,
-                 signal, sigabbrev_np(signal) ? sigabbrev_np(signal) : "?");
+      group_fail(co, rank, "rank %d (pid %d) was killed by signal %d (%s)%s", rank, r->pid,
+                 signal, sigabbrev_np(signal) ? sigabbrev_np(signal) : "?", why);
     else if (status != 0)
       group_fail(co, rank, "rank %d (pid %d) exited with status %lld%s%s", rank, r->pid,
                  (long long)status, r->error[0] ? ": " : "", r->error);

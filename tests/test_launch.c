@@ -164,6 +164,15 @@ START_TEST(test_launch_no_restarts_left_names_rank_and_signal) {
     if (strncmp(s, "RANK=", 5) == 0)
       rank = atoi(s + 5);
   ck_assert_int_ge(rank, 0);
+  /* a SIGKILL not the launcher's may be the out-of-memory killer's: the
+   * message gives the resident size the heartbeats reported */
+  usleep(400000);
+  snprintf(path, sizeof path, "/proc/%d/status", (int)kids[0]);
+  char *status = mr_t_slurp(path);
+  const char *vm = strstr(status, "VmRSS:");
+  ck_assert_ptr_nonnull(vm);
+  double rss_mib = atof(vm + 6) / 1024.0;
+  free(status);
   kill(kids[0], SIGKILL);
   int code = mr_t_wait(&p, 20);
   ck_assert_int_ne(code, 0);
@@ -173,6 +182,12 @@ START_TEST(test_launch_no_restarts_left_names_rank_and_signal) {
   snprintf(want, sizeof want, "job failed after 0 restarts: rank %d (pid %d) was killed by signal 9",
            rank, (int)kids[0]);
   ck_assert_msg(strstr(env, want) != NULL, "stderr lacks \"%s\":\n%s", want, env);
+  const char *oom = strstr(env, "the kernel's out-of-memory killer sends it: the rank's "
+                                "resident size had reached ");
+  ck_assert_msg(oom != NULL, "%s", env);
+  double said = atof(strstr(oom, "reached ") + 8);
+  ck_assert_msg(said > 0.5 * rss_mib && said < 2.0 * rss_mib, "said %.0f MiB, VmRSS %.1f MiB",
+                said, rss_mib);
   snprintf(want, sizeof want, "last 1 line of rank %d's log", rank);
   ck_assert_msg(strstr(env, want) != NULL, "stderr lacks the log tail:\n%s", env);
   free(env);
