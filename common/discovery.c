@@ -177,12 +177,104 @@ static int discover_cuda(struct mr_devices *out) {
   return 0;
 }
 
+/* Reads the first line of root + path into buf; 0 or -1. */
+static int read_line(const char *root, const char *path, char *buf, size_t n) {
+  char full[8400];
+  snprintf(full, sizeof full, "%s%s", root, path);
+  FILE *f = fopen(full, "r");
+  if (f == NULL)
+    return -1;
+  int ok = fgets(buf, (int)n, f) != NULL;
+  fclose(f);
+  return ok ? 0 : -1;
+}
+
+/* The quota in folder dir (under root) of a cgroup v2 (cpu.max "Q P" or
+ * "max P") or v1 (cfs quota and period) hierarchy; 0 when none. */
+static double quota_at(const char *root, const char *dir, int v2) {
+  char path[4200], line[128], line2[64];
+  if (v2) {
+    snprintf(path, sizeof path, "%s/cpu.max", dir);
+    double q, p;
+    if (read_line(root, path, line, sizeof line) == 0 && sscanf(line, "%lf %lf", &q, &p) == 2 &&
+        q > 0 && p > 0)
+      return q / p;
+    return 0;
+  }
+  char qp[4200];
+  snprintf(path, sizeof path, "%s/cpu.cfs_quota_us", dir);
+  snprintf(qp, sizeof qp, "%s/cpu.cfs_period_us", dir);
+  double q, p;
+  if (read_line(root, path, line, sizeof line) == 0 && read_line(root, qp, line2, sizeof line2) == 0 &&
+      sscanf(line, "%lf", &q) == 1 && sscanf(line2, "%lf", &p) == 1 && q > 0 && p > 0)
+    return q / p;
+  return 0;
+}
+
+double mr_cgroup_cpu_limit(const char *root) {
+  char full[4096];
+  snprintf(full, sizeof full, "%s/proc/self/cgroup", root);
+  FILE *f = fopen(full, "r");
+  if (f == NULL)
+    return 0;
+  char line[4096], mount[64] = "", rel[3072] = "";
+  int v2 = 0;
+  while (fgets(line, sizeof line, f) != NULL) {
+    line[strcspn(line, "\n")] = '\0';
+    char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+    if (c2 == NULL)
+      continue;
+    *c2 = '\0';
+    const char *ctrl = c1 + 1, *path = c2 + 1;
+    if (strncmp(line, "0:", 2) == 0 && ctrl[0] == '\0' && mount[0] == '\0') {
+      snprintf(mount, sizeof mount, "/sys/fs/cgroup"); /* v2, unless v1 has cpu */
+      snprintf(rel, sizeof rel, "%s", path);
+      v2 = 1;
+    }
+    /* v1: a hierarchy whose controllers include cpu */
+    for (const char *t = ctrl; *t != '\0';) {
+      size_t len = strcspn(t, ",");
+      if (len == 3 && strncmp(t, "cpu", 3) == 0) {
+        snprintf(mount, sizeof mount, "/sys/fs/cgroup/%s", ctrl);
+        snprintf(rel, sizeof rel, "%s", path);
+        v2 = 0;
+      }
+      t += len + (t[len] == ',');
+    }
+  }
+  fclose(f);
+  if (mount[0] == '\0')
+    return 0;
+  /* inside a container's cgroup namespace the path may not exist under
+   * the mount, whose own folder is then ours */
+  char dir[4096], probe[4096];
+  snprintf(dir, sizeof dir, "%s%s", mount, strcmp(rel, "/") == 0 ? "" : rel);
+  snprintf(probe, sizeof probe, "%s%s", root, dir);
+  if (access(probe, F_OK) != 0)
+    snprintf(dir, sizeof dir, "%s", mount);
+  double least = 0;
+  size_t base = strlen(mount);
+  for (;;) {
+    double q = quota_at(root, dir, v2);
+    if (q > 0 && (least == 0 || q < least))
+      least = q;
+    char *slash = strrchr(dir, '/');
+    if (strlen(dir) <= base || slash == NULL || (size_t)(slash - dir) < base)
+      break;
+    *slash = '\0';
+  }
+  return least;
+}
+
 int mr_discover_devices(struct mr_devices *out) {
   memset(out, 0, sizeof *out);
   cpu_set_t set;
   CPU_ZERO(&set);
   out->cpu_cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
                                                                : (int)sysconf(_SC_NPROCESSORS_ONLN);
+  double quota = mr_cgroup_cpu_limit("");
+  if (quota > 0 && quota < out->cpu_cores) /* a container's --cpus: whole CPUs */
+    out->cpu_cores = (int)quota;
   if (out->cpu_cores < 1)
     out->cpu_cores = 1;
   MR_TRY(discover_cuda(out));

@@ -4,7 +4,8 @@
  * the same binary runs where there is no driver, and NVML (also dlopen'ed,
  * optional) tells how the GPUs are linked (NVLink, or PCIe within or
  * across CPU sockets); each GPU's NUMA node comes from sysfs.  Otherwise
- * the CPU cores this process may run on (its affinity mask). */
+ * the CPU cores this process may run on (its affinity mask, bounded by its
+ * cgroup's CPU quota). */
 #ifndef MR_DISCOVERY_H
 #define MR_DISCOVERY_H
 
@@ -36,7 +37,8 @@ struct mr_devices {
   struct mr_device *dev;   // owned
   int n;
   int gpus;                // number of CUDA devices (0: CPU machine)
-  int cpu_cores;           // cores in our affinity mask
+  int cpu_cores;           // cores in our affinity mask, at most our cgroup's
+                           // CPU quota (a container's --cpus, a pod's limit)
   unsigned char *links;    // owned, [gpus * gpus] enum mr_gpu_link, NULL if none
 };
 
@@ -47,6 +49,14 @@ int mr_discover_devices(struct mr_devices *out);
 
 /* Releases out's arrays. */
 void mr_devices_close(struct mr_devices *out);
+
+/* The CPU quota of this process's cgroup, in CPUs (quota / period; the
+ * least of it and its ancestors'), read under `root` ("" for this system,
+ * a folder standing in for / in tests): cgroup v2's cpu.max, else v1's
+ * cpu.cfs_quota_us / cpu.cfs_period_us, at the path /proc/self/cgroup
+ * names (or the mount's own folder, inside a container's namespace).
+ * 0 when there is none or it cannot be read. */
+double mr_cgroup_cpu_limit(const char *root);
 
 /* Default number of ranks: one per GPU, else cores / threads_per_rank
  * (at least 1). */

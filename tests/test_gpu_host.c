@@ -2,12 +2,15 @@
  * machine: the CUDA module loads (or says why not), mr_device_open gives a
  * CPU backend or a clean error for cuda without a GPU, --devices parses and
  * selects, the measured cluster spec is written from a probe's numbers,
- * and nothing is probed on a machine without GPUs. */
+ * and nothing is probed on a machine without GPUs; and discovery's CPU
+ * count, bounded by the cgroup's quota. */
 #include "check_main.h"
 #include "test_gpu_common.h"
 #include "testutil.h"
 
+#include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "common/discovery.h"
 #include "common/error.h"
@@ -231,6 +234,59 @@ START_TEST(test_gpu_spec_written_from_measurements) {
 }
 END_TEST
 
+/* root/REL (its folders made) holds text. */
+static void put(const char *root, const char *rel, const char *text) {
+  char path[512];
+  snprintf(path, sizeof path, "%s%s", root, rel);
+  for (char *s = strchr(path + strlen(root) + 1, '/'); s != NULL; s = strchr(s + 1, '/')) {
+    *s = '\0';
+    mkdir(path, 0755);
+    *s = '/';
+  }
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fputs(text, f);
+  fclose(f);
+}
+
+/* A cgroup's CPU quota, from stand-in /proc and /sys trees: v2 (the
+ * least of the folder and its parents), v1 (cpu,cpuacct), a container's
+ * namespace (the path not under the mount: the mount's own), none. */
+START_TEST(test_gpu_host_cgroup_cpu_limit) {
+  char a[64], b[64], c[64], d[64];
+  mr_t_tmpdir(a, sizeof a);
+  put(a, "/proc/self/cgroup", "0::/kubepods/pod1/ctr\n");
+  put(a, "/sys/fs/cgroup/kubepods/pod1/ctr/cpu.max", "max 100000\n");
+  put(a, "/sys/fs/cgroup/kubepods/pod1/cpu.max", "350000 100000\n");
+  put(a, "/sys/fs/cgroup/kubepods/cpu.max", "800000 100000\n");
+  ck_assert_double_eq_tol(mr_cgroup_cpu_limit(a), 3.5, 1e-12);
+  mr_t_tmpdir(b, sizeof b);
+  put(b, "/proc/self/cgroup", "12:memory:/docker/x\n4:cpu,cpuacct:/docker/x\n0::/\n");
+  put(b, "/sys/fs/cgroup/cpu,cpuacct/docker/x/cpu.cfs_quota_us", "150000\n");
+  put(b, "/sys/fs/cgroup/cpu,cpuacct/docker/x/cpu.cfs_period_us", "100000\n");
+  put(b, "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", "-1\n");
+  put(b, "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us", "100000\n");
+  ck_assert_double_eq_tol(mr_cgroup_cpu_limit(b), 1.5, 1e-12);
+  mr_t_tmpdir(c, sizeof c);
+  put(c, "/proc/self/cgroup", "0::/system.slice/docker-1.scope\n");
+  put(c, "/sys/fs/cgroup/cpu.max", "200000 100000\n");
+  ck_assert_double_eq_tol(mr_cgroup_cpu_limit(c), 2.0, 1e-12);
+  mr_t_tmpdir(d, sizeof d);
+  put(d, "/proc/self/cgroup", "0::/user.slice\n");
+  put(d, "/sys/fs/cgroup/user.slice/cpu.max", "max 100000\n");
+  ck_assert_double_eq(mr_cgroup_cpu_limit(d), 0.0);
+  put(d, "/sys/fs/cgroup/user.slice/cpu.max", "garbage\n");
+  ck_assert_double_eq(mr_cgroup_cpu_limit(d), 0.0);
+  ck_assert_double_eq(mr_cgroup_cpu_limit("/nonexistent-root"), 0.0);
+  /* this machine: the cores discovery counts are no more than the quota */
+  struct mr_devices dev;
+  ck_assert_int_eq(mr_discover_devices(&dev), 0);
+  double q = mr_cgroup_cpu_limit("");
+  ck_assert(dev.cpu_cores >= 1 && (q == 0 || dev.cpu_cores <= (q < 1 ? 1 : q)));
+  mr_devices_close(&dev);
+}
+END_TEST
+
 static Suite *gpu_host_suite(void) {
   Suite *s = suite_create("gpu_host");
   TCase *tc = tcase_create("host");
@@ -243,6 +299,7 @@ static Suite *gpu_host_suite(void) {
   tcase_add_test(tc, test_gpu_launch_devices_flag_errors_exit_2);
   tcase_add_test(tc, test_gpu_probe_skipped_without_gpus);
   tcase_add_test(tc, test_gpu_spec_written_from_measurements);
+  tcase_add_test(tc, test_gpu_host_cgroup_cpu_limit);
   suite_add_tcase(s, tc);
   return s;
 }
