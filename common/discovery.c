@@ -189,29 +189,45 @@ static int read_line(const char *root, const char *path, char *buf, size_t n) {
   return ok ? 0 : -1;
 }
 
-/* The quota in folder dir (under root) of a cgroup v2 (cpu.max "Q P" or
- * "max P") or v1 (cfs quota and period) hierarchy; 0 when none. */
-static double quota_at(const char *root, const char *dir, int v2) {
-  char path[4200], line[128], line2[64];
+/* The CPU quota in folder dir (under root) of a cgroup v2 (cpu.max "Q P"
+ * or "max P") or v1 (cfs quota and period) hierarchy; 0 when none. */
+static double cpu_at(const char *root, const char *dir, int v2) {
+  char path[4200], qp[4200], line[128], line2[64];
+  double q, p;
   if (v2) {
     snprintf(path, sizeof path, "%s/cpu.max", dir);
-    double q, p;
     if (read_line(root, path, line, sizeof line) == 0 && sscanf(line, "%lf %lf", &q, &p) == 2 &&
         q > 0 && p > 0)
       return q / p;
     return 0;
   }
-  char qp[4200];
   snprintf(path, sizeof path, "%s/cpu.cfs_quota_us", dir);
   snprintf(qp, sizeof qp, "%s/cpu.cfs_period_us", dir);
-  double q, p;
   if (read_line(root, path, line, sizeof line) == 0 && read_line(root, qp, line2, sizeof line2) == 0 &&
       sscanf(line, "%lf", &q) == 1 && sscanf(line2, "%lf", &p) == 1 && q > 0 && p > 0)
     return q / p;
   return 0;
 }
 
-double mr_cgroup_cpu_limit(const char *root) {
+/* The memory limit in bytes in folder dir: v2 memory.max (a number or
+ * "max"), v1 memory.limit_in_bytes (no limit reads as ~2^63); 0 when none. */
+static double memory_at(const char *root, const char *dir, int v2) {
+  char path[4200], line[128];
+  snprintf(path, sizeof path, "%s/%s", dir, v2 ? "memory.max" : "memory.limit_in_bytes");
+  char *end;
+  if (read_line(root, path, line, sizeof line) != 0)
+    return 0;
+  double v = strtod(line, &end);
+  return end != line && v > 0 && v < 0x1p60 ? v : 0;
+}
+
+/* The least limit `at` reads in this process's cgroup and its ancestors,
+ * for controller ctrl ("cpu", "memory"): cgroup v2 unless a v1 hierarchy
+ * holds ctrl; under a container's cgroup namespace the path /proc/self/
+ * cgroup names may not exist under the mount, whose own folder is then
+ * ours.  0 when there is none. */
+static double cgroup_least(const char *root, const char *want,
+                           double (*at)(const char *root, const char *dir, int v2)) {
   char full[4096];
   snprintf(full, sizeof full, "%s/proc/self/cgroup", root);
   FILE *f = fopen(full, "r");
@@ -219,6 +235,7 @@ double mr_cgroup_cpu_limit(const char *root) {
     return 0;
   char line[4096], mount[64] = "", rel[3072] = "";
   int v2 = 0;
+  size_t wn = strlen(want);
   while (fgets(line, sizeof line, f) != NULL) {
     line[strcspn(line, "\n")] = '\0';
     char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
@@ -227,14 +244,13 @@ double mr_cgroup_cpu_limit(const char *root) {
     *c2 = '\0';
     const char *ctrl = c1 + 1, *path = c2 + 1;
     if (strncmp(line, "0:", 2) == 0 && ctrl[0] == '\0' && mount[0] == '\0') {
-      snprintf(mount, sizeof mount, "/sys/fs/cgroup"); /* v2, unless v1 has cpu */
+      snprintf(mount, sizeof mount, "/sys/fs/cgroup");
       snprintf(rel, sizeof rel, "%s", path);
       v2 = 1;
     }
-    /* v1: a hierarchy whose controllers include cpu */
-    for (const char *t = ctrl; *t != '\0';) {
+    for (const char *t = ctrl; *t != '\0';) { /* v1: a hierarchy holding it */
       size_t len = strcspn(t, ",");
-      if (len == 3 && strncmp(t, "cpu", 3) == 0) {
+      if (len == wn && strncmp(t, want, wn) == 0) {
         snprintf(mount, sizeof mount, "/sys/fs/cgroup/%s", ctrl);
         snprintf(rel, sizeof rel, "%s", path);
         v2 = 0;
@@ -245,8 +261,6 @@ double mr_cgroup_cpu_limit(const char *root) {
   fclose(f);
   if (mount[0] == '\0')
     return 0;
-  /* inside a container's cgroup namespace the path may not exist under
-   * the mount, whose own folder is then ours */
   char dir[4096], probe[4096];
   snprintf(dir, sizeof dir, "%s%s", mount, strcmp(rel, "/") == 0 ? "" : rel);
   snprintf(probe, sizeof probe, "%s%s", root, dir);
@@ -255,7 +269,7 @@ double mr_cgroup_cpu_limit(const char *root) {
   double least = 0;
   size_t base = strlen(mount);
   for (;;) {
-    double q = quota_at(root, dir, v2);
+    double q = at(root, dir, v2);
     if (q > 0 && (least == 0 || q < least))
       least = q;
     char *slash = strrchr(dir, '/');
@@ -264,6 +278,18 @@ double mr_cgroup_cpu_limit(const char *root) {
     *slash = '\0';
   }
   return least;
+}
+
+double mr_cgroup_cpu_limit(const char *root) { return cgroup_least(root, "cpu", cpu_at); }
+
+double mr_cgroup_memory_limit(const char *root) {
+  return cgroup_least(root, "memory", memory_at);
+}
+
+uint64_t mr_host_memory_bytes(void) {
+  double ram = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+  double lim = mr_cgroup_memory_limit("");
+  return (uint64_t)(lim > 0 && lim < ram ? lim : ram);
 }
 
 int mr_discover_devices(struct mr_devices *out) {
@@ -283,7 +309,7 @@ int mr_discover_devices(struct mr_devices *out) {
   out->dev = calloc((size_t)out->cpu_cores, sizeof *out->dev);
   if (out->dev == NULL)
     return MR_ENOMEM;
-  uint64_t ram = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+  uint64_t ram = mr_host_memory_bytes();
   int k = 0;
   for (int cpu = 0; cpu < CPU_SETSIZE && k < out->cpu_cores; cpu++) {
     if (!CPU_ISSET(cpu, &set) && k < out->cpu_cores && CPU_COUNT(&set) > 0)

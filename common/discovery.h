@@ -16,7 +16,8 @@ struct mr_device {
   char kind[8];            // "cuda" or "cpu"
   int index;               // CUDA: among the visible GPUs; CPU: the core
   char name[96];
-  uint64_t memory_bytes;   // device memory; for CPU, this machine's RAM
+  uint64_t memory_bytes;   // device memory; for CPU, this machine's RAM (no
+                           // more than the cgroup's memory limit)
   char pci_bus_id[32];     // CUDA: "0000:3b:00.0", else ""
   int numa_node;           // -1 when unknown
   int cc_major, cc_minor;  // CUDA compute capability, else 0
@@ -57,6 +58,14 @@ void mr_devices_close(struct mr_devices *out);
  * names (or the mount's own folder, inside a container's namespace).
  * 0 when there is none or it cannot be read. */
 double mr_cgroup_cpu_limit(const char *root);
+
+/* The same for memory: v2 memory.max, v1 memory.limit_in_bytes; bytes, 0
+ * when none. */
+double mr_cgroup_memory_limit(const char *root);
+
+/* This host's memory as this process may use it: RAM, no more than the
+ * cgroup's limit. */
+uint64_t mr_host_memory_bytes(void);
 
 /* Default number of ranks: one per GPU, else cores / threads_per_rank
  * (at least 1). */

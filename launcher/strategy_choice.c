@@ -2,9 +2,11 @@
 #include "launcher/strategy_choice.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/discovery.h"
 #include "common/error.h"
 #include "launcher/cli.h"
 #include "launcher/planner/cluster.h"
@@ -53,6 +55,10 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
     cluster.memory_bytes *= share;
     cluster.devices_per_node = world;
   }
+  /* the default spec's ranks are this host's: they share the memory this
+   * process may use (RAM, or a container's limit) */
+  if (job->cluster == NULL && cluster.nodes == 1 && world > 0)
+    cluster.memory_bytes = fmin(cluster.memory_bytes, (double)mr_host_memory_bytes() / world);
   struct mr_plan_request req = {.model = &job->model, .train = &job->train,
                                 .hint = &job->strategy, .cluster = &cluster,
                                 .world = world, .top_k = MR_PLAN_TOP_MAX};

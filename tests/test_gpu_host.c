@@ -249,10 +249,11 @@ static void put(const char *root, const char *rel, const char *text) {
   fclose(f);
 }
 
-/* A cgroup's CPU quota, from stand-in /proc and /sys trees: v2 (the
- * least of the folder and its parents), v1 (cpu,cpuacct), a container's
- * namespace (the path not under the mount: the mount's own), none. */
-START_TEST(test_gpu_host_cgroup_cpu_limit) {
+/* A cgroup's CPU quota and memory limit, from stand-in /proc and /sys
+ * trees: v2 (the least of the folder and its parents), v1 (cpu,cpuacct;
+ * memory), a container's namespace (the path not under the mount: the
+ * mount's own), none. */
+START_TEST(test_gpu_host_cgroup_limits) {
   char a[64], b[64], c[64], d[64];
   mr_t_tmpdir(a, sizeof a);
   put(a, "/proc/self/cgroup", "0::/kubepods/pod1/ctr\n");
@@ -278,11 +279,26 @@ START_TEST(test_gpu_host_cgroup_cpu_limit) {
   put(d, "/sys/fs/cgroup/user.slice/cpu.max", "garbage\n");
   ck_assert_double_eq(mr_cgroup_cpu_limit(d), 0.0);
   ck_assert_double_eq(mr_cgroup_cpu_limit("/nonexistent-root"), 0.0);
+  /* memory: v2 max (the least up the tree), v1 limit, v1 unlimited */
+  put(a, "/sys/fs/cgroup/kubepods/pod1/ctr/memory.max", "max\n");
+  put(a, "/sys/fs/cgroup/kubepods/pod1/memory.max", "8589934592\n");
+  put(a, "/sys/fs/cgroup/kubepods/memory.max", "17179869184\n");
+  ck_assert_double_eq(mr_cgroup_memory_limit(a), 8589934592.0);
+  put(b, "/proc/self/cgroup", "12:memory:/docker/x\n4:cpu,cpuacct:/docker/x\n0::/\n");
+  put(b, "/sys/fs/cgroup/memory/docker/x/memory.limit_in_bytes", "2147483648\n");
+  put(b, "/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  ck_assert_double_eq(mr_cgroup_memory_limit(b), 2147483648.0);
+  put(b, "/sys/fs/cgroup/memory/docker/x/memory.limit_in_bytes", "9223372036854771712\n");
+  ck_assert_double_eq(mr_cgroup_memory_limit(b), 0.0);
+  ck_assert_double_eq(mr_cgroup_memory_limit(c), 0.0);
   /* this machine: the cores discovery counts are no more than the quota */
   struct mr_devices dev;
   ck_assert_int_eq(mr_discover_devices(&dev), 0);
   double q = mr_cgroup_cpu_limit("");
   ck_assert(dev.cpu_cores >= 1 && (q == 0 || dev.cpu_cores <= (q < 1 ? 1 : q)));
+  double m = mr_cgroup_memory_limit("");
+  ck_assert(m == 0 || dev.dev[0].memory_bytes <= m);
+  ck_assert_uint_eq(dev.dev[0].memory_bytes, mr_host_memory_bytes());
   mr_devices_close(&dev);
 }
 END_TEST
@@ -299,7 +315,7 @@ static Suite *gpu_host_suite(void) {
   tcase_add_test(tc, test_gpu_launch_devices_flag_errors_exit_2);
   tcase_add_test(tc, test_gpu_probe_skipped_without_gpus);
   tcase_add_test(tc, test_gpu_spec_written_from_measurements);
-  tcase_add_test(tc, test_gpu_host_cgroup_cpu_limit);
+  tcase_add_test(tc, test_gpu_host_cgroup_limits);
   suite_add_tcase(s, tc);
   return s;
 }
