@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/error.h"
 #include "common/job.h"
@@ -415,6 +416,10 @@ int mr_cmd_launch(int argc, char **argv) {
       .predicted_step_s = plans ? choice.chosen.cost.step_time_s : 0,
   };
   code = mr_coordinator_run(&opts);
+  /* the job's own token file (Slurm's default) goes with the job: every
+   * node read it when it joined */
+  if (token_file != NULL && token_file == slurm.token_file)
+    unlink(token_file);
 done:
   mr_strategy_choice_close(&choice);
   mr_devices_close(&devices);

@@ -644,7 +644,7 @@ static char *pair_as_one(const char *dir, char *env[2][10], char *const flags[])
 /* Two launchers given nothing but --nproc inside a (simulated) Slurm step
  * of 2 nodes train as one launcher of 4 ranks: the node count, each one's
  * index, node 0's address and port and the token file all from the step,
- * which node 1 says. */
+ * which node 1 says; node 0 removes the token file at the end. */
 START_TEST(test_nodes_slurm_step_needs_no_flags) {
   char dir[64], home[200], ids[32], list[] = "SLURM_STEP_NODELIST=127.0.0.[1-2]";
   mr_t_tmpdir(dir, sizeof dir);
@@ -673,6 +673,12 @@ START_TEST(test_nodes_slurm_step_needs_no_flags) {
            MR_SLURM_PORT_SPAN, dir, id);
   ck_assert_msg(strstr(out, want) != NULL, "no \"%s\" in:\n%s", want, out);
   free(out);
+  /* the job's token file went with it; its folder stays */
+  char tok[300];
+  snprintf(tok, sizeof tok, "%s/.cache/meshrun/slurm-%ld.token", dir, id);
+  ck_assert_int_ne(access(tok, F_OK), 0);
+  *strrchr(tok, '/') = '\0';
+  ck_assert_int_eq(access(tok, F_OK), 0);
 }
 END_TEST
 
