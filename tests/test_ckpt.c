@@ -650,7 +650,7 @@ END_TEST
 
 static Suite *ckpt_suite(void) {
   Suite *s = suite_create("ckpt");
-  TCase *tc = tcase_create("recovery");
+  TCase *tc = mr_t_tcase("recovery");
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, test_ckpt_killed_ranks_resume_bitwise);
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);

@@ -605,7 +605,7 @@ END_TEST
 
 static Suite *dist_train_suite(void) {
   Suite *s = suite_create("dist_train");
-  TCase *tc = tcase_create("strategies");
+  TCase *tc = mr_t_tcase("strategies");
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, test_dist_train_one_rank_matches_the_executor_trainer);
   tcase_add_test(tc, test_dist_train_data_and_tensor_parallel);

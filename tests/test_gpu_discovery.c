@@ -86,7 +86,7 @@ END_TEST
 
 static Suite *gpu_discovery_suite(void) {
   Suite *s = suite_create("gpu_discovery");
-  TCase *tc = tcase_create("discovery");
+  TCase *tc = mr_t_tcase("discovery");
   tcase_set_timeout(tc, 400);
   tcase_add_test(tc, test_gpu_discovery_reports_every_visible_gpu);
   tcase_add_test(tc, test_gpu_discovery_honours_cuda_visible_devices);

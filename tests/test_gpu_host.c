@@ -305,7 +305,7 @@ END_TEST
 
 static Suite *gpu_host_suite(void) {
   Suite *s = suite_create("gpu_host");
-  TCase *tc = tcase_create("host");
+  TCase *tc = mr_t_tcase("host");
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, test_gpu_module_loads_or_says_why);
   tcase_add_test(tc, test_gpu_device_open_cpu_runs_registry_kernels);

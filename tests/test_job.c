@@ -352,7 +352,7 @@ END_TEST
 
 static Suite *job_suite(void) {
   Suite *s = suite_create("job");
-  TCase *tc = tcase_create("parse");
+  TCase *tc = mr_t_tcase("parse");
   tcase_add_test(tc, test_job_smallest_job_gets_defaults);
   tcase_add_test(tc, test_job_full_example_parses);
   tcase_add_test(tc, test_job_wrong_type_names_field_path);
@@ -362,7 +362,7 @@ static Suite *job_suite(void) {
   tcase_add_test(tc, test_model_config_errors_name_key);
   tcase_add_test(tc, test_model_config_llama_param_count);
   suite_add_tcase(s, tc);
-  TCase *cli = tcase_create("cli");
+  TCase *cli = mr_t_tcase("cli");
   tcase_set_timeout(cli, 60);
   tcase_add_test(cli, test_cli_bad_job_files_exit_2_naming_file_and_field);
   tcase_add_test(cli, test_cli_bad_flags_exit_2);

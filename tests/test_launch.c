@@ -236,6 +236,17 @@ START_TEST(test_launch_no_orphans_after_launcher_sigkill) {
     usleep(5000);
   }
   ck_assert_msg(alive == 0, "%d workers outlived the launcher", alive);
+  /* a killed launcher cannot remove its socket's folder: the test does */
+  char path[300];
+  snprintf(path, sizeof path, "%s/logs/coordinator.json", dir);
+  char *c = mr_t_slurp(path), *at = strstr(c, "\"unix:");
+  ck_assert_ptr_nonnull(at);
+  char sock[200];
+  ck_assert_int_eq(sscanf(at + 6, "%199[^\"]", sock), 1);
+  free(c);
+  ck_assert_int_eq(unlink(sock), 0);
+  *strrchr(sock, '/') = '\0';
+  ck_assert_int_eq(rmdir(sock), 0);
 }
 END_TEST
 
@@ -555,7 +566,7 @@ END_TEST
 
 static Suite *launch_suite(void) {
   Suite *s = suite_create("launch");
-  TCase *tc = tcase_create("e2e");
+  TCase *tc = mr_t_tcase("e2e");
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, test_launch_selfcheck_four_ranks_fast);
   tcase_add_test(tc, test_launch_sigkill_detected_fast_and_group_restarts);

@@ -698,7 +698,7 @@ END_TEST
 
 static Suite *nodes_suite(void) {
   Suite *s = suite_create("nodes");
-  TCase *tc = tcase_create("nodes");
+  TCase *tc = mr_t_tcase("nodes");
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, test_nodes_two_nodes_train_as_one);
   tcase_add_test(tc, test_nodes_a_remote_rank_dies_and_both_nodes_restart);

@@ -583,7 +583,7 @@ END_TEST
 
 static Suite *plan_cli_suite(void) {
   Suite *s = suite_create("plan_cli");
-  TCase *tc = tcase_create("cli");
+  TCase *tc = mr_t_tcase("cli");
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, test_plan_cli_json_has_the_job_field_names);
   tcase_add_test(tc, test_plan_cli_fixed_layer_split);

@@ -284,7 +284,7 @@ END_TEST
 
 static Suite *rebalance_suite(void) {
   Suite *s = suite_create("rebalance");
-  TCase *tc = tcase_create("rebalance");
+  TCase *tc = mr_t_tcase("rebalance");
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, test_rebalance_by_hand);
   tcase_add_test(tc, test_rebalance_plan_with_split);

@@ -5,11 +5,13 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <stdint.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -22,9 +24,33 @@ double mr_t_now(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+static char made[32][64]; /* this test's directories (one process a test) */
+static int n_made;
+
 void mr_t_tmpdir(char *buf, size_t n) {
   snprintf(buf, n, "/tmp/mr-test-XXXXXX");
   ck_assert_ptr_nonnull(mkdtemp(buf));
+  if (n_made < 32)
+    snprintf(made[n_made++], sizeof made[0], "%s", buf);
+}
+
+static int remove_one(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+  (void)st, (void)flag, (void)ftw;
+  remove(path);
+  return 0;
+}
+
+static void cleanup(void) {
+  const char *keep = getenv("MESHRUN_KEEP_TEST_DIRS");
+  for (int i = 0; i < n_made && (keep == NULL || keep[0] == '\0' || keep[0] == '0'); i++)
+    nftw(made[i], remove_one, 16, FTW_DEPTH | FTW_PHYS);
+  n_made = 0;
+}
+
+TCase *mr_t_tcase(const char *name) {
+  TCase *tc = tcase_create(name);
+  tcase_add_checked_fixture(tc, NULL, cleanup);
+  return tc;
 }
 
 void mr_t_spawn(struct mr_tproc *p, const char *dir, char *const argv[],

@@ -18,8 +18,17 @@ struct mr_tproc {
 /* Monotonic seconds. */
 double mr_t_now(void);
 
-/* A fresh temporary directory (mkdtemp under /tmp).  Writes into buf. */
+/* A fresh temporary directory (mkdtemp under /tmp).  Writes into buf.  It
+ * is removed after the test when the test passes (a failed one's stays to
+ * be read; MESHRUN_KEEP_TEST_DIRS=1 keeps every one), if the test case was
+ * made by mr_t_tcase. */
 void mr_t_tmpdir(char *buf, size_t n);
+
+/* tcase_create(name), with a checked teardown that removes the
+ * directories its passing tests made with mr_t_tmpdir (Check runs it only
+ * after a test that passed). */
+struct TCase;
+struct TCase *mr_t_tcase(const char *name);
 
 /* Spawns argv (NULL-terminated) with extra "NAME=VALUE" environment
  * entries (NULL-terminated, may be NULL), stdout/stderr captured under

@@ -11,6 +11,7 @@ Exit 77 (skipped) when torch or transformers cannot be had here."""
 import importlib
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -110,6 +111,7 @@ def check(meshrun, model_json, strategy, model_class):
         print("FAIL: meshrun's logits differ from transformers' %s" % name)
         sys.exit(1)
     print("ok: transformers loads the export as %s and gives meshrun's logits" % name)
+    shutil.rmtree(d)  # a failure's folder stays, to be read
 
 
 def main():
