@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "common/log.h"
 
@@ -39,10 +40,14 @@ const char *mr_errname(int code) {
 }
 
 int mr_error_set(int code, const char *fmt, ...) {
+  /* formatted apart first: a message may wrap the last one
+   * (mr_error_set(c, "%s: %s", what, mr_error_message())) */
+  char buf[sizeof last_message];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(last_message, sizeof last_message, fmt, ap);
+  vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
+  memcpy(last_message, buf, sizeof buf);
   last_code = code;
   return code;
 }

@@ -1,8 +1,11 @@
 /* launch.c - `meshrun launch [flags] JOB.json`. */
+#include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "common/error.h"
@@ -54,6 +57,39 @@ static void usage(FILE *f) {
           "Inside a Slurm step (srun --ntasks-per-node=1 meshrun launch JOB.json) what\n"
           "these flags leave unsaid comes from the step: its nodes, SLURM_NODEID, node 0's\n"
           "host at port 20000 + job id %% 20000, the token in ~/.cache/meshrun.\n");
+}
+
+/* The checkpoint folder, checked before any training rather than at the
+ * first save hours in: it must be a folder this process can write in; a
+ * warning says when its file system has no room for the checkpoints kept
+ * (and the one being written): fp32 weights and AdamW's two moments, 12
+ * bytes a parameter. */
+static int check_checkpoint_dir(const struct mr_job *job) {
+  const char *d = job->checkpoint.dir;
+  if (d == NULL)
+    return 0;
+  if (mr_mkdir_p(d) < 0) {
+    char why[512]; /* the message is rewritten from itself */
+    snprintf(why, sizeof why, "%s", mr_error_message());
+    return mr_error_set(MR_EINVAL, "%s: checkpoint.dir: %s", job->path, why);
+  }
+  char probe[4200];
+  snprintf(probe, sizeof probe, "%s/.meshrun-write-test-%d", d, (int)getpid());
+  int fd = open(probe, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return mr_error_set(MR_EINVAL, "%s: checkpoint.dir: cannot write in %s: %s", job->path, d,
+                        strerror(errno));
+  close(fd);
+  unlink(probe);
+  struct statvfs v;
+  double one = 12.0 * (double)mr_model_param_count(&job->model);
+  double need = one * (double)(job->checkpoint.keep_last + 1);
+  if (statvfs(d, &v) == 0 && (double)v.f_bavail * (double)v.f_frsize < need)
+    fprintf(stderr, "meshrun launch: warning: checkpoint.dir %s has %.0f MiB free; a checkpoint "
+            "of this model takes about %.0f MiB and %lld are kept (a save that does not fit "
+            "fails the job)\n", d, (double)v.f_bavail * (double)v.f_frsize / 1048576.0,
+            one / 1048576.0, (long long)job->checkpoint.keep_last);
+  return 0;
 }
 
 static char *job_stem(const char *path) {
@@ -355,6 +391,11 @@ int mr_cmd_launch(int argc, char **argv) {
     job.text = text;
     mr_strategy_print(&choice, stdout);
     fflush(stdout);
+    if (check_checkpoint_dir(&job) < 0) {
+      fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
+      code = 2;
+      goto done;
+    }
   }
   char worker[4096];
   const char *wenv = getenv("MESHRUN_WORKER");

@@ -272,6 +272,34 @@ START_TEST(test_ckpt_failed_save_fails_at_once_and_keeps_the_last) {
 }
 END_TEST
 
+/* A checkpoint folder that cannot be made or written is refused before
+ * any rank starts (exit 2, the job file and field named), not at the
+ * first save. */
+START_TEST(test_ckpt_unwritable_dir_refused_at_launch) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  static const char *const bad[][2] = {{"/proc/meshrun-nope/ck", "No such file or directory"},
+                                       {"train.bin/ck", "Not a directory"}};
+  for (int i = 0; i < 2; i++) {
+    char name[32], run[32];
+    snprintf(name, sizeof name, "bad%d.json", i);
+    snprintf(run, sizeof run, "bad%d", i);
+    write_job(dir, name, 4, 2, bad[i][0]);
+    struct mr_tproc p;
+    start(&p, dir, name, run, 2, 0, NULL);
+    int code = mr_t_wait(&p, 60);
+    char *err = mr_t_slurp(p.err_path), want[300];
+    snprintf(want, sizeof want, "%s: checkpoint.dir: mkdir ", name);
+    ck_assert_msg(code == 2 && strstr(err, want) != NULL && strstr(err, bad[i][1]) != NULL,
+                  "exit %d:\n%s", code, err);
+    free(err);
+    char log[300];
+    snprintf(log, sizeof log, "%s/%s/rank-0.log", dir, run);
+    ck_assert_msg(access(log, F_OK) != 0, "a rank started: %s", log);
+  }
+}
+END_TEST
+
 START_TEST(test_ckpt_sigterm_checkpoints_and_exits_0) {
   char dir[64];
   setup(dir, sizeof dir);
@@ -655,6 +683,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_killed_ranks_resume_bitwise);
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
   tcase_add_test(tc, test_ckpt_failed_save_fails_at_once_and_keeps_the_last);
+  tcase_add_test(tc, test_ckpt_unwritable_dir_refused_at_launch);
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
   tcase_add_test(tc, test_ckpt_sigusr1_checkpoints_and_goes_on);
   tcase_add_test(tc, test_ckpt_resume_on_another_strategy_or_world_size);

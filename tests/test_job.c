@@ -350,10 +350,23 @@ START_TEST(test_cli_bad_flags_exit_2) {
 }
 END_TEST
 
+/* An error message may wrap the one before it (the file, then the
+ * field, then what was wrong), as the parsers' callers do. */
+START_TEST(test_job_error_message_wraps_the_last) {
+  mr_error_set(MR_EINVAL, "expected a positive integer, got %d", -3);
+  mr_error_set(MR_EINVAL, "%s: %s", "strategy.pipeline_parallel.degree", mr_error_message());
+  ck_assert_int_eq(mr_error_set(MR_EFORMAT, "job.json: %s", mr_error_message()), MR_EFORMAT);
+  ck_assert_str_eq(mr_error_message(),
+                   "job.json: strategy.pipeline_parallel.degree: expected a positive integer, "
+                   "got -3");
+}
+END_TEST
+
 static Suite *job_suite(void) {
   Suite *s = suite_create("job");
   TCase *tc = mr_t_tcase("parse");
   tcase_add_test(tc, test_job_smallest_job_gets_defaults);
+  tcase_add_test(tc, test_job_error_message_wraps_the_last);
   tcase_add_test(tc, test_job_full_example_parses);
   tcase_add_test(tc, test_job_wrong_type_names_field_path);
   tcase_add_test(tc, test_job_unknown_fields_all_reported);

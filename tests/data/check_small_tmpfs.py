@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""check_small_shm.py MESHRUN - a /dev/shm too small for the ranks'
-shared-memory segments (a container's is 64 MiB unless --shm-size says
-more) is an error naming /dev/shm and what to do, not a rank killed by
-SIGBUS when it first touches a page: in a mount namespace of its own with a
-1 MiB tmpfs on /dev/shm, a 4-rank job exits 1 saying so; the way out it
-names (MESHRUN_COMM_TRANSPORT=tcp) then runs the job.  Exits 77 (skip)
-where a mount namespace cannot be made (not root, or a container without
-CAP_SYS_ADMIN)."""
+"""check_small_tmpfs.py MESHRUN - small file systems, in a mount namespace
+of its own (1 MiB tmpfs mounts):
+- a /dev/shm too small for the ranks' shared-memory segments (a
+  container's is 64 MiB unless --shm-size says more) is an error naming
+  /dev/shm and what to do, not a rank killed by SIGBUS when it first
+  touches a page: a 4-rank job exits 1 saying so; the way out it names
+  (MESHRUN_COMM_TRANSPORT=tcp) then runs the job;
+- a checkpoint folder too small for a checkpoint is warned of at launch,
+  with its free space and a checkpoint's size, and the save that does not
+  fit fails the job naming the file and ENOSPC.
+Exits 77 (skip) where a mount namespace cannot be made (not root, or a
+container without CAP_SYS_ADMIN)."""
 import json
 import os
 import random
@@ -40,10 +44,12 @@ def main():
         with open(os.path.join(d, "job.json"), "w") as f:
             json.dump(job, f)
 
-        def launch(logs, env):
-            cmd = ('%s && exec "$0" launch --nproc 4 --threads 1 --log-dir "$1" "$2"' % SMALL)
+        def launch(logs, env, job="job.json"):
+            cmd = ('%s && mkdir -p "$3" && mount -t tmpfs -o size=1m tmpfs "$3" && '
+                   'exec "$0" launch --nproc 4 --threads 1 --log-dir "$1" "$2"' % SMALL)
             return subprocess.run(["unshare", "-m", "sh", "-c", cmd, meshrun,
-                                   os.path.join(d, logs), os.path.join(d, "job.json")],
+                                   os.path.join(d, logs), os.path.join(d, job),
+                                   os.path.join(d, "small")],
                                   capture_output=True, text=True, timeout=120,
                                   env=dict(os.environ, **configs, **env))
 
@@ -57,7 +63,24 @@ def main():
         r = launch("tcp", {"MESHRUN_COMM_TRANSPORT": "tcp"})
         assert r.returncode == 0, (r.returncode, r.stdout + r.stderr)
         assert "meshrun: done: 3 steps" in r.stdout, r.stdout
-    print("a small /dev/shm: named, with its way out, which runs")
+
+        job["checkpoint"] = {"dir": "small/ck", "save_interval_steps": 2}
+        with open(os.path.join(d, "ckpt.json"), "w") as f:
+            json.dump(job, f)
+        r = launch("ckpt", {"MESHRUN_COMM_TRANSPORT": "tcp"}, "ckpt.json")
+        said = r.stdout + r.stderr
+        assert r.returncode == 1, (r.returncode, said)
+        # the model's parameters by hand: embeddings and head, per layer q, k,
+        # v, o, gate, up, down and two norms, the final norm
+        h, f, v, n = 256, 688, 256, 2
+        params = 2 * v * h + n * (4 * h * h + 3 * h * f + 2 * h) + h
+        for want in ("warning: checkpoint.dir %s/small/ck has 1 MiB free; a checkpoint of this "
+                     "model takes about %.0f MiB" % (d, 12 * params / 2**20),
+                     "checkpoint of step 2: %s/small/ck/step-00000002/rank-" % d,
+                     "No space left on device"):
+            assert want in said, (want, said)
+    print("a small /dev/shm: named, with its way out, which runs; a small checkpoint "
+          "folder: warned of, and the save that does not fit named")
 
 
 if __name__ == "__main__":
