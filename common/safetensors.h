@@ -114,7 +114,9 @@ struct mr_st_writer; /* opaque */
 #define MR_ST_WRITE_CHECKSUM 2 /* checksum the file while writing it */
 #define MR_ST_WRITE_DIRECT 4 /* durable, bypassing the page cache */
 
-/* Starts a file at path (created or truncated only at finish).  flags: 0 or
+/* Starts a file at path, written at finish beside it (PATH.partial-PID) and
+ * renamed over it once whole, so a file already there is replaced only by
+ * a complete one.  flags: 0 or
  * any of
  *   MR_ST_WRITE_FSYNC   durable: the disk is started on each piece as it
  *                       is written, written pieces leave the page cache,
@@ -153,7 +155,8 @@ int mr_st_writer_add_metadata(struct mr_st_writer *w, const char *key,
 uint64_t mr_st_writer_data_bytes(const struct mr_st_writer *w);
 
 /* Writes the file: header, then every tensor, in large writes.  Returns 0
- * or a negative code with a message; on error the partial file is removed.
+ * or a negative code with a message; on error the partial file is removed
+ * and a file that was at the path is left as it was.
  * The writer can only be freed afterwards. */
 int mr_st_writer_finish(struct mr_st_writer *w);
 

@@ -425,14 +425,19 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
                         hlen, (unsigned long long)MR_ST_MAX_HEADER);
   }
   int rc = 0;
+  /* written beside the path and renamed over it once whole: a file there
+   * already (a previous run's weights) stays until then, and one that a
+   * failed write never replaces */
+  char tmp[4200];
+  snprintf(tmp, sizeof tmp, "%s.partial-%d", p, (int)getpid());
   const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
   int direct = (w->flags & MR_ST_WRITE_DIRECT) != 0;
-  w->fd = open(p, flags | (direct ? O_DIRECT : 0), 0644);
+  w->fd = open(tmp, flags | (direct ? O_DIRECT : 0), 0644);
   if (direct && (w->fd >= 0 ? !mr__st_direct_usable(w->fd) : errno == EINVAL)) {
     direct = 0; /* not on this filesystem: through the page cache */
     if (w->fd >= 0)
       close(w->fd);
-    w->fd = open(p, flags, 0644);
+    w->fd = open(tmp, flags, 0644);
   }
   if (w->fd < 0) {
     free(header);
@@ -488,7 +493,12 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
   w->fd = -1;
   if (close(fd) != 0) {
     rc = mr_error_set(MR_EIO, "%s: close: %s", p, strerror(errno));
-    unlink(p);
+    unlink(tmp);
+    return rc;
+  }
+  if (rename(tmp, p) != 0) {
+    rc = mr_error_set(mr_from_errno(errno), "%s: rename from %s: %s", p, tmp, strerror(errno));
+    unlink(tmp);
     return rc;
   }
   if (w->flags & MR_ST_WRITE_CHECKSUM)
@@ -500,7 +510,7 @@ fail:
   w->dio = NULL;
   close(w->fd);
   w->fd = -1;
-  unlink(p);
+  unlink(tmp);
   return rc;
 }
 

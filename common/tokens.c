@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -273,15 +274,21 @@ int mr_tokens_writer_open(struct mr_tokens_writer *w, const char *path,
   w->path = strdup(path);
   w->buf_cap = WRITE_BUF_BYTES;
   w->buf = malloc(w->buf_cap);
-  if (w->path == NULL || w->buf == NULL) {
+  size_t tn = strlen(path) + 32;
+  w->tmp = malloc(tn);
+  if (w->path == NULL || w->buf == NULL || w->tmp == NULL) {
     mr_tokens_writer_abort(w);
     return mr_error_set(MR_ENOMEM, "%s: out of memory", path);
   }
-  w->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  /* written beside the path, renamed over it at close: a job reading the
+   * file there keeps reading it whole, and a write that fails leaves it */
+  snprintf(w->tmp, tn, "%s.partial-%d", path, (int)getpid());
+  w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (w->fd < 0) {
     int rc = mr_error_set(mr_from_errno(errno), "%s: cannot create: %s", path,
                           strerror(errno));
     free(w->path);
+    free(w->tmp);
     free(w->buf);
     memset(w, 0, sizeof *w);
     w->fd = -1;
@@ -352,11 +359,17 @@ int mr_tokens_writer_close(struct mr_tokens_writer *w) {
       rc = mr_error_set(MR_EIO, "%s: writing the header: %s", w->path,
                         strerror(errno));
   }
+  if (rc == 0 && fsync(w->fd) != 0)
+    rc = mr_error_set(MR_EIO, "%s: fsync: %s", w->path, strerror(errno));
   if (close(w->fd) != 0 && rc == 0)
     rc = mr_error_set(MR_EIO, "%s: close: %s", w->path, strerror(errno));
   w->fd = -1;
+  if (rc == 0 && rename(w->tmp, w->path) != 0)
+    rc = mr_error_set(mr_from_errno(errno), "%s: rename from %s: %s", w->path, w->tmp,
+                      strerror(errno));
   if (rc < 0)
-    unlink(w->path);
+    unlink(w->tmp);
+  free(w->tmp);
   free(w->path);
   free(w->buf);
   memset(w, 0, sizeof *w);
@@ -367,9 +380,10 @@ int mr_tokens_writer_close(struct mr_tokens_writer *w) {
 void mr_tokens_writer_abort(struct mr_tokens_writer *w) {
   if (w->fd >= 0) {
     close(w->fd);
-    if (w->path != NULL)
-      unlink(w->path);
+    if (w->tmp != NULL)
+      unlink(w->tmp);
   }
+  free(w->tmp);
   free(w->path);
   free(w->buf);
   memset(w, 0, sizeof *w);

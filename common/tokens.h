@@ -116,13 +116,16 @@ int mr_tokens_eval_row(const struct mr_tokens *t, int64_t batch, int64_t row,
 struct mr_tokens_writer {
   int fd;
   char *path;                   /* owned copy, for messages */
+  char *tmp;                    /* PATH.partial-PID, written, then renamed */
   enum mr_tokens_format format;
   uint8_t *buf;                 /* staging buffer, owned */
   size_t buf_used, buf_cap;     /* bytes */
   int64_t n_tokens;             /* appended so far */
 };
 
-/* Creates (truncates) path.  Returns 0 or a negative code with a message. */
+/* Starts a file at path: written beside it and renamed over it at close,
+ * so a file already there (one a running job has mapped) is replaced only
+ * by a whole one.  Returns 0 or a negative code with a message. */
 int mr_tokens_writer_open(struct mr_tokens_writer *w, const char *path,
                           enum mr_tokens_format format);
 
@@ -131,12 +134,14 @@ int mr_tokens_writer_open(struct mr_tokens_writer *w, const char *path,
 int mr_tokens_writer_append(struct mr_tokens_writer *w, const uint32_t *tok,
                             size_t n);
 
-/* Flushes, writes the header count, closes.  Returns 0 or a negative code;
- * on any error the partial file is removed.  Frees w's resources either
- * way. */
+/* Flushes, writes the header count, fsyncs, closes and renames the file
+ * into place.  Returns 0 or a negative code; on any error the partial file
+ * is removed and a file at the path is left as it was.  Frees w's
+ * resources either way. */
 int mr_tokens_writer_close(struct mr_tokens_writer *w);
 
-/* Abandons a writer: closes and removes the partial file. */
+/* Abandons a writer: closes and removes the partial file (a file at the
+ * path stays). */
 void mr_tokens_writer_abort(struct mr_tokens_writer *w);
 
 #endif

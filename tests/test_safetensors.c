@@ -5,6 +5,7 @@
  * the test. */
 #include <check.h>
 #include <cjson/cJSON.h>
+#include <dirent.h>
 #include <math.h>
 #include <signal.h>
 #include <stdint.h>
@@ -599,11 +600,19 @@ START_TEST(test_safetensors_durable_write_hashes_what_it_wrote) {
 END_TEST
 
 /* A write that fails half way (the file-size limit, as a full disk would)
- * is an error and leaves no file behind, through the page cache or not. */
-START_TEST(test_safetensors_failed_write_leaves_no_file) {
+ * is an error and leaves no file of its own behind, through the page cache
+ * or not; the file that was at the path (a previous run's weights) stays
+ * as it was. */
+START_TEST(test_safetensors_failed_write_keeps_the_file_there) {
   enum { N = 4 << 20 }; /* 16 MiB of F32 */
   float *a = calloc(N, sizeof(float));
   ck_assert_ptr_nonnull(a);
+  const float before[3] = {1.5f, -2.0f, 3.25f};
+  struct mr_st_writer *w0;
+  ck_assert_int_eq(mr_st_writer_new(path_of("full.safetensors"), 0, &w0), 0);
+  ck_assert_int_eq(mr_st_writer_add(w0, "old", MR_F32, 1, (int64_t[]){3}, before), 0);
+  ck_assert_int_eq(mr_st_writer_finish(w0), 0);
+  mr_st_writer_free(w0);
   signal(SIGXFSZ, SIG_IGN); /* write(2) returns EFBIG instead */
   struct rlimit lim = {.rlim_cur = 5 << 20, .rlim_max = RLIM_INFINITY};
   ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &lim), 0); /* this test's process only */
@@ -620,7 +629,18 @@ START_TEST(test_safetensors_failed_write_leaves_no_file) {
     ck_assert_ptr_nonnull(strstr(mr_error_message(), "full.safetensors"));
     ck_assert_int_eq(mr_st_writer_checksum(w, hex), MR_EINVAL);
     mr_st_writer_free(w);
-    ck_assert_int_eq(access(p, F_OK), -1);
+    struct mr_st_file *f;
+    ck_assert_int_eq(mr_st_open(p, &f), 0);
+    const struct mr_st_tensor *t = mr_st_find(f, "old");
+    ck_assert_ptr_nonnull(t);
+    ck_assert_int_eq(memcmp(mr_st_data(f, t), before, sizeof before), 0);
+    mr_st_free(f);
+    DIR *d = opendir(dir);
+    int files = 0;
+    for (struct dirent *e; (e = readdir(d)) != NULL;)
+      files += e->d_name[0] != '.';
+    closedir(d);
+    ck_assert_int_eq(files, 1);
   }
   free(a);
 }
@@ -768,7 +788,7 @@ static Suite *safetensors_suite(void) {
   tcase_add_test(tc, test_safetensors_writer_errors);
   tcase_add_test(tc, test_checksum_matches_reference_every_length_and_split);
   tcase_add_test(tc, test_safetensors_durable_write_hashes_what_it_wrote);
-  tcase_add_test(tc, test_safetensors_failed_write_leaves_no_file);
+  tcase_add_test(tc, test_safetensors_failed_write_keeps_the_file_there);
   tcase_add_test(tc, test_safetensors_index_round_trip);
   tcase_add_test(tc, test_safetensors_index_rejects_malformed);
   tcase_add_test(tc, test_ckpt_pieces_reject_bad_numbers);

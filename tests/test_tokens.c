@@ -2,6 +2,7 @@
  * writer under test), each malformed case, and the row formulas worked out
  * from the header's definition with the raw Philox block. */
 #include <check.h>
+#include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -379,6 +380,54 @@ START_TEST(test_tokens_writer_u32_and_limits) {
 }
 END_TEST
 
+/* Writes n tokens v(i) = (i * mul) % 65536 to path with a writer. */
+static void write_seq(const char *p, int n, uint32_t mul) {
+  struct mr_tokens_writer w;
+  ck_assert_int_eq(mr_tokens_writer_open(&w, p, MR_TOKENS_LLMC_U16), 0);
+  for (int i = 0; i < n; i++) {
+    uint32_t v = ((uint32_t)i * mul) % 65536;
+    ck_assert_int_eq(mr_tokens_writer_append(&w, &v, 1), 0);
+  }
+  ck_assert_int_eq(mr_tokens_writer_close(&w), 0);
+}
+
+/* Writing over a file replaces it only when whole: a job that has it
+ * mapped reads the old tokens to the end (the file was not truncated
+ * under it), the next open the new ones, and a write that fails leaves
+ * the file there as it was and nothing beside it. */
+START_TEST(test_tokens_writer_replaces_whole_files_only) {
+  const char *p = path_of("data.bin");
+  write_seq(p, 200000, 3);
+  struct mr_tokens old;
+  ck_assert_int_eq(mr_tokens_open(&old, p, 65536), 0);
+  write_seq(p, 1000, 7); /* shorter: truncating in place would cut the map */
+  for (int64_t i = 0; i < 200000; i += 101)
+    ck_assert_uint_eq(mr_tokens_at(&old, i), (uint32_t)((i * 3) % 65536));
+  ck_assert_uint_eq(mr_tokens_at(&old, 199999), (uint32_t)((199999 * 3) % 65536));
+  mr_tokens_close(&old);
+  struct mr_tokens now;
+  ck_assert_int_eq(mr_tokens_open(&now, p, 65536), 0);
+  ck_assert_int_eq(now.n_tokens, 1000);
+  ck_assert_uint_eq(mr_tokens_at(&now, 999), (999u * 7) % 65536);
+  mr_tokens_close(&now);
+  /* a failing write: a token past uint16 */
+  struct mr_tokens_writer w;
+  ck_assert_int_eq(mr_tokens_writer_open(&w, p, MR_TOKENS_LLMC_U16), 0);
+  uint32_t big = 70000;
+  ck_assert_int_eq(mr_tokens_writer_append(&w, &big, 1), MR_ERANGE);
+  mr_tokens_writer_abort(&w);
+  ck_assert_int_eq(mr_tokens_open(&now, p, 65536), 0);
+  ck_assert_int_eq(now.n_tokens, 1000);
+  mr_tokens_close(&now);
+  DIR *d = opendir(dir);
+  int files = 0;
+  for (struct dirent *e; (e = readdir(d)) != NULL;)
+    files += e->d_name[0] != '.';
+  closedir(d);
+  ck_assert_int_eq(files, 1);
+}
+END_TEST
+
 static Suite *tokens_suite(void) {
   Suite *s = suite_create("tokens");
   TCase *tc = tcase_create("tokens");
@@ -396,6 +445,7 @@ static Suite *tokens_suite(void) {
   tcase_add_test(tc, test_tokens_eval_row_formula);
   tcase_add_test(tc, test_tokens_writer_layout);
   tcase_add_test(tc, test_tokens_writer_u32_and_limits);
+  tcase_add_test(tc, test_tokens_writer_replaces_whole_files_only);
   suite_add_tcase(s, tc);
   return s;
 }
