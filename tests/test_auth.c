@@ -3,7 +3,6 @@
  * MAC primitives, and checked independently against libsodium's one-shot
  * HMAC over the concatenated message. */
 #include <check.h>
-#include <dirent.h>
 #include <pthread.h>
 #include <sodium.h>
 #include <stdio.h>
@@ -17,6 +16,7 @@
 #include "common/auth.h"
 #include "common/error.h"
 #include "common/rpc.h"
+#include "testutil.h"
 
 START_TEST(test_auth_mac_matches_one_shot_hmac) {
   ck_assert_int_eq(mr_auth_init(), 0);
@@ -79,12 +79,7 @@ START_TEST(test_auth_token_file_must_be_private) {
   ck_assert_int_lt(mr_auth_token_write_file(path, other), 0);
   ck_assert_int_eq(mr_auth_token_read_file(path, back), 0);
   ck_assert_int_eq(memcmp(token, back, 32), 0);
-  DIR *d = opendir(dir);
-  int entries = 0;
-  for (struct dirent *e; (e = readdir(d)) != NULL;)
-    entries += e->d_name[0] != '.';
-  closedir(d);
-  ck_assert_int_eq(entries, 1);
+  ck_assert_int_eq(mr_t_count_files(dir), 1);
   chmod(path, 0644);
   ck_assert_int_eq(mr_auth_token_read_file(path, back), MR_EAUTH);
   ck_assert_ptr_nonnull(strstr(mr_error_message(), "0600"));

@@ -5,7 +5,6 @@
  * the test. */
 #include <check.h>
 #include <cjson/cJSON.h>
-#include <dirent.h>
 #include <math.h>
 #include <signal.h>
 #include <stdint.h>
@@ -21,6 +20,7 @@
 #include "common/error.h"
 #include "common/safetensors.h"
 #include "common/checksum.h"
+#include "testutil.h"
 #include <xxhash.h>
 
 static char dir[] = "/tmp/mr-test-st-XXXXXX";
@@ -635,12 +635,7 @@ START_TEST(test_safetensors_failed_write_keeps_the_file_there) {
     ck_assert_ptr_nonnull(t);
     ck_assert_int_eq(memcmp(mr_st_data(f, t), before, sizeof before), 0);
     mr_st_free(f);
-    DIR *d = opendir(dir);
-    int files = 0;
-    for (struct dirent *e; (e = readdir(d)) != NULL;)
-      files += e->d_name[0] != '.';
-    closedir(d);
-    ck_assert_int_eq(files, 1);
+    ck_assert_int_eq(mr_t_count_files(dir), 1);
   }
   free(a);
 }

@@ -2,7 +2,6 @@
  * writer under test), each malformed case, and the row formulas worked out
  * from the header's definition with the raw Philox block. */
 #include <check.h>
-#include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +12,7 @@
 #include "common/error.h"
 #include "common/rng.h"
 #include "common/tokens.h"
+#include "testutil.h"
 
 static char dir[] = "/tmp/mr-test-tokens-XXXXXX";
 
@@ -419,12 +419,7 @@ START_TEST(test_tokens_writer_replaces_whole_files_only) {
   ck_assert_int_eq(mr_tokens_open(&now, p, 65536), 0);
   ck_assert_int_eq(now.n_tokens, 1000);
   mr_tokens_close(&now);
-  DIR *d = opendir(dir);
-  int files = 0;
-  for (struct dirent *e; (e = readdir(d)) != NULL;)
-    files += e->d_name[0] != '.';
-  closedir(d);
-  ck_assert_int_eq(files, 1);
+  ck_assert_int_eq(mr_t_count_files(dir), 1);
 }
 END_TEST
 

@@ -218,6 +218,17 @@ int mr_t_read_losses(const char *metrics_path, double *loss, int max) {
   return n;
 }
 
+int mr_t_count_files(const char *dir) {
+  DIR *d = opendir(dir);
+  if (d == NULL)
+    return -1;
+  int n = 0;
+  for (struct dirent *e; (e = readdir(d)) != NULL;)
+    n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
 int mr_t_same_file(const char *a, const char *b) {
   FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
   int same = fa != NULL && fb != NULL;

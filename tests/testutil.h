@@ -65,6 +65,9 @@ void mr_t_write_tokens(const char *path, int n);
  * max); returns how many. */
 int mr_t_read_losses(const char *metrics_path, double *loss, int max);
 
+/* The entries of folder dir not starting with '.' (-1: no such folder). */
+int mr_t_count_files(const char *dir);
+
 /* Byte-compares two files; returns 1 when identical. */
 int mr_t_same_file(const char *a, const char *b);
 
