@@ -1373,7 +1373,9 @@ static int listen_all(struct coordinator *co) {
   if (rc == 0)
     rc = uv_listen((uv_stream_t *)&co->tcp_server, 128, on_connection);
   if (rc < 0)
-    return mr_error_set(MR_ESYS, "listen on %s: %s", co->opts->bind, uv_strerror(rc));
+    return mr_error_set(MR_ESYS, "listen on %s: %s%s", co->opts->bind, uv_strerror(rc),
+                        rc == UV_EADDRINUSE ? " (another process has the port: --master, or "
+                                              "--bind, can name another)" : "");
   int len = sizeof sa;
   uv_tcp_getsockname(&co->tcp_server, (struct sockaddr *)&sa, &len);
   co->master_port = sa.ss_family == AF_INET ? ntohs(((struct sockaddr_in *)&sa)->sin_port)

@@ -290,7 +290,8 @@ START_TEST(test_nodes_rank_count_mismatch) {
 }
 END_TEST
 
-/* Bad node flags are bad usage: exit 2 naming the flag. */
+/* Bad node flags are bad usage: exit 2 naming the flag; node 0's port
+ * taken by another process is named with the way out. */
 START_TEST(test_nodes_bad_flags) {
   char dir[64], jobf[300];
   mr_t_tmpdir(dir, sizeof dir);
@@ -321,6 +322,20 @@ START_TEST(test_nodes_bad_flags) {
     expect_exit(&p, 2, cases[i].says, 30);
     stderr_has(&p, cases[i].says);
   }
+  /* node 0's port taken by another process: said, with the way out */
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET};
+  socklen_t len = sizeof sa;
+  ck_assert_int_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  ck_assert_int_eq(listen(fd, 1), 0);
+  ck_assert_int_eq(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
+  struct mr_tproc n0;
+  char *soon[] = {"--join-timeout", "1", NULL};
+  node(&n0, dir, "job.json", 0, ntohs(sa.sin_port), "token", "n0", soon);
+  expect_exit(&n0, 1, "node 0", 30);
+  stderr_has(&n0, "address already in use (another process has the port: --master, or --bind, "
+                  "can name another)");
+  close(fd);
 }
 END_TEST
 
