@@ -292,17 +292,26 @@ uint64_t mr_host_memory_bytes(void) {
   return (uint64_t)(lim > 0 && lim < ram ? lim : ram);
 }
 
+/* The affinity mask into set; the cores in it within the cgroup's quota. */
+static int cpu_cores(cpu_set_t *set) {
+  CPU_ZERO(set);
+  int n = sched_getaffinity(0, sizeof *set, set) == 0 ? CPU_COUNT(set)
+                                                      : (int)sysconf(_SC_NPROCESSORS_ONLN);
+  double quota = mr_cgroup_cpu_limit("");
+  if (quota > 0 && quota < n) /* a container's --cpus: whole CPUs */
+    n = (int)quota;
+  return n < 1 ? 1 : n;
+}
+
+int mr_cpu_cores(void) {
+  cpu_set_t set;
+  return cpu_cores(&set);
+}
+
 int mr_discover_devices(struct mr_devices *out) {
   memset(out, 0, sizeof *out);
   cpu_set_t set;
-  CPU_ZERO(&set);
-  out->cpu_cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
-                                                               : (int)sysconf(_SC_NPROCESSORS_ONLN);
-  double quota = mr_cgroup_cpu_limit("");
-  if (quota > 0 && quota < out->cpu_cores) /* a container's --cpus: whole CPUs */
-    out->cpu_cores = (int)quota;
-  if (out->cpu_cores < 1)
-    out->cpu_cores = 1;
+  out->cpu_cores = cpu_cores(&set);
   MR_TRY(discover_cuda(out));
   if (out->n > 0)
     return 0;

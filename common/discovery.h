@@ -51,6 +51,10 @@ int mr_discover_devices(struct mr_devices *out);
 /* Releases out's arrays. */
 void mr_devices_close(struct mr_devices *out);
 
+/* The CPU cores this process may use, as mr_discover_devices counts them
+ * (without loading any GPU driver). */
+int mr_cpu_cores(void);
+
 /* The CPU quota of this process's cgroup, in CPUs (quota / period; the
  * least of it and its ancestors'), read under `root` ("" for this system,
  * a folder standing in for / in tests): cgroup v2's cpu.max, else v1's

@@ -236,9 +236,7 @@ int mr_cmd_calibrate(int argc, char **argv) {
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
   const char *out_path = NULL, *base = "cpu-local";
-  struct mr_devices found; /* the cores this process may use, as launch counts them */
-  long ranks = mr_discover_devices(&found) == 0 ? found.cpu_cores : sysconf(_SC_NPROCESSORS_ONLN);
-  mr_devices_close(&found);
+  long ranks = mr_cpu_cores(); /* as launch counts them */
   int c;
   optind = 1;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {

@@ -68,11 +68,8 @@ static int check_checkpoint_dir(const struct mr_job *job) {
   const char *d = job->checkpoint.dir;
   if (d == NULL)
     return 0;
-  if (mr_mkdir_p(d) < 0) {
-    char why[512]; /* the message is rewritten from itself */
-    snprintf(why, sizeof why, "%s", mr_error_message());
-    return mr_error_set(MR_EINVAL, "%s: checkpoint.dir: %s", job->path, why);
-  }
+  if (mr_mkdir_p(d) < 0)
+    return mr_error_set(MR_EINVAL, "%s: checkpoint.dir: %s", job->path, mr_error_message());
   char probe[4200];
   snprintf(probe, sizeof probe, "%s/.meshrun-write-test-%d", d, (int)getpid());
   int fd = open(probe, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
