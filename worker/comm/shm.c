@@ -42,9 +42,12 @@
 #define SEG_MAGIC 0x6d65736873686d31ull /* "meshshm1" */
 #define LINE 64
 
+#define SHM_MIN_SLOT 16384 /* the smallest chunk a small /dev/shm gets */
+
 struct seg_hdr {
   _Atomic uint64_t magic;
   uint64_t n, slot_bytes, heap_bytes, stride, total;
+  uint64_t fitted; /* rank 0 made do with less than asked (a small /dev/shm) */
   _Atomic uint32_t mapped;
 };
 
@@ -578,6 +581,50 @@ static void shm_free_state(struct shm *s) {
   free(s);
 }
 
+/* Rank 0: gives the segment its pages now, not at their first touch, so a
+ * /dev/shm too small (a container's 64 MiB) is found here, not as SIGBUS
+ * mid-step.  Where there is no room, the zero-copy heaps go first, then the
+ * chunk halves, down to SHM_MIN_SLOT: slower large transfers, but the job
+ * runs; a warning says what was given up.  tmpfs leaves the size 0 when it
+ * cannot reserve, so a peer never maps a size that is taken back. */
+static int reserve(struct mr__group *g, struct shm *s, int fd, size_t hdr, size_t cb) {
+  size_t asked_slot = s->slot_bytes, asked_bytes = 0;
+  for (;;) {
+    s->bytes = hdr + (size_t)s->n * (cb + 2 * s->slot_bytes + s->heap_bytes);
+    if (asked_bytes == 0)
+      asked_bytes = s->bytes;
+    int e = posix_fallocate(fd, 0, (off_t)s->bytes);
+    if (e == 0)
+      break;
+    if (e == EOPNOTSUPP || e == EINVAL) { /* cannot reserve: pages at first touch */
+      if (ftruncate(fd, (off_t)s->bytes) == 0)
+        break;
+      return mr_error_set(MR_ESYS, "comm group %s: shm segment %s: %s", g->desc, s->name,
+                          strerror(errno));
+    }
+    struct stat st;
+    int again = e == ENOSPC && fstat(fd, &st) == 0 && st.st_size == 0;
+    if (again && s->heap_bytes > 0) {
+      s->heap_bytes = 0;
+    } else if (again && s->slot_bytes > SHM_MIN_SLOT) {
+      s->slot_bytes = (s->slot_bytes / 2) & ~(size_t)4095;
+      if (s->slot_bytes < SHM_MIN_SLOT)
+        s->slot_bytes = SHM_MIN_SLOT;
+    } else {
+      return mr_error_set(MR_ESYS, "comm group %s: %zu KiB of shared memory in /dev/shm "
+                          "(%zu KiB with the smallest chunks): %s (a container's /dev/shm "
+                          "is small: docker run --shm-size=1g, or MESHRUN_COMM_TRANSPORT=tcp)",
+                          g->desc, asked_bytes >> 10, s->bytes >> 10, strerror(e));
+    }
+  }
+  if (s->bytes != asked_bytes)
+    MR_WARN("comm", "group %s: /dev/shm has no room for %zu KiB; made do with %zu KiB "
+            "(%zu KiB chunks instead of %zu): large transfers are slower (a container's "
+            "/dev/shm is small: docker run --shm-size=1g)", g->desc, asked_bytes >> 10,
+            s->bytes >> 10, s->slot_bytes >> 10, asked_slot >> 10);
+  return 0;
+}
+
 static int shm_open_group(struct mr__group *g) {
   const struct mr__cpu_info *ci = mr__cpu_info(g);
   struct shm *s = calloc(1, sizeof *s);
@@ -593,8 +640,7 @@ static int shm_open_group(struct mr__group *g) {
   s->heap_bytes = (size_t)mr_tunable_int(MR_TUNABLE_COMM_SHM_HEAP_BYTES);
   s->heap_bytes = (s->heap_bytes + 4095) & ~(size_t)4095;
   s->small_bytes = (size_t)mr_tunable_int(MR_TUNABLE_COMM_SHM_SMALL_BYTES);
-  if (s->small_bytes > s->slot_bytes)
-    s->small_bytes = s->slot_bytes;
+  size_t asked_slot = s->slot_bytes, asked_heap = s->heap_bytes;
   s->ctl = calloc((size_t)n, sizeof *s->ctl);
   s->stage = calloc((size_t)n, sizeof *s->stage);
   s->heap = calloc((size_t)n, sizeof *s->heap);
@@ -612,25 +658,16 @@ static int shm_open_group(struct mr__group *g) {
            ci->job_id, (unsigned long long)ci->nonce,
            (unsigned long long)fnv1a(g->desc), occ);
   size_t hdr = 4096, cb = ctl_bytes(n);
-  size_t stride = cb + 2 * s->slot_bytes + s->heap_bytes;
-  s->bytes = hdr + (size_t)n * stride;
   int64_t deadline = mr_clock_ns() + ci->timeout_ms * 1000000;
   if (s->me == 0) {
     fd = shm_open(s->name, O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0 || ftruncate(fd, (off_t)s->bytes) != 0) {
+    if (fd < 0) {
       rc = mr_error_set(MR_ESYS, "comm group %s: shm segment %s: %s", g->desc,
                         s->name, strerror(errno));
-      if (fd >= 0)
-        shm_unlink(s->name);
       goto err;
     }
-    /* the pages now, not at their first touch: a /dev/shm too small (a
-     * container's 64 MiB) is then this error, not SIGBUS mid-step */
-    int e = posix_fallocate(fd, 0, (off_t)s->bytes);
-    if (e != 0 && e != EOPNOTSUPP && e != EINVAL) {
-      rc = mr_error_set(MR_ESYS, "comm group %s: %zu KiB of shared memory in /dev/shm: %s "
-                        "(a container's /dev/shm is small: docker run --shm-size=1g, or "
-                        "MESHRUN_COMM_TRANSPORT=tcp)", g->desc, s->bytes >> 10, strerror(e));
+    rc = reserve(g, s, fd, hdr, cb);
+    if (rc < 0) {
       shm_unlink(s->name);
       goto err;
     }
@@ -646,12 +683,19 @@ static int shm_open_group(struct mr__group *g) {
       struct timespec ts = {0, 200000};
       nanosleep(&ts, NULL);
     }
+    /* the size appears whole once rank 0 has the pages (it stays 0 while
+     * rank 0 tries smaller chunks); the header then says how it is cut */
     struct stat st;
-    while (fstat(fd, &st) == 0 && (size_t)st.st_size < s->bytes &&
-           mr_clock_ns() < deadline) {
+    while (fstat(fd, &st) == 0 && (size_t)st.st_size < hdr) {
+      if (mr_clock_ns() > deadline) {
+        rc = mr_error_set(MR_ETIMEDOUT, "comm group %s: segment %s from rank %d "
+                          "never sized", g->desc, s->name, g->ranks[0]);
+        goto err;
+      }
       struct timespec ts = {0, 100000};
       nanosleep(&ts, NULL);
     }
+    s->bytes = (size_t)st.st_size;
   }
   void *p = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
@@ -663,12 +707,14 @@ static int shm_open_group(struct mr__group *g) {
   }
   s->base = p;
   struct seg_hdr *h = p;
+  size_t stride = cb + 2 * s->slot_bytes + s->heap_bytes;
   if (s->me == 0) {
     h->n = (uint64_t)n;
     h->slot_bytes = s->slot_bytes;
     h->heap_bytes = s->heap_bytes;
     h->stride = stride;
     h->total = s->bytes;
+    h->fitted = s->slot_bytes != asked_slot || s->heap_bytes != asked_heap;
     atomic_store_explicit(&h->magic, SEG_MAGIC, memory_order_release);
   } else {
     while (atomic_load_explicit(&h->magic, memory_order_acquire) != SEG_MAGIC) {
@@ -680,8 +726,9 @@ static int shm_open_group(struct mr__group *g) {
       struct timespec ts = {0, 100000};
       nanosleep(&ts, NULL);
     }
-    if (h->n != (uint64_t)n || h->slot_bytes != s->slot_bytes ||
-        h->heap_bytes != s->heap_bytes) {
+    if (h->n != (uint64_t)n || h->total != s->bytes ||
+        (!h->fitted && (h->slot_bytes != s->slot_bytes ||
+                        h->heap_bytes != s->heap_bytes))) {
       rc = mr_error_set(MR_EINVAL, "comm group %s: rank %d made the segment "
                         "for %llu ranks, %llu-byte chunks, %llu-byte heaps; "
                         "this rank expected %d, %zu, %zu (MESHRUN_COMM_SHM_* "
@@ -692,7 +739,12 @@ static int shm_open_group(struct mr__group *g) {
                         s->heap_bytes);
       goto err;
     }
+    s->slot_bytes = h->slot_bytes; /* rank 0's cut, smaller where it had to be */
+    s->heap_bytes = h->heap_bytes;
+    stride = h->stride;
   }
+  if (s->small_bytes > s->slot_bytes)
+    s->small_bytes = s->slot_bytes;
   for (int i = 0; i < n; i++) {
     unsigned char *r = s->base + hdr + (size_t)i * stride;
     s->ctl[i] = (struct ctl *)r;
