@@ -2,8 +2,9 @@
  * inference, gradient builder, cost (FLOPs, bytes moved) and kernels per
  * device backend, with a slot for its SPMD rule.
  *
- * Adding an op means adding one row to the table in ops.c (and a kernel in
- * each backend).  Activations are 2-D [rows, features] with rows = batch *
+ * Adding an op means one line in MR_OP_LIST below, its row in ops.c, a
+ * kernel k_<name> in each backend (bound from the list: a missing one does
+ * not compile) and its SPMD rule (launcher/spmd/rules_ops.c).  Activations are 2-D [rows, features] with rows = batch *
  * sequence; ops that need the sequence structure (RoPE, attention) carry the
  * sequence length and head counts as attributes.
  *
@@ -62,34 +63,49 @@
 
 #include "common/graph.h"
 
-enum mr_op_kind {
-  MR_OP_EMBEDDING = 0,
-  MR_OP_EMBEDDING_BWD,
-  MR_OP_MATMUL,
-  MR_OP_BIAS_GRAD,
-  MR_OP_ADD,
-  MR_OP_RMSNORM,
-  MR_OP_RMSNORM_BWD,
-  MR_OP_LAYERNORM,
-  MR_OP_LAYERNORM_BWD,
-  MR_OP_ROPE,
-  MR_OP_SWIGLU,
-  MR_OP_SWIGLU_BWD,
-  MR_OP_GELU,
-  MR_OP_GELU_BWD,
-  MR_OP_ATTENTION,
-  MR_OP_ATTENTION_BWD,
-  MR_OP_SPLIT3,
-  MR_OP_CONCAT3,
-  MR_OP_CROSS_ENTROPY,
-  MR_OP_CROSS_ENTROPY_BWD,
-  MR_OP_XENT_MAX,
-  MR_OP_XENT_SUMEXP,
-  MR_OP_XENT_SUMEXP_BWD,
-  MR_OP_XENT_FINISH,
-  MR_OP_XENT_FINISH_BWD,
-  MR_OP_COUNT
-};
+/* Every built-in op kind, once: X(KIND, name).  The enum, the registry's
+ * names and each backend's kernel table (k_<name>, bound by
+ * MR_OP_BIND_KERNELS) come from it, so a backend without a kernel for an
+ * op does not compile. */
+#define MR_OP_LIST(X)                                                        \
+  X(EMBEDDING, embedding)                                                    \
+  X(EMBEDDING_BWD, embedding_bwd)                                            \
+  X(MATMUL, matmul)                                                          \
+  X(BIAS_GRAD, bias_grad)                                                    \
+  X(ADD, add)                                                                \
+  X(RMSNORM, rmsnorm)                                                        \
+  X(RMSNORM_BWD, rmsnorm_bwd)                                                \
+  X(LAYERNORM, layernorm)                                                    \
+  X(LAYERNORM_BWD, layernorm_bwd)                                            \
+  X(ROPE, rope)                                                              \
+  X(SWIGLU, swiglu)                                                          \
+  X(SWIGLU_BWD, swiglu_bwd)                                                  \
+  X(GELU, gelu)                                                              \
+  X(GELU_BWD, gelu_bwd)                                                      \
+  X(ATTENTION, attention)                                                    \
+  X(ATTENTION_BWD, attention_bwd)                                            \
+  X(SPLIT3, split3)                                                          \
+  X(CONCAT3, concat3)                                                        \
+  X(CROSS_ENTROPY, cross_entropy)                                            \
+  X(CROSS_ENTROPY_BWD, cross_entropy_bwd)                                    \
+  X(XENT_MAX, xent_max)                                                      \
+  X(XENT_SUMEXP, xent_sumexp)                                                \
+  X(XENT_SUMEXP_BWD, xent_sumexp_bwd)                                        \
+  X(XENT_FINISH, xent_finish)                                                \
+  X(XENT_FINISH_BWD, xent_finish_bwd)
+
+#define MR__OP_ENUM(kind, name) MR_OP_##kind,
+enum mr_op_kind { MR_OP_LIST(MR__OP_ENUM) MR_OP_COUNT };
+#undef MR__OP_ENUM
+
+/* In a backend's source: binds k_<name> for every built-in op to backend. */
+#define MR__OP_BIND(kind, name) mr_op_set_kernel(MR_OP_##kind, mr__op_backend, k_##name);
+#define MR_OP_BIND_KERNELS(backend)                                          \
+  do {                                                                       \
+    enum mr_backend_kind mr__op_backend = (backend);                         \
+    MR_OP_LIST(MR__OP_BIND)                                                  \
+  } while (0)
+
 
 #define MR_OP_MAX_KINDS 64     // built-in kinds plus those registered later
 

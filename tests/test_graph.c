@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "common/ops.h"
 #include "grad_check.h"
+#include "worker/exec_extra.h"
 
 struct fixture {
   struct mr_graph g;
@@ -314,6 +315,32 @@ START_TEST(test_graph_shape_mismatch_is_an_error) {
 }
 END_TEST
 
+START_TEST(test_graph_every_listed_op_is_complete) {
+  /* MR_OP_LIST names each built-in kind once; the registry's row, the
+   * lookup by name and the CPU kernel bound from the list agree with it */
+  static const struct {
+    int kind;
+    const char *name;
+  } list[] = {
+#define ENTRY(kind, name) {MR_OP_##kind, #name},
+      MR_OP_LIST(ENTRY)
+#undef ENTRY
+  };
+  ck_assert_int_eq((int)MR_ARRAY_LEN(list), MR_OP_COUNT);
+  mr_cpu_kernels_register();
+  for (size_t i = 0; i < MR_ARRAY_LEN(list); i++) {
+    const struct mr_op_def *d = mr_op_def(list[i].kind);
+    ck_assert_int_eq(list[i].kind, (int)i);
+    ck_assert_ptr_nonnull(d);
+    ck_assert_str_eq(d->name, list[i].name);
+    ck_assert_int_eq(mr_op_kind_by_name(list[i].name), list[i].kind);
+    ck_assert(d->infer != NULL && d->flops != NULL && d->bytes != NULL);
+    ck_assert(d->n_out >= 1 && d->n_in_min >= 1 && d->n_in_min <= d->n_in_max);
+    ck_assert(mr_op_kernel(list[i].kind, MR_BACKEND_CPU) != NULL);
+  }
+}
+END_TEST
+
 START_TEST(test_graph_plan_reuses_dead_buffers) {
   /* a chain x -> y1 -> y2 -> y3 of 1 KiB tensors: at most two are live */
   struct mr_graph g;
@@ -389,6 +416,7 @@ Suite *graph_suite(void) {
   Suite *s = suite_create("graph");
   TCase *tc = tcase_create("ops");
   tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, test_graph_every_listed_op_is_complete);
   tcase_add_test(tc, test_graph_matmul_grad_all_transposes);
   tcase_add_test(tc, test_graph_matmul_forward_matches_formula);
   tcase_add_test(tc, test_graph_add_grad);

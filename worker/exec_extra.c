@@ -311,7 +311,7 @@ static int k_concat3(void *ctx, const struct mr_graph *g,
 }
 
 /* mean over the rows whose target is not ignored (< 0) */
-static int k_xent(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+static int k_cross_entropy(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                   void *const *b) {
   int n = ROWS(g, op->in[0]), v = COLS(g, op->in[0]), valid = 0;
   float *rows = scratch(ctx, (size_t)n);
@@ -328,7 +328,7 @@ static int k_xent(void *ctx, const struct mr_graph *g, const struct mr_op *op,
   return 0;
 }
 
-static int k_xent_bwd(void *ctx, const struct mr_graph *g,
+static int k_cross_entropy_bwd(void *ctx, const struct mr_graph *g,
                       const struct mr_op *op, void *const *b) {
   int n = ROWS(g, op->in[1]), v = COLS(g, op->in[1]), valid = 0;
   const int32_t *y = b[2];
@@ -386,24 +386,5 @@ static int k_xent_finish_bwd(void *ctx, const struct mr_graph *g,
 }
 
 void mr_cpu_kernels_register(void) {
-  static const struct {
-    int kind;
-    mr_kernel_fn fn;
-  } table[] = {
-      {MR_OP_EMBEDDING, k_embedding},     {MR_OP_EMBEDDING_BWD, k_embedding_bwd},
-      {MR_OP_MATMUL, k_matmul},           {MR_OP_BIAS_GRAD, k_bias_grad},
-      {MR_OP_ADD, k_add},                 {MR_OP_RMSNORM, k_rmsnorm},
-      {MR_OP_RMSNORM_BWD, k_rmsnorm_bwd}, {MR_OP_LAYERNORM, k_layernorm},
-      {MR_OP_LAYERNORM_BWD, k_layernorm_bwd}, {MR_OP_ROPE, k_rope},
-      {MR_OP_SWIGLU, k_swiglu},           {MR_OP_SWIGLU_BWD, k_swiglu_bwd},
-      {MR_OP_GELU, k_gelu},               {MR_OP_GELU_BWD, k_gelu_bwd},
-      {MR_OP_ATTENTION, k_attention},     {MR_OP_ATTENTION_BWD, k_attention_bwd},
-      {MR_OP_SPLIT3, k_split3},           {MR_OP_CONCAT3, k_concat3},
-      {MR_OP_CROSS_ENTROPY, k_xent},      {MR_OP_CROSS_ENTROPY_BWD, k_xent_bwd},
-      {MR_OP_XENT_MAX, k_xent_max},       {MR_OP_XENT_SUMEXP, k_xent_sumexp},
-      {MR_OP_XENT_SUMEXP_BWD, k_xent_sumexp_bwd},
-      {MR_OP_XENT_FINISH, k_xent_finish}, {MR_OP_XENT_FINISH_BWD, k_xent_finish_bwd},
-  };
-  for (size_t i = 0; i < MR_ARRAY_LEN(table); i++)
-    mr_op_set_kernel(table[i].kind, MR_BACKEND_CPU, table[i].fn);
+  MR_OP_BIND_KERNELS(MR_BACKEND_CPU);
 }

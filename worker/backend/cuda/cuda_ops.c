@@ -339,7 +339,7 @@ static int k_concat3(void *ctx, const struct mr_graph *g, const struct mr_op *op
 }
 
 /* mean over the rows whose target is not ignored (< 0), or over a0 rows */
-static int k_xent(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+static int k_cross_entropy(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                   void *const *b) {
   struct mr__cuda_ctx *c = CTX(ctx);
   MR_TRY(enter(c));
@@ -353,7 +353,7 @@ static int k_xent(void *ctx, const struct mr_graph *g, const struct mr_op *op,
   return 0;
 }
 
-static int k_xent_bwd(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+static int k_cross_entropy_bwd(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                       void *const *b) {
   struct mr__cuda_ctx *c = CTX(ctx);
   MR_TRY(enter(c));
@@ -444,24 +444,5 @@ static int k_xent_finish_bwd(void *ctx, const struct mr_graph *g, const struct m
 }
 
 void mr__cuda_kernels_register(void) {
-  static const struct {
-    int kind;
-    mr_kernel_fn fn;
-  } table[] = {
-      {MR_OP_EMBEDDING, k_embedding},     {MR_OP_EMBEDDING_BWD, k_embedding_bwd},
-      {MR_OP_MATMUL, k_matmul},           {MR_OP_BIAS_GRAD, k_bias_grad},
-      {MR_OP_ADD, k_add},                 {MR_OP_RMSNORM, k_rmsnorm},
-      {MR_OP_RMSNORM_BWD, k_rmsnorm_bwd}, {MR_OP_LAYERNORM, k_layernorm},
-      {MR_OP_LAYERNORM_BWD, k_layernorm_bwd}, {MR_OP_ROPE, k_rope},
-      {MR_OP_SWIGLU, k_swiglu},           {MR_OP_SWIGLU_BWD, k_swiglu_bwd},
-      {MR_OP_GELU, k_gelu},               {MR_OP_GELU_BWD, k_gelu_bwd},
-      {MR_OP_ATTENTION, k_attention},     {MR_OP_ATTENTION_BWD, k_attention_bwd},
-      {MR_OP_SPLIT3, k_split3},           {MR_OP_CONCAT3, k_concat3},
-      {MR_OP_CROSS_ENTROPY, k_xent},      {MR_OP_CROSS_ENTROPY_BWD, k_xent_bwd},
-      {MR_OP_XENT_MAX, k_xent_max},       {MR_OP_XENT_SUMEXP, k_xent_sumexp},
-      {MR_OP_XENT_SUMEXP_BWD, k_xent_sumexp_bwd},
-      {MR_OP_XENT_FINISH, k_xent_finish}, {MR_OP_XENT_FINISH_BWD, k_xent_finish_bwd},
-  };
-  for (size_t i = 0; i < MR_ARRAY_LEN(table); i++)
-    mr_op_set_kernel(table[i].kind, MR_BACKEND_CUDA, table[i].fn);
+  MR_OP_BIND_KERNELS(MR_BACKEND_CUDA);
 }
