@@ -25,6 +25,7 @@
 #include "launcher/conn.h"
 #include "launcher/ranks.h"
 #include "launcher/rebalance.h"
+#include "launcher/sockdir.h"
 #include "launcher/strategy_choice.h"
 #include "worker/comm/comm.h"
 
@@ -66,6 +67,7 @@ struct coordinator {
   int token_fd;
   char job_id[17];
   char sock_dir[64];
+  int sock_lock_fd;         // held locked while the folder lives (sockdir.h)
   char unix_path[128];
   char unix_address[140];   // "unix:" unix_path
   char master_addr[64];
@@ -1346,11 +1348,11 @@ int mr_bind_parse(const char *bind, char *host, size_t hn, int *port) {
 }
 
 static int listen_all(struct coordinator *co) {
-  char tmpl[] = "/tmp/meshrun-XXXXXX";
-  if (mkdtemp(tmpl) == NULL)
-    return mr_error_set(MR_ESYS, "mkdtemp: %s", strerror(errno));
-  snprintf(co->sock_dir, sizeof co->sock_dir, "%s", tmpl);
-  snprintf(co->unix_path, sizeof co->unix_path, "%s/coord.sock", tmpl);
+  int swept = mr_sockdir_sweep("/tmp");
+  if (swept > 0)
+    MR_DEBUG("launch", "removed %d socket folders of launchers that died", swept);
+  MR_TRY(mr_sockdir_make("/tmp", co->sock_dir, sizeof co->sock_dir, &co->sock_lock_fd));
+  snprintf(co->unix_path, sizeof co->unix_path, "%s/" MR_SOCKDIR_SOCKET, co->sock_dir);
   snprintf(co->unix_address, sizeof co->unix_address, "unix:%s", co->unix_path);
   int rc = uv_pipe_init(&co->loop, &co->unix_server, 0);
   if (rc == 0)
@@ -1431,6 +1433,7 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
     return 1;
   co->opts = opts;
   co->token_fd = -1;
+  co->sock_lock_fd = -1;
   co->failed_rank = -1;
   co->last_ckpt_step = -1;
   co->predicted_s = opts->predicted_step_s;
@@ -1504,10 +1507,8 @@ close_loop:
     fclose(co->metrics);
   if (co->token_fd >= 0)
     close(co->token_fd);
-  if (co->unix_path[0] != '\0')
-    unlink(co->unix_path);
   if (co->sock_dir[0] != '\0')
-    rmdir(co->sock_dir);
+    mr_sockdir_remove(co->sock_dir, co->sock_lock_fd);
   uv_walk(&co->loop, close_walk, NULL);
   uv_run(&co->loop, UV_RUN_DEFAULT);
   uv_loop_close(&co->loop);

@@ -1,6 +1,7 @@
 /* test_launch.c - `meshrun launch` end to end: the real launcher and real
  * workers on the self-check job, with failures injected from outside. */
 #include <check.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <math.h>
 #include <signal.h>
@@ -17,6 +18,7 @@
 #include "common/auth.h"
 #include "common/frame.h"
 #include "common/rpc.h"
+#include "launcher/sockdir.h"
 #include "testutil.h"
 
 /* Starts `meshrun launch --selfcheck` with nproc ranks and extra flags. */
@@ -236,7 +238,8 @@ START_TEST(test_launch_no_orphans_after_launcher_sigkill) {
     usleep(5000);
   }
   ck_assert_msg(alive == 0, "%d workers outlived the launcher", alive);
-  /* a killed launcher cannot remove its socket's folder: the test does */
+  /* a killed launcher cannot remove its socket's folder; the next
+   * launcher on the host does */
   char path[300];
   snprintf(path, sizeof path, "%s/logs/coordinator.json", dir);
   char *c = mr_t_slurp(path), *at = strstr(c, "\"unix:");
@@ -244,9 +247,57 @@ START_TEST(test_launch_no_orphans_after_launcher_sigkill) {
   char sock[200];
   ck_assert_int_eq(sscanf(at + 6, "%199[^\"]", sock), 1);
   free(c);
-  ck_assert_int_eq(unlink(sock), 0);
   *strrchr(sock, '/') = '\0';
-  ck_assert_int_eq(rmdir(sock), 0);
+  struct stat st;
+  ck_assert_int_eq(stat(sock, &st), 0);
+  char dir2[64];
+  mr_t_tmpdir(dir2, sizeof dir2);
+  launch(&p, dir2, 1, "2", NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 30), 0);
+  ck_assert_msg(stat(sock, &st) != 0 && errno == ENOENT, "%s outlived its launcher", sock);
+}
+END_TEST
+
+static void write_file(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fputs(text, f);
+  fclose(f);
+}
+
+/* A folder named as a launcher's socket folder, made in root by hand. */
+static void fake_folder(const char *root, char *dir, size_t n) {
+  snprintf(dir, n, "%s/meshrun-XXXXXX", root);
+  ck_assert_ptr_nonnull(mkdtemp(dir));
+}
+
+START_TEST(test_launch_sockdir_sweep_takes_only_dead_folders) {
+  char root[64], live[200], dead[200], bare[200], busy[200], path[300];
+  mr_t_tmpdir(root, sizeof root);
+  int live_fd, dead_fd, busy_fd;
+  ck_assert_int_eq(mr_sockdir_make(root, live, sizeof live, &live_fd), 0);
+  ck_assert_int_eq(mr_sockdir_make(root, dead, sizeof dead, &dead_fd), 0);
+  ck_assert_int_eq(mr_sockdir_make(root, busy, sizeof busy, &busy_fd), 0);
+  fake_folder(root, bare, sizeof bare); /* no lock: not (yet) a launcher's */
+  snprintf(path, sizeof path, "%s/" MR_SOCKDIR_SOCKET, dead);
+  write_file(path, "");
+  snprintf(path, sizeof path, "%s/other", busy);
+  write_file(path, "not ours");
+  /* the lock is close-on-exec: a started program does not hold it */
+  ck_assert_int_eq(fcntl(live_fd, F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
+  close(dead_fd), close(busy_fd); /* their launchers died */
+  ck_assert_int_eq(mr_sockdir_sweep(root), 1);
+  struct stat st;
+  ck_assert_int_eq(stat(live, &st), 0);
+  ck_assert_int_ne(stat(dead, &st), 0);
+  ck_assert_int_eq(stat(bare, &st), 0);
+  ck_assert_int_eq(stat(path, &st), 0); /* a folder holding more is left */
+  ck_assert_int_eq(mr_sockdir_sweep(root), 0);
+  mr_sockdir_remove(live, live_fd);
+  ck_assert_int_ne(stat(live, &st), 0);
+  ck_assert_int_eq(unlink(path), 0);
+  ck_assert_int_eq(rmdir(busy), 0);
+  ck_assert_int_eq(rmdir(bare), 0);
 }
 END_TEST
 
@@ -573,6 +624,7 @@ static Suite *launch_suite(void) {
   tcase_add_test(tc, test_launch_no_restarts_left_names_rank_and_signal);
   tcase_add_test(tc, test_launch_sigstopped_worker_caught_by_heartbeat_timeout);
   tcase_add_test(tc, test_launch_no_orphans_after_launcher_sigkill);
+  tcase_add_test(tc, test_launch_sockdir_sweep_takes_only_dead_folders);
   tcase_add_test(tc, test_launch_sigterm_stops_every_worker);
   tcase_add_test(tc, test_launch_bad_clients_refused_job_still_finishes);
   tcase_add_test(tc, test_launch_hang_diagnosed_naming_rank_and_operation);
