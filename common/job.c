@@ -125,49 +125,78 @@ static void parse_degree(struct mr_jv *jv, const cJSON *s, const char *key,
     *obj_out = o;
 }
 
-/* pipeline_parallel.layers: the decoder layers of each pipeline chunk, one
- * entry per chunk (degree x virtual stages), which fixes both.  Checked
- * against the model's layer count once the whole job is read. */
-static void parse_chunk_layers(struct mr_jv *jv, const cJSON *pp, struct mr_strategy_hint *h) {
-  const char *path = "strategy.pipeline_parallel";
-  const cJSON *a = cJSON_GetObjectItemCaseSensitive(pp, "layers");
-  if (a == NULL)
-    return;
+/* An array of positive counts at obj.key (path names obj), one per `what`,
+ * n_want of them (`why` says why that many): into a malloc'd *out and
+ * *n_out.  Errors name the entry. */
+static void parse_counts(struct mr_jv *jv, const cJSON *obj, const char *path, const char *key,
+                         const char *what, const char *count, int n_want, const char *why,
+                         int **out, int *n_out) {
+  const cJSON *a = cJSON_GetObjectItemCaseSensitive(obj, key);
   int n = cJSON_IsArray(a) ? cJSON_GetArraySize(a) : 0;
   if (n == 0) {
-    mr_jv_error(jv, path, "layers", "expected an array of layer counts, one per pipeline chunk");
+    mr_jv_error(jv, path, key, "expected an array of %s counts, one per %s", count, what);
     return;
   }
-  if (h->pp == 0) {
-    mr_jv_error(jv, path, "layers", "the layers of each chunk need a fixed degree");
+  if (n != n_want) {
+    mr_jv_error(jv, path, key, "expected %d entries (%s), got %d", n_want, why, n);
     return;
   }
-  int v = h->virtual_stages > 0 ? h->virtual_stages : 1;
-  if (n != h->pp * v) {
-    mr_jv_error(jv, path, "layers", "expected %d entries (degree %d x virtual_stages %d), got %d",
-                h->pp * v, h->pp, v, n);
-    return;
-  }
-  if ((h->chunk_layers = malloc((size_t)n * sizeof *h->chunk_layers)) == NULL) {
-    mr_jv_error(jv, path, "layers", "out of memory");
+  int *v = malloc((size_t)n * sizeof *v);
+  if (v == NULL) {
+    mr_jv_error(jv, path, key, "out of memory");
     return;
   }
   for (int i = 0; i < n; i++) {
     const cJSON *x = cJSON_GetArrayItem(a, i);
     if (!cJSON_IsNumber(x) || !(x->valuedouble >= 1 && x->valuedouble <= 1e6) ||
         x->valuedouble != floor(x->valuedouble)) {
-      char shown[96], key[32];
-      snprintf(key, sizeof key, "layers[%d]", i);
-      mr_jv_error(jv, path, key, "expected a positive layer count, got %s",
+      char shown[96], at[48];
+      snprintf(at, sizeof at, "%s[%d]", key, i);
+      mr_jv_error(jv, path, at, "expected a positive %s count, got %s", count,
                   mr_jv_show(x, shown, sizeof shown));
-      free(h->chunk_layers);
-      h->chunk_layers = NULL;
+      free(v);
       return;
     }
-    h->chunk_layers[i] = (int)x->valuedouble;
+    v[i] = (int)x->valuedouble;
   }
-  h->n_chunk_layers = n;
-  h->virtual_stages = v;
+  *out = v;
+  *n_out = n;
+}
+
+/* pipeline_parallel.layers: the decoder layers of each pipeline chunk, one
+ * entry per chunk (degree x virtual stages), which fixes both.  Checked
+ * against the model's layer count once the whole job is read. */
+static void parse_chunk_layers(struct mr_jv *jv, const cJSON *pp, struct mr_strategy_hint *h) {
+  const char *path = "strategy.pipeline_parallel";
+  if (cJSON_GetObjectItemCaseSensitive(pp, "layers") == NULL)
+    return;
+  if (h->pp == 0) {
+    mr_jv_error(jv, path, "layers", "the layers of each chunk need a fixed degree");
+    return;
+  }
+  int v = h->virtual_stages > 0 ? h->virtual_stages : 1;
+  char why[96];
+  snprintf(why, sizeof why, "degree %d x virtual_stages %d", h->pp, v);
+  parse_counts(jv, pp, path, "layers", "pipeline chunk", "layer", h->pp * v, why,
+               &h->chunk_layers, &h->n_chunk_layers);
+  if (h->n_chunk_layers > 0)
+    h->virtual_stages = v;
+}
+
+/* data_parallel.micro_batches: the micro-batches each data-parallel rank
+ * runs a step, so that a slower one can take fewer (they add up to degree x
+ * micro-batches; checked when the strategy is lowered).  ZeRO-2/3 reduce
+ * every micro-batch's gradients across the ranks, so they need the same. */
+static void parse_dp_micro(struct mr_jv *jv, const cJSON *dp, struct mr_strategy_hint *h) {
+  const char *path = "strategy.data_parallel";
+  if (cJSON_GetObjectItemCaseSensitive(dp, "micro_batches") == NULL)
+    return;
+  if (h->dp == 0) {
+    mr_jv_error(jv, path, "micro_batches", "the micro-batches of each rank need a fixed degree");
+    return;
+  }
+  parse_counts(jv, dp, path, "micro_batches", "data-parallel rank", "micro-batch", h->dp,
+               "one per data-parallel rank", &h->dp_micro, &h->n_dp_micro);
 }
 
 static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_hint *h) {
@@ -186,7 +215,11 @@ static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_
   int mode = (int)h->auto_mode;
   if (mr_jv_enum(jv, s, "strategy", "auto_mode", modes, &mode) == 1)
     h->auto_mode = (enum mr_auto_mode)mode;
-  parse_degree(jv, s, "data_parallel", NULL, &h->dp, NULL);
+  static const char *const dp_keys[] = {"micro_batches", NULL};
+  const cJSON *dpo = NULL;
+  parse_degree(jv, s, "data_parallel", dp_keys, &h->dp, &dpo);
+  if (dpo != NULL)
+    parse_dp_micro(jv, dpo, h);
   parse_degree(jv, s, "tensor_parallel", NULL, &h->tp, NULL);
   const cJSON *pp = NULL;
   parse_degree(jv, s, "pipeline_parallel", pp_keys, &h->pp, &pp);
@@ -232,6 +265,11 @@ static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_
     if (h->offload == 1 && h->zero_stage == 0)
       mr_jv_error(jv, "strategy.sharding", "offload",
                   "offload moves sharded optimizer states: it needs stage >= 1, got 0");
+    if (h->n_dp_micro > 0 && h->zero_stage >= 2)
+      mr_jv_error(jv, "strategy.data_parallel", "micro_batches",
+                  "ZeRO-%d reduces every micro-batch's gradients across the data-parallel "
+                  "ranks, so each runs the same micro-batches: needs sharding.stage <= 1",
+                  h->zero_stage);
   }
   if (mr_jv_obj(jv, s, "strategy", "recompute", &o) == 1) {
     static const char *const k[] = {"enable", "granularity", "checkpoint_every_n_layers", NULL};
@@ -603,6 +641,7 @@ void mr_job_close(struct mr_job *job) {
   }
   free(job->shard_rules);
   free(job->strategy.chunk_layers);
+  free(job->strategy.dp_micro);
   free(job->checkpoint.dir);
   free(job->cluster);
   free(job->text);

@@ -52,6 +52,8 @@ struct mr_strategy_hint {
   int virtual_stages;           // 0: not fixed
   int *chunk_layers;            // pipeline_parallel.layers: decoder layers of
   int n_chunk_layers;           //   each pipeline chunk in order; NULL: by FLOPs
+  int *dp_micro;                // data_parallel.micro_batches: micro-batches
+  int n_dp_micro;               //   of each data-parallel rank; NULL: even
   int sequence_parallel;        // -1 not fixed, 0/1
   int zero_stage;               // -1 not fixed, 0..3
   int offload;                  // -1 not fixed, 0/1

@@ -157,6 +157,9 @@ char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s) {
     cJSON_Delete(o), cJSON_Delete(st);
     return NULL;
   }
+  if (job->strategy.n_dp_micro > 0 && job->strategy.n_dp_micro == s->dp) /* kept as given */
+    cJSON_AddItemToObject(cJSON_GetObjectItemCaseSensitive(st, "data_parallel"), "micro_batches",
+                          cJSON_CreateIntArray(job->strategy.dp_micro, job->strategy.n_dp_micro));
   cJSON_DeleteItemFromObjectCaseSensitive(o, "strategy");
   cJSON_AddItemToObject(o, "strategy", st);
   char *text = cJSON_PrintUnformatted(o);

@@ -198,6 +198,19 @@ static void memory_as_planned(const char *dir, const char *name, int nproc) {
                 name, got, want, 100 * (got - want) / want);
 }
 
+/* The last validation loss of RUN's metrics. */
+static double val_loss(const char *dir, const char *run) {
+  char path[200];
+  snprintf(path, sizeof path, "%s/%s/metrics.jsonl", dir, run);
+  char *s = mr_t_slurp(path), *last = NULL;
+  for (char *p = strstr(s, "\"val_loss\": "); p != NULL; p = strstr(p + 1, "\"val_loss\": "))
+    last = p;
+  ck_assert_ptr_nonnull(last);
+  double v = atof(last + strlen("\"val_loss\": "));
+  free(s);
+  return v;
+}
+
 /* The losses of RUN against the reference's, step by step, and its
  * weights. */
 static void same_run(const char *dir, const double *ref, const char *run) {
@@ -317,6 +330,42 @@ START_TEST(test_dist_train_recompute_and_accumulation) {
       "\"gradient_accumulation_steps\": 4"};
   const int np[] = {2, 2, 1};
   check_strategies(names, st, np, 3);
+}
+END_TEST
+
+/* Micro-batches set per data-parallel rank (a slower rank takes fewer):
+ * the step reads the same rows, so the same losses and weights as one
+ * rank — alone, with ZeRO-1, with tensor and sequence parallelism (the
+ * loss summed over the step, then made whole over both mesh dims), and
+ * in front of a pipeline. */
+START_TEST(test_dist_train_uneven_micro_batches) {
+  const char *names[] = {"dp2uneven", "dp2zero1uneven", "dp2tp2spuneven", "dp2pp2uneven"};
+  const char *st[] = {
+      "\"data_parallel\": {\"degree\": 2, \"micro_batches\": [6, 2]}, "
+      "\"gradient_accumulation_steps\": 4",
+      "\"data_parallel\": {\"degree\": 2, \"micro_batches\": [1, 3]}, "
+      "\"sharding\": {\"stage\": 1}, \"gradient_accumulation_steps\": 2",
+      "\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3, 1]}, "
+      "\"tensor_parallel\": {\"degree\": 2}, \"sequence_parallel\": {\"enable\": true}, "
+      "\"gradient_accumulation_steps\": 2",
+      "\"data_parallel\": {\"degree\": 2, \"micro_batches\": [5, 3]}, "
+      "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 4}"};
+  const int np[] = {2, 2, 4, 4};
+  struct fixture f;
+  reference(&f);
+  double want = val_loss(f.dir, "ref");
+  for (int i = 0; i < 4; i++) {
+    char job[80];
+    snprintf(job, sizeof job, "%s.json", names[i]);
+    write_job_named(f.dir, job, st[i], 16);
+    ck_assert_int_eq(run_named(f.dir, job, names[i], np[i]), 0);
+    same_run(f.dir, f.ref, names[i]);
+    memory_as_planned(f.dir, names[i], np[i]);
+    /* evaluation runs the same micro-batches on every rank */
+    double got = val_loss(f.dir, names[i]);
+    ck_assert_msg(close_rel(got, want, 1e-4), "%s: validation loss %.7f vs one rank %.7f",
+                  names[i], got, want);
+  }
 }
 END_TEST
 
@@ -612,6 +661,7 @@ static Suite *dist_train_suite(void) {
   tcase_add_test(tc, test_dist_train_pipelines);
   tcase_add_test(tc, test_dist_train_zero_stages);
   tcase_add_test(tc, test_dist_train_recompute_and_accumulation);
+  tcase_add_test(tc, test_dist_train_uneven_micro_batches);
   tcase_add_test(tc, test_dist_train_memory_of_zero3_and_recompute);
   tcase_add_test(tc, test_dist_train_runtime_issues_the_programs_communication);
   tcase_add_test(tc, test_dist_train_tied_embeddings_and_gpt2);

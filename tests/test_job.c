@@ -217,6 +217,44 @@ START_TEST(test_job_pipeline_layers) {
 }
 END_TEST
 
+START_TEST(test_job_data_parallel_micro_batches) {
+  struct mr_job job;
+  int rc = parse("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"strategy\": "
+                 "{\"data_parallel\": {\"degree\": 3, \"micro_batches\": [4, 1, 1]}}}", "",
+                 &job);
+  ck_assert_msg(rc == 0, "%s", mr_error_message());
+  ck_assert_int_eq(job.strategy.n_dp_micro, 3);
+  ck_assert_int_eq(job.strategy.dp_micro[0], 4);
+  ck_assert_int_eq(job.strategy.dp_micro[2], 1);
+  ck_assert_msg(strstr(job.text, "\"micro_batches\":[4,1,1]") != NULL, "%s", job.text);
+  mr_job_close(&job);
+  static const struct {
+    const char *st, *says;
+  } bad[] = {
+      {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3]}",
+       "strategy.data_parallel.micro_batches: expected 2 entries (one per data-parallel rank), "
+       "got 1"},
+      {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3, 0]}",
+       "strategy.data_parallel.micro_batches[1]: expected a positive micro-batch count, got 0"},
+      {"\"data_parallel\": {\"micro_batches\": [3, 1]}",
+       "strategy.data_parallel.micro_batches: the micro-batches of each rank need a fixed degree"},
+      {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": {\"a\": 1}}",
+       "strategy.data_parallel.micro_batches: expected an array of micro-batch counts, one per "
+       "data-parallel rank"},
+      {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3, 1]}, "
+       "\"sharding\": {\"stage\": 2}",
+       "strategy.data_parallel.micro_batches: ZeRO-2 reduces every micro-batch's gradients"},
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    char body[512];
+    snprintf(body, sizeof body, "{\"model\": %%s%%s, \"data\": {\"train\": \"t\"}, "
+             "\"strategy\": {%s}}", bad[k].st);
+    const char *want[] = {bad[k].says, NULL};
+    expect_error(body, want);
+  }
+}
+END_TEST
+
 START_TEST(test_model_config_errors_name_key) {
   struct mr_model_config c;
   const char *cases[][2] = {
@@ -372,6 +410,7 @@ static Suite *job_suite(void) {
   tcase_add_test(tc, test_job_unknown_fields_all_reported);
   tcase_add_test(tc, test_job_out_of_range_and_inconsistent_values);
   tcase_add_test(tc, test_job_pipeline_layers);
+  tcase_add_test(tc, test_job_data_parallel_micro_batches);
   tcase_add_test(tc, test_model_config_errors_name_key);
   tcase_add_test(tc, test_model_config_llama_param_count);
   suite_add_tcase(s, tc);

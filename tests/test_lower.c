@@ -275,6 +275,80 @@ START_TEST(test_lower_fixed_layer_split) {
 }
 END_TEST
 
+/* Micro-batches set per data rank: every rank's communication still fits
+ * (the static check), each rank runs its count of micro-batches, and the
+ * ranks of one (stage, model) coordinate read every slice of the step's
+ * batch once; counts that do not fit the layout are refused naming why. */
+START_TEST(test_lower_uneven_micro_batches) {
+  static const struct {
+    const char *s;
+    int world;
+  } cases[] = {
+      {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3, 1]}, "
+       "\"gradient_accumulation_steps\": 2", 2},
+      {"\"data_parallel\": {\"degree\": 4, \"micro_batches\": [1, 1, 1, 5]}, "
+       "\"sharding\": {\"stage\": 1}, \"gradient_accumulation_steps\": 2", 4},
+      {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3, 1]}, "
+       "\"tensor_parallel\": {\"degree\": 2}, \"sequence_parallel\": {\"enable\": true}, "
+       "\"gradient_accumulation_steps\": 2", 4},
+      {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": [6, 2]}, "
+       "\"pipeline_parallel\": {\"degree\": 2, \"schedule\": \"interleaved\", "
+       "\"virtual_stages\": 2, \"micro_batches\": 4}", 4},
+  };
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    struct mr_job job;
+    job_for(&job, cases[k].s, 4, 0);
+    ck_assert_msg(mr_lower_check_all(&job, cases[k].world, NULL) == 0, "%s: %s", cases[k].s,
+                  mr_error_message());
+    struct mr_lowered L;
+    ck_assert_int_eq(mr_lower_graph(&job, cases[k].world, &L), 0);
+    int slices = L.lay.dp * L.lay.n_micro;
+    int seen[8][8][64] = {{{0}}}; /* [pipe][model][slice] */
+    for (int r = 0; r < cases[k].world; r++) {
+      struct mr_rank_program p;
+      ck_assert_msg(mr_rank_program_build(&L, r, &p) == 0, "%s", mr_error_message());
+      ck_assert_int_eq(p.n_micro, job.strategy.dp_micro[p.data]);
+      int run[64] = {0};
+      for (int i = 0; i < p.n_step; i++)
+        if (p.step[i].kind == MR_INS_KERNEL && !p.passes[p.step[i].pass].backward)
+          run[p.step[i].micro] = 1;
+      for (int m = 0; m < 64; m++)
+        ck_assert_int_eq(run[m], m < p.n_micro);
+      for (int m = 0; m < p.n_micro; m++)
+        seen[p.pipe][p.model][p.first_slice + m]++;
+      mr_rank_program_close(&p);
+    }
+    for (int pp = 0; pp < L.lay.pp; pp++)
+      for (int t = 0; t < L.lay.tp; t++)
+        for (int q = 0; q < slices; q++)
+          ck_assert_msg(seen[pp][t][q] == 1, "%s: stage %d model %d reads slice %d %d times",
+                        cases[k].s, pp, t, q, seen[pp][t][q]);
+    mr_lowered_close(&L);
+    mr_job_close(&job);
+  }
+  static const struct {
+    const char *s, *says;
+    int world;
+  } bad[] = {
+      {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3, 2]}, "
+       "\"gradient_accumulation_steps\": 2", "expected counts adding up to "
+       "data_parallel.degree (2) x micro-batches per step (2) = 4, got 5", 2},
+      {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": [5, 3]}, "
+       "\"pipeline_parallel\": {\"degree\": 2, \"schedule\": \"interleaved\", "
+       "\"virtual_stages\": 2, \"micro_batches\": 4}", "micro_batches[0]: the interleaved "
+       "schedule needs a multiple of pipeline_parallel.degree (2), got 5", 4},
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    struct mr_job job;
+    job_for(&job, bad[k].s, 4, 0);
+    struct mr_lowered L;
+    ck_assert_int_eq(mr_lower_graph(&job, bad[k].world, &L), MR_EINVAL);
+    ck_assert_msg(strstr(mr_error_message(), bad[k].says) != NULL, "%s", mr_error_message());
+    mr_job_close(&job);
+  }
+}
+END_TEST
+
 /* Tied embeddings across pipeline stages: the last stage holds a copy the
  * first stage's update refreshes (a check that passes); under ZeRO-3 they
  * are refused naming the parameter. */
@@ -448,6 +522,7 @@ static Suite *lower_suite(void) {
   tcase_add_test(tc, test_lower_recompute_keeps_fewer_activations);
   tcase_add_test(tc, test_lower_1f1b_in_flight);
   tcase_add_test(tc, test_lower_fixed_layer_split);
+  tcase_add_test(tc, test_lower_uneven_micro_batches);
   tcase_add_test(tc, test_lower_tied_embeddings_across_stages);
   tcase_add_test(tc, test_lower_check_names_the_first_mismatch);
   tcase_add_test(tc, test_lower_gpt2_attention_split_by_heads);

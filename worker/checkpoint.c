@@ -121,7 +121,7 @@ static char *index_text(const struct mr_ckpt_saver *s, const struct mr_lowered *
   cJSON_AddNumberToObject(o, "step", (double)s->step);
   cJSON_AddNumberToObject(o, "world_size", s->world_size);
   char lay[256];
-  mr_layout_format(&L->lay, lay, sizeof lay);
+  mr_lowered_format(L, lay, sizeof lay);
   cJSON_AddStringToObject(o, "layout", lay);
   cJSON *st = cJSON_AddObjectToObject(o, "strategy");
   cJSON_AddNumberToObject(st, "data_parallel.degree", L->lay.dp);

@@ -46,7 +46,7 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
   }
   if (env->rank == 0) {
     char lay[256];
-    mr_layout_format(&L.lay, lay, sizeof lay);
+    mr_lowered_format(&L, lay, sizeof lay);
     MR_INFO("train", "%lld parameters; %s; planned peak %.1f MiB on rank 0",
             (long long)mr_model_param_count(&job->model), lay,
             (double)mr_rank_program_peak_bytes(mr_runtime_program(rt)) / 1048576.0);

@@ -401,7 +401,9 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
       rc = mr__rt_param_sync(rt);
     } else if (in->kind == MR_INS_STEP_END) {
       float loss = rt->loss_n > 0 ? (float)(rt->loss_sum / rt->loss_n) : 0.0f;
-      rc = mr__rt_share_loss(rt, &loss);
+      rc = mr__rt_step_loss(rt, rt->loss_sum, &loss);
+      if (rc == 0)
+        rc = mr__rt_share_loss(rt, &loss);
       r->loss = loss;
     } else {
       rc = exec(rt, in, i, step, -1);
@@ -446,6 +448,8 @@ int mr_runtime_eval(struct mr_runtime *rt, double *loss) {
     if (rc == 0)
       rc = r2;
     float l = rt->loss_n > 0 ? (float)(rt->loss_sum / rt->loss_n) : 0.0f;
+    if (rc == 0)
+      rc = mr__rt_step_loss(rt, rt->loss_sum, &l);
     if (rc == 0)
       rc = mr__rt_share_loss(rt, &l);
     sum += l;

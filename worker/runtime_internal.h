@@ -98,5 +98,6 @@ int mr__rt_allreduce_all(struct mr_runtime *rt, float *v, enum mr_red_op op);
 int mr__rt_optimizer(struct mr_runtime *rt, int64_t step, struct mr_step_report *r);
 int mr__rt_param_sync(struct mr_runtime *rt);
 int mr__rt_share_loss(struct mr_runtime *rt, float *loss);
+int mr__rt_step_loss(struct mr_runtime *rt, double partial_sum, float *loss);
 
 #endif

@@ -14,7 +14,9 @@
 /* Token inputs of micro-batch `micro`: this rank's rows of the flattened
  * [micro_seqs * T] inputs; sequence s of micro-batch m is row m *
  * micro_seqs + s of the step's global batch (or of evaluation batch
- * eval_batch when >= 0). */
+ * eval_batch when >= 0).  With micro-batches set per data rank, the
+ * rank's micro-batch m is slice first_slice + m of the step's batch
+ * (struct mr_rank_program), its sequences in order. */
 int mr__rt_load(struct mr_runtime *rt, const struct mr_pass *ps, int slot, int64_t step,
                 int micro, int64_t eval_batch) {
   const struct mr_lowered *L = rt->L;
@@ -35,6 +37,16 @@ int mr__rt_load(struct mr_runtime *rt, const struct mr_pass *ps, int slot, int64
     if (r + n > off[0] + len[0])
       n = off[0] + len[0] - r;
     int64_t row = (int64_t)micro * L->lay.micro_seqs + s;
+    if (L->dp_micro != NULL && eval_batch < 0) {
+      int64_t per = L->lay.micro_seqs / L->lay.dp, in_slice = s - rt->p.data * per;
+      if (in_slice < 0 || in_slice >= per) {
+        rc = mr_error_set(MR_ENOTSUP, "runtime: micro-batches set per data-parallel rank need "
+                          "the inputs split by data rank; this rank holds sequence %lld",
+                          (long long)s);
+        break;
+      }
+      row = (rt->p.first_slice + micro) * per + in_slice;
+    }
     if (eval_batch < 0)
       rc = mr_tokens_batch_row(&rt->train, rt->job->train.seed, step, row, T, si, sl);
     else
@@ -147,8 +159,8 @@ int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
       return mr__rt_grad_wait(rt, in);
     return 0;
   }
-  int last = in->micro == lay->n_micro - 1;
-  float scale = last ? 1.0f / (float)lay->n_micro : 1.0f;
+  int last = in->micro == rt->p.n_micro - 1;
+  float scale = last ? 1.0f / (float)lay->n_micro : 1.0f; /* the mean over the whole step's */
   if (gr != acc) /* unless the op wrote the accumulator itself */
     MR_TRY(be->ops->axpby(be, acc, gr, in->micro == 0 ? 0.0f : scale, scale,
                           (size_t)pp->numel));
@@ -177,7 +189,7 @@ int mr__rt_grad_wait(struct mr_runtime *rt, const struct mr_ins *in) {
   for (int i = 0; i < n; i++)
     list[i] = rt->pass_req[i].param;
   MR_TRY(mr__rt_wait_all(rt, rt->pass_req, &rt->n_pass_req));
-  int last = in->micro == lay->n_micro - 1;
+  int last = in->micro == rt->p.n_micro - 1;
   float scale = last ? 1.0f / (float)lay->n_micro : 1.0f;
   for (int i = 0; i < n; i++) {
     const struct mr_param_plan *pp = &rt->p.params[list[i]];
@@ -363,6 +375,40 @@ int mr__rt_param_sync(struct mr_runtime *rt) {
 }
 
 /* The loss of the last stage to every stage. */
+/* Micro-batches set per data rank: the loss of a step (or an evaluation
+ * batch: lay.n_micro micro-batches on every rank) from the sum of this
+ * rank's partial losses, the loss edge's steps run once on it (all-reduces
+ * over its mesh dims, scalings), over the batch's micro-batches.
+ * Elsewhere (and on stages without the loss) *loss is left as it is. */
+int mr__rt_step_loss(struct mr_runtime *rt, double partial_sum, float *loss) {
+  const struct mr_lowered *L = rt->L;
+  int le = mr_lowered_loss_edge(L);
+  if (L->dp_micro == NULL || rt->p.pipe != L->lay.pp - 1)
+    return 0;
+  float v = (float)partial_sum;
+  for (int s = 0; le >= 0 && s < L->dg.edges[le].plan.n_steps; s++) {
+    const struct mr_reshard_step *st = &L->dg.edges[le].plan.steps[s];
+    if (st->kind == MR_RS_SCALE) {
+      v *= (float)st->factor;
+      continue;
+    }
+    struct mr_comm_group *g = st->mesh_dim == L->data_dim ? rt->data_g
+                              : st->mesh_dim == L->model_dim ? rt->model_g : NULL;
+    if (g == NULL || st->group_size <= 1)
+      continue;
+    float *dev = rt->scalar;
+    struct mr_comm_req *req;
+    MR_TRY(rt->be->ops->copy(rt->be, NULL, dev, &v, sizeof v, MR_COPY_HOST_TO_DEVICE));
+    enum mr_red_op op = st->op == MR_REDUCE_AVG ? MR_RED_AVG
+                         : st->op == MR_REDUCE_MAX ? MR_RED_MAX : MR_RED_SUM;
+    MR_TRY(mr_comm_all_reduce(g, dev, dev, 1, MR_F32, op, &req));
+    MR_TRY(mr__rt_wait_req(rt, req));
+    MR_TRY(rt->be->ops->copy(rt->be, NULL, &v, dev, sizeof v, MR_COPY_DEVICE_TO_HOST));
+  }
+  *loss = v / (float)L->lay.n_micro;
+  return 0;
+}
+
 int mr__rt_share_loss(struct mr_runtime *rt, float *loss) {
   if (rt->pipe_g == NULL)
     return 0;

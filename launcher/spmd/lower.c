@@ -11,6 +11,37 @@
 #include "common/ops.h"
 #include "launcher/planner/partition.h"
 
+/* strategy.data_parallel.micro_batches against the layout: one count per
+ * data-parallel rank, adding up to the step's dp x n_micro slices; whole
+ * rounds of the interleaved schedule; not under ZeRO-2/3 (every
+ * micro-batch's gradients are reduced across the data ranks). */
+static int dp_micro_check(const struct mr_job *job, const struct mr_layout *lay) {
+  const struct mr_strategy_hint *h = &job->strategy;
+  if (h->n_dp_micro == 0)
+    return 0;
+  const char *f = "strategy.data_parallel.micro_batches";
+  if (h->n_dp_micro != lay->dp)
+    return mr_error_set(MR_EINVAL, "%s: %s: expected %d entries, one per data-parallel rank, "
+                        "got %d", job->path, f, lay->dp, h->n_dp_micro);
+  if (lay->zero >= 2)
+    return mr_error_set(MR_EINVAL, "%s: %s: ZeRO-%d reduces every micro-batch's gradients "
+                        "across the data-parallel ranks, so each runs the same micro-batches",
+                        job->path, f, lay->zero);
+  int64_t sum = 0;
+  for (int d = 0; d < lay->dp; d++) {
+    if (lay->vp > 1 && h->dp_micro[d] % lay->pp != 0)
+      return mr_error_set(MR_EINVAL, "%s: %s[%d]: the interleaved schedule needs a multiple of "
+                          "pipeline_parallel.degree (%d), got %d", job->path, f, d, lay->pp,
+                          h->dp_micro[d]);
+    sum += h->dp_micro[d];
+  }
+  if (sum != (int64_t)lay->dp * lay->n_micro)
+    return mr_error_set(MR_EINVAL, "%s: %s: expected counts adding up to data_parallel.degree "
+                        "(%d) x micro-batches per step (%d) = %d, got %lld", job->path, f,
+                        lay->dp, lay->n_micro, lay->dp * lay->n_micro, (long long)sum);
+  return 0;
+}
+
 int mr_layout_from_job(const struct mr_job *job, int world, struct mr_layout *lay) {
   const struct mr_strategy_hint *h = &job->strategy;
   memset(lay, 0, sizeof *lay);
@@ -56,7 +87,7 @@ int mr_layout_from_job(const struct mr_job *job, int world, struct mr_layout *la
                                      : MR_RC_NONE;
   lay->recompute_every = h->recompute_every_n_layers > 0 ? h->recompute_every_n_layers : 1;
   lay->amp = h->amp_dtype;
-  return 0;
+  return dp_micro_check(job, lay);
 }
 
 void mr_layout_format(const struct mr_layout *lay, char *buf, size_t n) {
@@ -74,6 +105,15 @@ void mr_layout_format(const struct mr_layout *lay, char *buf, size_t n) {
              ", %d micro-batches of %lld, sequence parallel %s, ZeRO-%d%s, recompute %s",
              lay->n_micro, (long long)lay->micro_seqs, lay->sp ? "on" : "off", lay->zero,
              lay->offload ? " (offload)" : "", rc[lay->recompute]);
+}
+
+void mr_lowered_format(const struct mr_lowered *L, char *buf, size_t n) {
+  mr_layout_format(&L->lay, buf, n);
+  size_t k = strlen(buf);
+  for (int d = 0; L->dp_micro != NULL && d < L->lay.dp && k + 16 < n; d++)
+    k += (size_t)snprintf(buf + k, n - k, "%s%d", d ? "," : " (by data rank: ", L->dp_micro[d]);
+  if (L->dp_micro != NULL && k + 2 < n)
+    snprintf(buf + k, n - k, ")");
 }
 
 int mr_lower_rank(const struct mr_layout *lay, int pipe, int data, int model) {
@@ -289,6 +329,11 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
   int rc;
   MR_TRY(mr_layout_from_job(job, world, &L->lay));
   const struct mr_layout *lay = &L->lay;
+  if (job->strategy.n_dp_micro > 0) {
+    if ((L->dp_micro = malloc((size_t)lay->dp * sizeof *L->dp_micro)) == NULL)
+      return MR_ENOMEM;
+    memcpy(L->dp_micro, job->strategy.dp_micro, (size_t)lay->dp * sizeof *L->dp_micro);
+  }
   MR_TRY_GOTO(rc, mr_model_build_loss(&job->model, lay->micro_seqs, job->train.seq_len,
                                       (enum mr_loss_form)form, &L->model),
               err);
@@ -463,5 +508,6 @@ void mr_lowered_close(struct mr_lowered *L) {
   free(L->op_layer);
   free(L->chunk_first_layer);
   free(L->edge_at);
+  free(L->dp_micro);
   memset(L, 0, sizeof *L);
 }

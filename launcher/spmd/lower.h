@@ -97,6 +97,9 @@ struct mr_lowered {
   int n_local;                    // local tensor ids: graph tensors, then
                                   // one per reshard edge (n_tensors + e)
   int *edge_at;                   // [n_edges] op it runs before, -1: none
+  int *dp_micro;                  // [dp] micro-batches each data-parallel
+                                  // rank runs a step (strategy.data_parallel.
+                                  // micro_batches); NULL: lay.n_micro each
 };
 
 /* Builds everything ranks share for job on world ranks into L
@@ -110,6 +113,13 @@ int mr_lower_graph(const struct mr_job *job, int world, struct mr_lowered *L);
 int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr_lowered *L);
 
 void mr_lowered_close(struct mr_lowered *L);
+
+/* The layout as mr_layout_format writes it, then the micro-batches of each
+ * data-parallel rank when they are set: "... (by data rank: 6,2)". */
+void mr_lowered_format(const struct mr_lowered *L, char *buf, size_t n);
+
+/* The edge making the loss whole (partial to replicated), or -1. */
+int mr_lowered_loss_edge(const struct mr_lowered *L);
 
 /* Rank of mesh coordinates (pipe, data, model) and back. */
 int mr_lower_rank(const struct mr_layout *lay, int pipe, int data, int model);
@@ -227,6 +237,12 @@ struct mr_rank_program {
   const struct mr_lowered *L;     // borrowed
   int rank, pipe, data, model;    // coordinates
   int coord[MR_MESH_MAX_DIMS];    // in L->mesh
+  int n_micro;                    // micro-batches this rank runs a step
+  int first_slice;                // the first of them: the step's batch is
+                                  // dp * lay.n_micro slices of micro_seqs /
+                                  // dp sequences, read by data rank in order
+                                  // (L->dp_micro set; else micro m of data
+                                  // rank d reads slice m * dp + d)
   struct mr_group_desc pipe_group, data_group, model_group;
   struct mr_lbuf *buf;            // [L->n_local]
   struct mr_param_plan *params;

@@ -129,10 +129,13 @@ void mr_ins_describe(const struct mr_rank_program *p, const struct mr_ins *in, c
 void mr_rank_program_dump(const struct mr_rank_program *p, FILE *f) {
   const struct mr_lowered *L = p->L;
   char lay[256];
-  mr_layout_format(&L->lay, lay, sizeof lay);
+  mr_lowered_format(L, lay, sizeof lay);
   fprintf(f, "rank %d of %d: pipeline stage %d, data %d, model %d\nlayout: %s\n", p->rank,
           L->lay.world, p->pipe, p->data, p->model, lay);
   fprintf(f, "groups: %s %s %s\n", p->pipe_group.name, p->data_group.name, p->model_group.name);
+  if (L->dp_micro != NULL)
+    fprintf(f, "micro-batches: %d a step, slices %d..%d of the step's batch\n", p->n_micro,
+            p->first_slice, p->first_slice + p->n_micro - 1);
   fprintf(f, "program digest: %016llx\n", (unsigned long long)mr_rank_program_digest(p));
   fprintf(f, "chunks:");
   for (int c = p->pipe; c < L->n_chunks; c += L->lay.pp)

@@ -91,6 +91,12 @@ static void edge_events(struct build *b, struct mr_ins *in, int e, int only,
   }
 }
 
+void mr__lower_loss_events(struct build *b, struct mr_ins *in) {
+  const struct mr_lowered *L = b->L;
+  if (L->dp_micro != NULL && b->p->pipe == L->lay.pp - 1 && mr_lowered_loss_edge(L) >= 0)
+    edge_events(b, in, mr_lowered_loss_edge(L), -1, NULL);
+}
+
 /* The grad-sync edge of parameter t, or -1. */
 int mr__lower_sync_edge(const struct mr_lowered *L, int t) {
   int gt = L->model.graph.tensors[t].grad;
@@ -146,7 +152,7 @@ void mr__lower_events_of(struct build *b, struct mr_ins *in, int64_t *staging) {
     if (lay->zero >= 2) {
       mr__lower_add_event(b, in, MR_CEV_REDUCE_SCATTER, &p->data_group, -1, pp->block, MR_F32, 0, -1,
                 what);
-    } else if (in->micro == lay->n_micro - 1 && e >= 0 && L->data_dim >= 0) {
+    } else if (in->micro == p->n_micro - 1 && e >= 0 && L->data_dim >= 0) {
       int first = p->n_ev;
       edge_events(b, in, e, L->data_dim, NULL); /* in place on the accumulator */
       if (p->n_ev > first)
@@ -179,6 +185,7 @@ void mr__lower_events_of(struct build *b, struct mr_ins *in, int64_t *staging) {
     }
     break;
   case MR_INS_STEP_END:
+    mr__lower_loss_events(b, in);
     if (lay->pp > 1)
       mr__lower_add_event(b, in, MR_CEV_BROADCAST, &p->pipe_group, -1, 1, MR_F32, lay->pp - 1, -1,
                 "the loss");

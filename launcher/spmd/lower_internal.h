@@ -25,6 +25,9 @@ const struct mr_group_desc *mr__lower_dim_group(const struct mr_rank_program *p,
 
 /* The grad-sync edge of parameter t, or -1. */
 int mr__lower_sync_edge(const struct mr_lowered *L, int t);
+/* Micro-batches set per data rank: the loss made whole once a step or an
+ * evaluation batch, on the stage holding it (events of in). */
+void mr__lower_loss_events(struct build *b, struct mr_ins *in);
 
 /* Classifies every tensor of b's passes (parameter, kept per micro-batch
  * slot, arena) and places them; fills the program's region sizes.

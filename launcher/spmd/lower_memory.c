@@ -188,7 +188,8 @@ int mr__lower_plan_buffers(struct build *b) {
         }
     }
     ps->send_base = send;
-    send += ps->send_bytes * lay->n_micro;
+    /* a slot per micro-batch: this rank's of a step, an evaluation's */
+    send += ps->send_bytes * (p->n_micro > lay->n_micro ? p->n_micro : lay->n_micro);
     fit.n = 0;
     int64_t high = 0;
     for (int i = 0; i < ps->n; i++) {

@@ -258,11 +258,36 @@ static int is_loss_edge(const struct mr_lowered *L, int e) {
   return L->dg.edges[e].kind == MR_EDGE_LOSS;
 }
 
-static int loss_edge(const struct mr_lowered *L) {
+int mr_lowered_loss_edge(const struct mr_lowered *L) {
   for (int e = 0; e < L->dg.n_edges; e++)
     if (is_loss_edge(L, e))
       return e;
   return -1;
+}
+
+/* This rank's micro-batches and the first slice of the step's batch it
+ * reads.  With micro-batches set per data rank, the loss is not made whole
+ * each micro-batch (that is a collective across the data ranks, which now
+ * run different counts): its partial values are summed over the step and
+ * the loss edge's steps run once on the sum at the step's end, so they
+ * must be linear (all-reduces, scalings). */
+static int micro_share(struct mr_rank_program *p, const struct mr_lowered *L) {
+  p->n_micro = L->lay.n_micro;
+  p->first_slice = 0;
+  if (L->dp_micro == NULL)
+    return 0;
+  p->n_micro = L->dp_micro[p->data];
+  for (int d = 0; d < p->data; d++)
+    p->first_slice += L->dp_micro[d];
+  int le = mr_lowered_loss_edge(L);
+  for (int s = 0; le >= 0 && s < L->dg.edges[le].plan.n_steps; s++) {
+    enum mr_reshard_kind k = L->dg.edges[le].plan.steps[s].kind;
+    if (k != MR_RS_ALL_REDUCE && k != MR_RS_SCALE)
+      return mr_error_set(MR_ENOTSUP, "lowering: micro-batches set per data-parallel rank sum "
+                          "the loss over the step, but making it whole takes a %s",
+                          mr_reshard_kind_name(k));
+  }
+  return 0;
 }
 
 /* Where every local tensor is written: (chunk, forward 0 | backward 1). */
@@ -426,7 +451,7 @@ static int build_pass(struct build *b, int c, int dir) {
     in.tensor = L->seed;
     emit_tmpl(b, in);
   }
-  int any_grad = 0, le = loss_edge(L);
+  int any_grad = 0, le = L->dp_micro == NULL ? mr_lowered_loss_edge(L) : -1;
   for (int k = 0; k < g->n_ops; k++) {
     if (L->op_chunk[k] != c || g->ops[k].backward != dir)
       continue;
@@ -489,10 +514,11 @@ static int build_pass(struct build *b, int c, int dir) {
 static int schedule(const struct build *b, const int *fpass, const int *bpass, int *out_pass,
                     int *out_micro) {
   const struct mr_layout *lay = &b->L->lay;
-  struct mr_sched_pass *sp = malloc((size_t)(2 * lay->n_micro * lay->vp + 1) * sizeof *sp);
+  int m = b->p->n_micro;
+  struct mr_sched_pass *sp = malloc((size_t)(2 * m * lay->vp + 1) * sizeof *sp);
   if (sp == NULL)
     return MR_ENOMEM;
-  int n = mr_pipeline_schedule(lay->schedule, lay->pp, b->p->pipe, lay->vp, lay->n_micro, sp);
+  int n = mr_pipeline_schedule(lay->schedule, lay->pp, b->p->pipe, lay->vp, m, sp);
   for (int i = 0; i < n; i++) {
     out_pass[i] = sp[i].backward ? bpass[sp[i].chunk] : fpass[sp[i].chunk];
     out_micro[i] = sp[i].micro;
@@ -534,6 +560,7 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
     p->coord[L->data_dim] = p->data;
   if (L->model_dim >= 0)
     p->coord[L->model_dim] = p->model;
+  MR_TRY_GOTO(rc, micro_share(p, L), out);
   MR_TRY_GOTO(rc, make_groups(p), out);
   MR_TRY_GOTO(rc, local_graph(&b), out);
   rc = MR_ENOMEM;
@@ -564,7 +591,7 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
     MR_TRY_GOTO(rc, build_pass(&b, c, 1), out);
   }
   /* stash slots: micro-batches in flight per chunk under the schedule */
-  int cap = 2 * lay->n_micro * lay->vp + 4;
+  int cap = 2 * p->n_micro * lay->vp + 4;
   sp = malloc((size_t)cap * sizeof *sp);
   sm = malloc((size_t)cap * sizeof *sm);
   fly = calloc((size_t)L->n_chunks, sizeof *fly);
@@ -612,6 +639,7 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
         mr__lower_events_of(&b, &in, &p->scratch_bytes);
       }
     }
+  mr__lower_loss_events(&b, NULL);
   if (lay->pp > 1)
     mr__lower_add_event(&b, NULL, MR_CEV_BROADCAST, &p->pipe_group, -1, 1, MR_F32, lay->pp - 1, -1,
               "the evaluation loss");
