@@ -30,7 +30,13 @@
 #include "worker/comm/comm.h"
 
 /* Why a group stops to start again without a failure. */
-enum regroup { REGROUP_NONE = 0, REGROUP_NODES, REGROUP_BALANCE, REGROUP_SLOW_NODE };
+enum regroup {
+  REGROUP_NONE = 0,
+  REGROUP_NODES,
+  REGROUP_BALANCE,    // the pipeline's layers moved
+  REGROUP_DP_BALANCE, // the data-parallel ranks' micro-batches moved
+  REGROUP_SLOW_NODE
+};
 
 enum phase {
   PHASE_RUNNING,   // the group is starting or training
@@ -517,7 +523,7 @@ static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) 
              p->step >= co->pending_step) {
     if (co->pending == REGROUP_SLOW_NODE)
       co->left_out[co->leaving] = 1;
-    if (co->pending == REGROUP_BALANCE) {
+    if (co->pending == REGROUP_BALANCE || co->pending == REGROUP_DP_BALANCE) {
       adopt_plan(co, co->balanced_text, co->balanced_digests, co->balanced_s);
       co->balanced_text = NULL, co->balanced_digests = NULL;
     }
@@ -757,6 +763,73 @@ static void check_balance(struct coordinator *co) {
   free(busy), free(slowness), free(counts);
 }
 
+/* Re-balances data-parallel ranks that run at different speeds (no
+ * pipeline, ZeRO 0-1): each data rank's work per step (its slowest
+ * rank's) over the sequences it ran gives its speed; when another split of
+ * the step's micro-batches (launcher/rebalance.h) would cut the step by at
+ * least MESHRUN_REBALANCE_GAIN, in STRAGGLER_STREAK checks running, a
+ * checkpoint is written and the group starts again from it with that
+ * split (strategy.data_parallel.micro_batches, and the micro-batches per
+ * step when the job leaves them open).  A job that fixes its split keeps
+ * it; an elastic job that can spare a node leaves a slow one out instead
+ * (check_slow_node), as it always has. */
+static void check_dp_balance(struct coordinator *co) {
+  const struct mr_strategy_hint *h = &co->opts->job->strategy;
+  double min_gain = replan_gain(co);
+  if (!(min_gain > 0) || h->n_dp_micro > 0 ||
+      (elastic(co) && co->n_group_nodes - 1 >= co->opts->min_nodes))
+    return;
+  read_split(co);
+  int dp = co->split.dp;
+  if (co->split.pp != 1 || dp < 2 || co->split.zero >= 2 || dp * co->split.tp != co->world)
+    return;
+  double *busy = calloc((size_t)dp, sizeof *busy), *micro = calloc((size_t)dp, sizeof *micro);
+  int *counts = calloc((size_t)dp, sizeof *counts);
+  int ok = busy != NULL && micro != NULL && counts != NULL;
+  for (int i = 0; i < co->world && ok; i++) { /* each data rank's slowest */
+    const struct mr_rank *r = &co->ranks.r[i];
+    int d = i / co->split.tp;
+    ok = r->busy_n >= 2 * STRAGGLER_EVERY;
+    if (ok && r->busy_s > busy[d])
+      busy[d] = r->busy_s, micro[d] = r->micro_s;
+  }
+  struct mr_dp_rebalance_in in = {dp, co->split.n_micro, co->split.dp_micro, busy, micro,
+                                  co->split.global_batch,
+                                  h->grad_accum_steps > 0 || h->micro_batches > 0};
+  struct mr_dp_rebalance_out out = {0, counts, 0, 0};
+  double step = co->ranks.r[0].step_s, gain = 0;
+  if (ok && step > 0 && mr_dp_rebalance(&in, &out) == 0)
+    gain = (out.now - out.then) / step;
+  co->balance_streak = gain >= min_gain ? co->balance_streak + 1 : 0;
+  if (co->balance_streak >= STRAGGLER_STREAK) {
+    co->balance_streak = 0;
+    char work[256] = "", now[256];
+    for (int d = 0; d < dp && strlen(work) + 16 < sizeof work; d++)
+      snprintf(work + strlen(work), sizeof work - strlen(work), "%s%.1f", d ? ", " : "",
+               busy[d] * 1e3);
+    format_counts(counts, dp, now, sizeof now);
+    uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
+    double step_s = 0;
+    char *text = digests != NULL ? mr_plan_with_dp_split(co->opts->job, co->plan_text,
+                                                         co->world, out.n_micro, counts, dp,
+                                                         digests, &step_s)
+                                 : NULL;
+    if (text == NULL) {
+      MR_WARN("launch", "the data-parallel ranks run unbalanced (work per step by data rank: "
+              "%s ms) but micro-batches %s cannot run: %s", work, now, mr_error_message());
+      free(digests);
+    } else {
+      MR_WARN("launch", "the data-parallel ranks run unbalanced (work per step by data rank: "
+              "%s ms): running %s of %d micro-batches cuts the step by about %.0f%%; writing "
+              "a checkpoint, then starting again", work, now, dp * out.n_micro, 100.0 * gain);
+      free(co->balanced_text), free(co->balanced_digests);
+      co->balanced_text = text, co->balanced_digests = digests, co->balanced_s = step_s;
+      ask_regroup(co, REGROUP_DP_BALANCE);
+    }
+  }
+  free(busy), free(micro), free(counts);
+}
+
 /* An elastic job leaves out a node that runs slow: without pipeline
  * stages every rank does the same work and waits for the slowest at every
  * step, so when a node's ranks work B_k a step against at most B_o on the
@@ -843,11 +916,14 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
   double busy = m->step_time_s - m->comm_wait_s;
   busy = busy > 0 ? busy : 0;
   r->step_s = r->busy_n == 0 ? m->step_time_s : 0.8 * r->step_s + 0.2 * m->step_time_s;
+  double micro = fmin(m->micro_work_s, busy);
+  r->micro_s = r->busy_n == 0 ? micro : 0.8 * r->micro_s + 0.2 * micro;
   r->busy_s = r->busy_n++ == 0 ? busy : 0.8 * r->busy_s + 0.2 * busy;
   r->stage = m->stage;
   if (c->rank == 0 && m->step % STRAGGLER_EVERY == 0) {
     check_stragglers(co);
     check_balance(co);
+    check_dp_balance(co);
     check_slow_node(co);
   }
   r->step = m->step;
@@ -1176,6 +1252,8 @@ static void group_stopped(struct coordinator *co) {
     MR_WARN("launch", "starting the group again %s",
             co->regroup == REGROUP_NODES     ? "with the nodes that have joined"
             : co->regroup == REGROUP_BALANCE ? "with the pipeline re-balanced"
+            : co->regroup == REGROUP_DP_BALANCE
+                ? "with the data-parallel ranks' micro-batches re-balanced"
                                              : "without the slow node");
     co->regroup = REGROUP_NONE;
     co->restart++;

@@ -57,6 +57,7 @@ struct mr_rank {
   double busy_s;           // its work per step (step time less the time it
   int busy_n;              //   waited on communication), a moving average,
   double step_s;           //   and of its step time
+  double micro_s;          //   and of the part its micro-batches do
   int slow_streak;         // checks in a row it was slow
   int slow_named;          // named slow in this group
 };

@@ -69,6 +69,77 @@ done:
   return rc;
 }
 
+/* Deals dp * n slices of q sequences one at a time to the data rank that
+ * would finish it first (fixed[d]: its per-step work, u[d]: its time per
+ * sequence); the pace. */
+static double deal(int dp, int n, double q, const double *fixed, const double *u, int *counts) {
+  for (int d = 0; d < dp; d++)
+    counts[d] = 1;
+  for (int left = dp * n - dp; left > 0; left--) {
+    int best = 0;
+    for (int d = 1; d < dp; d++)
+      if (fixed[d] + (counts[d] + 1) * q * u[d] < fixed[best] + (counts[best] + 1) * q * u[best])
+        best = d;
+    counts[best]++;
+  }
+  double pace = 0;
+  for (int d = 0; d < dp; d++)
+    pace = fmax(pace, fixed[d] + counts[d] * q * u[d]);
+  return pace;
+}
+
+int mr_dp_rebalance(const struct mr_dp_rebalance_in *in, struct mr_dp_rebalance_out *out) {
+  int dp = in->dp, sum = 0;
+  if (dp < 1 || in->n_micro < 1 || in->global_batch % ((int64_t)dp * in->n_micro) != 0)
+    return mr_error_set(MR_EINVAL, "rebalance: %lld sequences do not split over %d data ranks "
+                        "x %d micro-batches", (long long)in->global_batch, dp, in->n_micro);
+  for (int d = 0; d < dp; d++)
+    sum += in->counts != NULL ? in->counts[d] : in->n_micro;
+  if (sum != dp * in->n_micro)
+    return mr_error_set(MR_EINVAL, "rebalance: data ranks hold %d micro-batches, the step %d",
+                        sum, dp * in->n_micro);
+  double *u = malloc((size_t)dp * sizeof *u), *fixed = malloc((size_t)dp * sizeof *fixed);
+  int *trial = malloc((size_t)dp * sizeof *trial);
+  if (u == NULL || fixed == NULL || trial == NULL) {
+    free(u), free(fixed), free(trial);
+    return MR_ENOMEM;
+  }
+  double q_now = (double)in->global_batch / ((double)dp * in->n_micro);
+  out->now = 0;
+  int rc = 0;
+  for (int d = 0; d < dp && rc == 0; d++) {
+    int k = in->counts != NULL ? in->counts[d] : in->n_micro;
+    double micro = in->micro != NULL ? fmin(in->micro[d], in->busy[d]) : in->busy[d];
+    if (!(in->busy[d] > 0) || !(micro > 0))
+      rc = mr_error_set(MR_EINVAL, "rebalance: data rank %d has no measured work", d);
+    fixed[d] = in->busy[d] - micro;
+    u[d] = micro / (k * q_now); /* per sequence */
+    out->now = fmax(out->now, in->busy[d]);
+  }
+  /* the slices there are, unless there is one a rank and the job leaves
+   * their number open: then the fewest within 20% of the best count */
+  int lo = in->n_micro, hi = in->n_micro;
+  if (in->n_micro == 1 && !in->fixed_micro)
+    lo = 1, hi = (int)(in->global_batch / dp);
+  double best = INFINITY;
+  for (int n = lo; n <= hi && rc == 0; n++)
+    if (in->global_batch % ((int64_t)dp * n) == 0)
+      best = fmin(best, deal(dp, n, (double)in->global_batch / ((double)dp * n), fixed, u, trial));
+  for (int n = lo; n <= hi && rc == 0; n++) {
+    if (in->global_batch % ((int64_t)dp * n) != 0)
+      continue;
+    double pace = deal(dp, n, (double)in->global_batch / ((double)dp * n), fixed, u, trial);
+    if (pace <= 1.2 * best) {
+      out->n_micro = n;
+      out->then = pace;
+      memcpy(out->counts, trial, (size_t)dp * sizeof *trial);
+      break;
+    }
+  }
+  free(u), free(fixed), free(trial);
+  return rc;
+}
+
 int mr_split_of_plan(const struct mr_job *job, const char *plan, int world, struct mr_split *out) {
   memset(out, 0, sizeof *out);
   struct mr_job j;
@@ -87,27 +158,38 @@ int mr_split_of_plan(const struct mr_job *job, const char *plan, int world, stru
   }
   for (int c = 0; c < L.n_chunks; c++)
     out->counts[c] = L.chunk_first_layer[c + 1] - L.chunk_first_layer[c];
+  out->dp = L.lay.dp, out->tp = L.lay.tp, out->zero = L.lay.zero, out->n_micro = L.lay.n_micro;
+  out->global_batch = job->train.global_batch;
+  if (L.dp_micro != NULL) {
+    if ((out->dp_micro = malloc((size_t)L.lay.dp * sizeof *out->dp_micro)) == NULL) {
+      mr_lowered_close(&L);
+      mr_split_close(out);
+      return MR_ENOMEM;
+    }
+    memcpy(out->dp_micro, L.dp_micro, (size_t)L.lay.dp * sizeof *out->dp_micro);
+  }
   mr_lowered_close(&L);
   return 0;
 }
 
 void mr_split_close(struct mr_split *s) {
   free(s->counts);
+  free(s->dp_micro);
   memset(s, 0, sizeof *s);
 }
 
-char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
-                         const int *counts, int n, uint64_t *digests, double *step_s) {
+/* plan with edit() applied to its JSON, evaluated, lowered for every rank
+ * and checked: the new text, or NULL with a message. */
+static char *plan_with(const struct mr_job *job, const char *plan, int world,
+                       int (*edit)(cJSON *o, const void *arg), const void *arg,
+                       uint64_t *digests, double *step_s) {
   cJSON *o = cJSON_Parse(plan);
-  cJSON *pp = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(o, "strategy"),
-                                               "pipeline_parallel");
-  if (!cJSON_IsObject(pp)) {
+  if (o == NULL || edit(o, arg) < 0) {
+    if (o == NULL)
+      mr_error_set(MR_EINVAL, "%s: the plan is not JSON", job->path);
     cJSON_Delete(o);
-    mr_error_set(MR_EINVAL, "%s: the plan has no pipeline", job->path);
     return NULL;
   }
-  cJSON_DeleteItemFromObjectCaseSensitive(pp, "layers");
-  cJSON_AddItemToObject(pp, "layers", cJSON_CreateIntArray(counts, n));
   if (job->cluster != NULL) { /* the spec the launch planned with (a GPU machine's, measured) */
     cJSON_DeleteItemFromObjectCaseSensitive(o, "cluster");
     cJSON_AddStringToObject(o, "cluster", job->cluster);
@@ -134,4 +216,54 @@ char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
     return NULL;
   }
   return text;
+}
+
+static cJSON *strategy_item(cJSON *o, const char *key) {
+  return cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(o, "strategy"), key);
+}
+
+struct counts_arg {
+  const int *counts;
+  int n, n_micro;
+  const char *path;
+};
+
+static int set_layers(cJSON *o, const void *arg) {
+  const struct counts_arg *a = arg;
+  cJSON *pp = strategy_item(o, "pipeline_parallel");
+  if (!cJSON_IsObject(pp))
+    return mr_error_set(MR_EINVAL, "%s: the plan has no pipeline", a->path);
+  cJSON_DeleteItemFromObjectCaseSensitive(pp, "layers");
+  cJSON_AddItemToObject(pp, "layers", cJSON_CreateIntArray(a->counts, a->n));
+  return 0;
+}
+
+char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
+                         const int *counts, int n, uint64_t *digests, double *step_s) {
+  struct counts_arg a = {counts, n, 0, job->path};
+  return plan_with(job, plan, world, set_layers, &a, digests, step_s);
+}
+
+static int set_dp_micro(cJSON *o, const void *arg) {
+  const struct counts_arg *a = arg;
+  cJSON *st = cJSON_GetObjectItemCaseSensitive(o, "strategy");
+  cJSON *dp = strategy_item(o, "data_parallel");
+  if (!cJSON_IsObject(dp))
+    return mr_error_set(MR_EINVAL, "%s: the plan has no data parallelism", a->path);
+  cJSON_DeleteItemFromObjectCaseSensitive(dp, "micro_batches");
+  cJSON_AddItemToObject(dp, "micro_batches", cJSON_CreateIntArray(a->counts, a->n));
+  cJSON *pp = strategy_item(o, "pipeline_parallel");
+  if (cJSON_IsObject(pp)) { /* no pipeline: its micro-batches are accumulation's */
+    cJSON_DeleteItemFromObjectCaseSensitive(pp, "micro_batches");
+    cJSON_AddNumberToObject(pp, "micro_batches", 1);
+  }
+  cJSON_DeleteItemFromObjectCaseSensitive(st, "gradient_accumulation_steps");
+  cJSON_AddNumberToObject(st, "gradient_accumulation_steps", a->n_micro);
+  return 0;
+}
+
+char *mr_plan_with_dp_split(const struct mr_job *job, const char *plan, int world, int n_micro,
+                            const int *counts, int dp, uint64_t *digests, double *step_s) {
+  struct counts_arg a = {counts, dp, n_micro, job->path};
+  return plan_with(job, plan, world, set_dp_micro, &a, digests, step_s);
 }

@@ -1,4 +1,5 @@
-/* rebalance.h - moving pipeline layers off a stage that runs slow.
+/* rebalance.h - moving pipeline layers off a stage that runs slow, and
+ * micro-batches off a data-parallel rank that does.
  *
  * Every micro-batch passes through every pipeline stage, so a stage that
  * takes longer for its share of the work (a throttled GPU, a busy node)
@@ -39,12 +40,51 @@ struct mr_rebalance_out {
  * not add up). */
 int mr_rebalance(const struct mr_rebalance_in *in, struct mr_rebalance_out *out);
 
+/* Data parallelism: every data-parallel rank (with its tensor-parallel
+ * peers) runs its micro-batches, then waits for the slowest at the
+ * gradient all-reduce, so a rank that takes longer for its share holds up
+ * the step.  From each data rank's measured work per step and the
+ * sequences its micro-batches hold, its time per sequence; then the
+ * micro-batches per step and their split over the data ranks fastest at
+ * those speeds: the step's slices (micro_seqs / dp sequences each) dealt
+ * one at a time to the rank that would finish it first, which is optimal
+ * for equal slices.  A rank's time is its per-step work (measured as its
+ * work less its micro-batches') plus its slices' at its measured time per
+ * sequence.  The micro-batch count of the step changes only when the
+ * slices it has cannot be moved (one a rank) and the job leaves it open:
+ * then the fewest micro-batches whose pace is within 20% of the best of
+ * the counts the batch divides into (smaller micro-batches cost efficiency
+ * the arithmetic does not see). */
+struct mr_dp_rebalance_in {
+  int dp, n_micro;            // data-parallel degree, micro-batches per step now
+  const int *counts;          // [dp] each data rank's micro-batches now (NULL: n_micro each)
+  const double *busy;         // [dp] each data rank's measured work per step, s,
+  const double *micro;        //   and the part of it its micro-batches do (the
+                              //   rest, gradient sync and optimizer, stays with
+                              //   it whatever its share); NULL: all of it
+  int64_t global_batch;       // sequences per step
+  int fixed_micro;            // 1: keep n_micro (the job fixes the micro-batches)
+};
+
+struct mr_dp_rebalance_out {
+  int n_micro;                // micro-batches per step
+  int *counts;                // [dp] each data rank's (caller-allocated)
+  double now, then;           // the slowest rank's work now, and with those counts
+};
+
+/* Fills out.  Returns 0, or MR_EINVAL when the input cannot be weighed (a
+ * rank with no measured work, counts that do not add up). */
+int mr_dp_rebalance(const struct mr_dp_rebalance_in *in, struct mr_dp_rebalance_out *out);
+
 /* The split of a plan (a job's canonical text with its strategy fixed, as
  * the workers get it; `job` names it in messages) on world ranks.  */
 struct mr_split {
   int pp, vp, n_layers;
   int *counts;                // [pp * vp]
   double layer, first, last;  // forward FLOPs (struct mr_lowered)
+  int dp, tp, zero, n_micro;  // the layout (struct mr_layout)
+  int64_t global_batch;
+  int *dp_micro;              // [dp] data_parallel.micro_batches, NULL: even
 };
 int mr_split_of_plan(const struct mr_job *job, const char *plan, int world, struct mr_split *out);
 void mr_split_close(struct mr_split *s);
@@ -57,5 +97,12 @@ void mr_split_close(struct mr_split *s);
  * NULL with a message. */
 char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
                          const int *counts, int n, uint64_t *digests, double *step_s);
+
+/* The plan with n_micro micro-batches a step (gradient accumulation; no
+ * pipeline) split over the data-parallel ranks as counts[dp]
+ * (strategy.data_parallel.micro_batches), checked as mr_plan_with_split
+ * checks. */
+char *mr_plan_with_dp_split(const struct mr_job *job, const char *plan, int world, int n_micro,
+                            const int *counts, int dp, uint64_t *digests, double *step_s);
 
 #endif

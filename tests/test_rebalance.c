@@ -2,7 +2,9 @@
  * it: the split at measured speeds worked by hand, the plan with another
  * split, and a real run whose second stage is made four times slower
  * (MESHRUN_TEST_SLOW=1:x4), which the launcher re-balances from a
- * checkpoint to a faster step and the losses of a run never slowed. */
+ * checkpoint to a faster step and the losses of a run never slowed.  A
+ * data-parallel rank that runs slow gets fewer micro-batches, the same
+ * way: by hand, the plan, and a real run. */
 #include <check.h>
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -69,6 +71,81 @@ START_TEST(test_rebalance_by_hand) {
 }
 END_TEST
 
+/* By hand.  Two data ranks of one micro-batch of 4 sequences each (batch
+ * 8), rank 1 measured 4x slower: 0.25 and 1 a sequence.  One slice a rank
+ * leaves nothing to move, so the count is open: at 1 micro-batch a step
+ * the split stays 1 + 1, pace 4; at 2 (slices of 2 sequences) the
+ * slices go 2 + 1, 3 + 1: pace max(3 x 2 x 0.25, 1 x 2 x 1) = 2; at 4
+ * (slices of 1) rank 0 takes every slice while (k + 1) x 0.25 < 2 x 1:
+ * 7 + 1, pace max(1.75, 1) = 1.75, the best; 2's 2 is within 20% of it
+ * (1.75 x 1.2 = 2.1), and fewer micro-batches, so 2, 3 + 1. */
+START_TEST(test_rebalance_data_parallel_by_hand) {
+  int to[4];
+  double busy[2] = {1, 4};
+  struct mr_dp_rebalance_in in = {2, 1, NULL, busy, NULL, 8, 0};
+  struct mr_dp_rebalance_out out = {0, to, 0, 0};
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), 0);
+  ck_assert_int_eq(out.n_micro, 2);
+  ck_assert_int_eq(to[0], 3);
+  ck_assert_int_eq(to[1], 1);
+  NEAR(out.now, 4);
+  NEAR(out.then, 2);
+  /* 6x slower: at 2, 3 + 1 paces at max(1.5, 2 x 1.5) = 3; at 4 rank 0
+   * takes slices while (k + 1) x 0.25 < 2 x 1.5: 7 + 1, max(1.75, 1.5);
+   * 3 > 1.2 x 1.75, so 4 micro-batches, 7 + 1 */
+  busy[1] = 6;
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), 0);
+  ck_assert_int_eq(out.n_micro, 4);
+  ck_assert_int_eq(to[0], 7);
+  ck_assert_int_eq(to[1], 1);
+  NEAR(out.then, 1.75);
+  busy[1] = 4;
+  /* the job fixes 2 micro-batches a step: 3 + 1, pace 2 */
+  in.fixed_micro = 1;
+  in.n_micro = 2;
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), 0);
+  ck_assert_int_eq(out.n_micro, 2);
+  ck_assert_int_eq(to[0], 3);
+  ck_assert_int_eq(to[1], 1);
+  NEAR(out.then, 2);
+  /* measured under 3 + 1 of 2 (6 and 2 sequences), 1.5 and 2: 0.25 and 1
+   * a sequence again; equal speeds keep an even split */
+  in.counts = (int[]){3, 1};
+  busy[0] = 1.5, busy[1] = 2;
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), 0);
+  ck_assert_int_eq(to[0], 3);
+  NEAR(out.now, 2);
+  NEAR(out.then, 2);
+  /* equal speeds: 2 + 2 of 2 a step, the count kept (there are slices to
+   * move, and the job leaves it open) */
+  in.counts = NULL;
+  busy[0] = busy[1] = 3;
+  in.fixed_micro = 0;
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), 0);
+  ck_assert_int_eq(out.n_micro, 2);
+  ck_assert_int_eq(to[0], 2);
+  ck_assert_int_eq(to[1], 2);
+  NEAR(out.then, 3);
+  /* the per-step part stays: busy 1 and 4 of which the micro-batches' 0.5
+   * and 2 (0.125 and 0.5 a sequence, 2 sequences a slice): 3 + 1 paces at
+   * max(0.5 + 3 x 0.25, 2 + 1 x 1) = 3, not the 2 of all-micro-batch work */
+  busy[0] = 1, busy[1] = 4;
+  in.micro = (double[]){0.5, 2};
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), 0);
+  ck_assert_int_eq(to[0], 3);
+  ck_assert_int_eq(to[1], 1);
+  NEAR(out.now, 4);
+  NEAR(out.then, 3);
+  in.micro = NULL;
+  /* counts that do not add up, a rank with no work: refused */
+  in.counts = (int[]){3, 3};
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), MR_EINVAL);
+  in.counts = NULL;
+  busy[1] = 0;
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), MR_EINVAL);
+}
+END_TEST
+
 /* An 8-layer LLaMA over a 2-stage pipeline, `steps` steps, checkpoints
  * every 10; written to dir/NAME. */
 static void write_job(const char *dir, const char *name, int steps, const char *layers) {
@@ -92,6 +169,64 @@ static void write_job(const char *dir, const char *name, int steps, const char *
           steps, dir, name, layers ? ", \"layers\": " : "", layers ? layers : "");
   fclose(f);
 }
+
+/* The same LLaMA on 2 data-parallel ranks, `steps` steps, checkpoints
+ * every 10; written to dir/NAME. */
+static void write_dp_job(const char *dir, const char *name, int steps) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/train.bin", dir);
+  if (access(path, F_OK) != 0)
+    mr_t_write_tokens(path, 40000);
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fprintf(f,
+          "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"
+          " \"intermediate_size\": 128, \"num_hidden_layers\": 8, \"num_attention_heads\": 4,"
+          " \"max_position_embeddings\": 32},"
+          " \"data\": {\"train\": \"train.bin\"},"
+          " \"train\": {\"steps\": %d, \"global_batch\": 8, \"seq_len\": 32, \"lr\": 0.003,"
+          " \"seed\": 11},"
+          " \"checkpoint\": {\"dir\": \"%s/ckpt-%s\", \"save_interval_steps\": 10},"
+          " \"strategy\": {\"auto_mode\": \"manual\", \"data_parallel\": {\"degree\": 2}}}\n",
+          steps, dir, name);
+  fclose(f);
+}
+
+START_TEST(test_rebalance_plan_with_dp_split) {
+  char dir[64], path[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  write_dp_job(dir, "job.json", 4);
+  snprintf(path, sizeof path, "%s/job.json", dir);
+  struct mr_job job;
+  ck_assert_msg(mr_job_load(path, &job) == 0, "%s", mr_error_message());
+  struct mr_split s;
+  ck_assert_msg(mr_split_of_plan(&job, job.text, 2, &s) == 0, "%s", mr_error_message());
+  ck_assert_int_eq(s.pp, 1);
+  ck_assert_int_eq(s.dp, 2);
+  ck_assert_int_eq(s.n_micro, 1);
+  ck_assert_int_eq((int)s.global_batch, 8);
+  ck_assert_ptr_null(s.dp_micro);
+  mr_split_close(&s);
+  uint64_t digests[2] = {0, 0};
+  char *text = mr_plan_with_dp_split(&job, job.text, 2, 4, (int[]){7, 1}, 2, digests, NULL);
+  ck_assert_msg(text != NULL, "%s", mr_error_message());
+  ck_assert(digests[0] != 0 && digests[1] != 0 && digests[0] != digests[1]);
+  ck_assert_int_eq(mr_split_of_plan(&job, text, 2, &s), 0);
+  ck_assert_int_eq(s.n_micro, 4);
+  ck_assert_ptr_nonnull(s.dp_micro);
+  ck_assert_int_eq(s.dp_micro[0], 7);
+  ck_assert_int_eq(s.dp_micro[1], 1);
+  mr_split_close(&s);
+  free(text);
+  /* counts that do not add up to 2 x 4 are refused, naming the field */
+  ck_assert_ptr_null(mr_plan_with_dp_split(&job, job.text, 2, 4, (int[]){7, 2}, 2, digests,
+                                           NULL));
+  ck_assert_msg(strstr(mr_error_message(), "data_parallel.micro_batches") != NULL, "%s",
+                mr_error_message());
+  mr_job_close(&job);
+}
+END_TEST
 
 START_TEST(test_rebalance_plan_with_split) {
   char dir[64], path[300];
@@ -282,6 +417,55 @@ START_TEST(test_rebalance_slow_stage_gets_fewer_layers) {
 }
 END_TEST
 
+/* Rank 1 of two data-parallel ranks made 4x slower: the launcher gives it
+ * fewer micro-batches from a checkpoint, once; the steps after run faster
+ * than before, and every step's loss is the loss of the same job never
+ * slowed nor re-planned (within float rounding: the gradients are summed
+ * in other groups). */
+START_TEST(test_rebalance_slow_data_rank_gets_fewer_micro_batches) {
+  enum { STEPS = 60 };
+  char dir[64], path[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  write_dp_job(dir, "ref.json", STEPS);
+  write_dp_job(dir, "slow.json", STEPS);
+  int code;
+  char *err = run(dir, "ref.json", NULL, &code);
+  ck_assert_msg(code == 0, "reference: exit %d\n%s", code, err);
+  free(err);
+  err = run(dir, "slow.json", "1:x4", &code);
+  ck_assert_msg(code == 0, "slowed: exit %d\n%s", code, err);
+  const char *said = strstr(err, "the data-parallel ranks run unbalanced");
+  ck_assert_msg(said != NULL, "%s", err);
+  int fast, slow_k, total;
+  const char *run_at = strstr(said, "running ");
+  ck_assert_ptr_nonnull(run_at);
+  ck_assert_int_eq(sscanf(run_at, "running %d,%d of %d micro-batches", &fast, &slow_k, &total),
+                   3);
+  ck_assert_msg(fast > slow_k && fast + slow_k == total, "%s", said);
+  ck_assert_msg(strstr(err, "with the data-parallel ranks' micro-batches re-balanced") != NULL,
+                "%s", err);
+  ck_assert_msg(strstr(strstr(said, "unbalanced") + 1, "unbalanced") == NULL,
+                "re-balanced twice:\n%s", err);
+  free(err);
+  static struct step_line ref[STEPS + 1], slow[STEPS + 1];
+  snprintf(path, sizeof path, "%s/logs-ref.json/metrics.jsonl", dir);
+  read_steps(path, ref, STEPS);
+  snprintf(path, sizeof path, "%s/logs-slow.json/metrics.jsonl", dir);
+  read_steps(path, slow, STEPS);
+  for (int s = 1; s <= STEPS; s++) {
+    ck_assert_msg(ref[s].seen && slow[s].seen, "step %d missing", s);
+    ck_assert_msg(fabs(ref[s].loss - slow[s].loss) <= 1e-4 * fabs(ref[s].loss),
+                  "step %d: loss %.7f re-balanced, %.7f never slowed", s, slow[s].loss,
+                  ref[s].loss);
+  }
+  ck_assert_int_eq(slow[5].restart, 0);
+  ck_assert_int_eq(slow[STEPS].restart, 1);
+  double before = median_time(slow, 5, 20, 0), after = median_time(slow, 35, STEPS, 1);
+  ck_assert_msg(after < 0.8 * before, "step %.1f ms after re-balancing, %.1f ms before",
+                after * 1e3, before * 1e3);
+}
+END_TEST
+
 static Suite *rebalance_suite(void) {
   Suite *s = suite_create("rebalance");
   TCase *tc = mr_t_tcase("rebalance");
@@ -290,6 +474,9 @@ static Suite *rebalance_suite(void) {
   tcase_add_test(tc, test_rebalance_plan_with_split);
   tcase_add_test(tc, test_rebalance_split_must_fit);
   tcase_add_test(tc, test_rebalance_slow_stage_gets_fewer_layers);
+  tcase_add_test(tc, test_rebalance_data_parallel_by_hand);
+  tcase_add_test(tc, test_rebalance_plan_with_dp_split);
+  tcase_add_test(tc, test_rebalance_slow_data_rank_gets_fewer_micro_batches);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -398,6 +398,7 @@ static void reporter_step(void *ctx, const struct mr_step_report *r) {
   m.skipped = r->skipped != 0;
   m.val_loss = r->val_loss;
   m.stage = r->stage;
+  m.micro_work_s = r->micro_work_s;
   Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
   env.msg_case = MESHRUN__ENVELOPE__MSG_METRICS;
   env.metrics = &m;

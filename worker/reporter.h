@@ -22,6 +22,9 @@ struct mr_step_report {
   int skipped;                  // fp16 overflow: update skipped
   double val_loss;              // NaN when no evaluation ran
   int stage;                    // the rank's pipeline stage
+  double micro_work_s;          // its micro-batches' work: the passes, less
+                                // communication waits (the rest of the step
+                                // is per step: gradient sync, optimizer)
 };
 
 struct mr_reporter {

@@ -389,10 +389,15 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
   rt->comm_wait_s = 0;
   rt->loss_sum = 0;
   rt->loss_n = 0;
-  int rc = 0;
+  int rc = 0, passes_done = 0;
+  double passes_t0 = mr_clock_s();
   for (int i = 0; i < p->n_step && rc == 0; i++) {
     const struct mr_ins *in = &p->step[i];
     double ti = rt->prof_op != NULL ? mr_clock_s() : 0;
+    if (in->kind == MR_INS_SYNC_WAIT && !passes_done) { /* the schedule's passes are done */
+      passes_done = 1;
+      r->micro_work_s = fmax(0.0, mr_clock_s() - passes_t0 - rt->comm_wait_s);
+    }
     if (in->kind == MR_INS_OPTIMIZER) {
       mr__rt_waiting(rt, i, in, "optimizer");
       rc = mr__rt_optimizer(rt, step, r);

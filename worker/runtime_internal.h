@@ -51,6 +51,7 @@ struct mr_runtime {
   int64_t inject_step;
   int slow_ms;                   // test hook: sleep this long every step
   double slow_factor;            // test hook: every kernel takes this many times as long
+  double slow_debt;              //   the time owed, s
   int overlap;                  // MESHRUN_GRAD_SYNC_OVERLAP
   double comm_wait_s;           // this step
   const struct mr_reporter *rep;
