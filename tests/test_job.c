@@ -182,6 +182,15 @@ END_TEST
 
 /* pipeline_parallel.layers: one positive count per chunk (degree x virtual
  * stages) adding up to the model's layers (2 here). */
+/* A job whose strategy holds `members` is refused, saying `says`. */
+static void expect_strategy_error(const char *members, const char *says) {
+  char body[512];
+  snprintf(body, sizeof body, "{\"model\": %%s%%s, \"data\": {\"train\": \"t\"}, "
+           "\"strategy\": {%s}}", members);
+  const char *want[] = {says, NULL};
+  expect_error(body, want);
+}
+
 START_TEST(test_job_pipeline_layers) {
   struct mr_job job;
   int rc = parse("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"strategy\": "
@@ -208,11 +217,9 @@ START_TEST(test_job_pipeline_layers) {
                                              "array of layer counts"},
   };
   for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-    char body[512];
-    snprintf(body, sizeof body, "{\"model\": %%s%%s, \"data\": {\"train\": \"t\"}, "
-             "\"strategy\": {\"pipeline_parallel\": {%s}}}", bad[k].pp);
-    const char *want[] = {bad[k].says, NULL};
-    expect_error(body, want);
+    char st[256];
+    snprintf(st, sizeof st, "\"pipeline_parallel\": {%s}", bad[k].pp);
+    expect_strategy_error(st, bad[k].says);
   }
 }
 END_TEST
@@ -245,13 +252,8 @@ START_TEST(test_job_data_parallel_micro_batches) {
        "\"sharding\": {\"stage\": 2}",
        "strategy.data_parallel.micro_batches: ZeRO-2 reduces every micro-batch's gradients"},
   };
-  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-    char body[512];
-    snprintf(body, sizeof body, "{\"model\": %%s%%s, \"data\": {\"train\": \"t\"}, "
-             "\"strategy\": {%s}}", bad[k].st);
-    const char *want[] = {bad[k].says, NULL};
-    expect_error(body, want);
-  }
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++)
+    expect_strategy_error(bad[k].st, bad[k].says);
 }
 END_TEST
 
