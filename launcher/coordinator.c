@@ -774,11 +774,11 @@ static void check_balance(struct coordinator *co) {
  * it; an elastic job that can spare a node leaves a slow one out instead
  * (check_slow_node), as it always has. */
 static void check_dp_balance(struct coordinator *co) {
-  const struct mr_strategy_hint *h = &co->opts->job->strategy;
-  double min_gain = replan_gain(co);
-  if (!(min_gain > 0) || h->n_dp_micro > 0 ||
+  double min_gain = replan_gain(co); /* 0 without a job (the self-check) */
+  if (!(min_gain > 0) || co->opts->job->strategy.n_dp_micro > 0 ||
       (elastic(co) && co->n_group_nodes - 1 >= co->opts->min_nodes))
     return;
+  const struct mr_strategy_hint *h = &co->opts->job->strategy;
   read_split(co);
   int dp = co->split.dp;
   if (co->split.pp != 1 || dp < 2 || co->split.zero >= 2 || dp * co->split.tp != co->world)

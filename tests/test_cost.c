@@ -429,6 +429,30 @@ START_TEST(test_cost_memory_by_hand) {
 }
 END_TEST
 
+/* Micro-batches set per data rank, 3 + 1 of 2 a rank: the busiest runs
+ * 3, so the per-micro-batch terms are 3/2 of the even split's; gradient
+ * sync and the optimizer, once a step, are the same. */
+START_TEST(test_cost_uneven_micro_batches_pace_at_the_busiest) {
+  struct mr_cluster c = test_cluster();
+  struct mr_model_config m = gpt(1024, 16, 4);
+  struct mr_workload w = {.model = &m, .global_batch = 8, .seq_len = 512};
+  struct mr_strategy s = base_strategy();
+  s.dp = 2, s.tp = 1, s.pp = 1, s.micro_batch_size = 2, s.micro_batches = 1;
+  s.grad_accum_steps = 2, s.recompute = MR_RECOMPUTE_MODE_FULL;
+  struct mr_cost even, uneven;
+  ck_assert_int_eq(mr_cost_evaluate(&w, &c, &s, &even), 0);
+  w.dp_micro = (int[]){3, 1};
+  w.n_dp_micro = 2;
+  ck_assert_int_eq(mr_cost_evaluate(&w, &c, &s, &uneven), 0);
+  ck_assert(even.compute_s > 0 && even.recompute_s > 0);
+  NEAR(uneven.compute_s, 1.5 * even.compute_s);
+  NEAR(uneven.recompute_s, 1.5 * even.recompute_s);
+  NEAR(uneven.dp_comm_s, even.dp_comm_s);
+  NEAR(uneven.optimizer_s, even.optimizer_s);
+  NEAR(uneven.step_time_s - even.step_time_s, 0.5 * even.compute_s);
+}
+END_TEST
+
 START_TEST(test_cost_check_names_the_problem) {
   struct mr_cluster c = test_cluster();
   c.nodes = 16;
@@ -499,6 +523,7 @@ static Suite *cost_suite(void) {
   tcase_add_test(tc, test_cost_step_time_identities);
   tcase_add_test(tc, test_cost_memory_by_hand);
   tcase_add_test(tc, test_cost_check_names_the_problem);
+  tcase_add_test(tc, test_cost_uneven_micro_batches_pace_at_the_busiest);
   tcase_add_test(tc, test_cost_partition_of_a_strategy);
   suite_add_tcase(s, tc);
   return s;

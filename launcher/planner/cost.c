@@ -411,10 +411,14 @@ static void stage_memory(const struct mr_workload *w, const struct mr_cluster *c
 struct mr_workload mr_workload_of(const struct mr_model_config *m,
                                   const struct mr_train_config *t,
                                   const struct mr_strategy_hint *h) {
-  struct mr_workload w = {m, t->global_batch, t->seq_len, NULL, 0};
+  struct mr_workload w = {m, t->global_batch, t->seq_len, NULL, 0, NULL, 0};
   if (h != NULL && h->n_chunk_layers > 0) {
     w.chunk_layers = h->chunk_layers;
     w.n_chunk_layers = h->n_chunk_layers;
+  }
+  if (h != NULL && h->n_dp_micro > 0) {
+    w.dp_micro = h->dp_micro;
+    w.n_dp_micro = h->n_dp_micro;
   }
   return w;
 }
@@ -536,18 +540,26 @@ int mr_cost_evaluate_prepared(const struct mr_workload *w, const struct mr_clust
   struct mr_link dl = mr_cost_group_link(c, stride_dp, s->dp);
   struct mr_link pl = mr_cost_group_link(c, stride_pp, s->pp);
 
-  /* Pipeline: m·v + p − 1 slots of the slowest chunk. */
-  double slots = (double)mb * v;
-  out->compute_s = ga * slots * x;
+  /* Pipeline: m·v + p − 1 slots of the slowest chunk.  Micro-batches set
+   * per data rank: the busiest rank's count paces the step, k_max of the
+   * m·g, so the per-micro-batch terms grow by k_max / (m·g). */
+  double slots = (double)mb * v, share = 1.0;
+  if (w->n_dp_micro == s->dp && s->dp > 0) {
+    int kmax = 0;
+    for (int d = 0; d < s->dp; d++)
+      kmax = w->dp_micro[d] > kmax ? w->dp_micro[d] : kmax;
+    share = (double)kmax / ((double)mb * (ga > 0 ? ga : 1));
+  }
+  out->compute_s = share * ga * slots * x;
   out->bubble_s = ga * (p - 1) * x;
   out->bubble_fraction = mr_cost_bubble_fraction(s->schedule, p, mb, v);
   double chunk_layers = out->chunk_layers_max;
-  out->tp_comm_s = ga * slots * chunk_layers * lt.tp_fwd *
+  out->tp_comm_s = share * ga * slots * chunk_layers * lt.tp_fwd *
                    (s->recompute == MR_RECOMPUTE_MODE_FULL ? 3.0 : 2.0);
-  out->recompute_s = ga * slots * chunk_layers * lt.rc;
+  out->recompute_s = share * ga * slots * chunk_layers * lt.rc;
   if (p > 1) {
     struct mr_link tl = mr_cost_group_link(c, 1, s->tp);
-    out->p2p_s = ga * (slots + p - 1) * 2.0 *
+    out->p2p_s = ga * (share * slots + p - 1) * 2.0 *
                  mr_cost_pipeline_send_time(T, h, wb, s->tp, s->sequence_parallel, &pl, &tl);
   }
 

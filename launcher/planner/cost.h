@@ -25,10 +25,13 @@ struct mr_workload {
   int64_t seq_len;                     // tokens per sequence
   const int *chunk_layers;             // borrowed; the job's layers per pipeline
   int n_chunk_layers;                  //   chunk, or NULL: balanced by cost
+  const int *dp_micro;                 // borrowed; the job's micro-batches per
+  int n_dp_micro;                      //   data-parallel rank, or NULL: even
 };
 
-/* The workload of a job: its model and batch, and the layer split its
- * hint fixes (pipeline_parallel.layers; hint may be NULL). */
+/* The workload of a job: its model and batch, and the splits its hint
+ * fixes (pipeline_parallel.layers, data_parallel.micro_batches; hint may
+ * be NULL). */
 struct mr_workload mr_workload_of(const struct mr_model_config *m,
                                   const struct mr_train_config *t,
                                   const struct mr_strategy_hint *h);
