@@ -159,7 +159,7 @@ static void candidate_json(cJSON *o, const struct mr_plan_candidate *c,
                            const struct mr_workload *w, const struct mr_cluster *cl) {
   const struct mr_cost *k = &c->cost;
   cJSON_AddItemToObject(o, "strategy",
-                        mr_strategy_json(&c->strategy, 0, w->chunk_layers, w->n_chunk_layers));
+                        mr_strategy_json(&c->strategy, 0, w));
   static int counts[MR_PARTITION_MAX_ITEMS];
   int nk = mr_cost_partition(w, cl, &c->strategy, counts, MR_PARTITION_MAX_ITEMS);
   if (nk > 0)

@@ -104,15 +104,18 @@ void mr_strategy_choice_close(struct mr_strategy_choice *c) {
   c->program_digests = NULL;
 }
 
-cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling, const int *layers,
-                        int n_layers) {
+cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling,
+                        const struct mr_workload *w) {
   static const char *const schedules[] = {"1f1b", "gpipe", "interleaved"};
   static const char *const amps[] = {"fp32", "bf16", "fp16"};
   cJSON *st = cJSON_CreateObject();
   if (st == NULL)
     return NULL;
   cJSON_AddStringToObject(st, "auto_mode", "manual");
-  cJSON_AddNumberToObject(cJSON_AddObjectToObject(st, "data_parallel"), "degree", s->dp);
+  cJSON *dp = cJSON_AddObjectToObject(st, "data_parallel");
+  cJSON_AddNumberToObject(dp, "degree", s->dp);
+  if (w->dp_micro != NULL && w->n_dp_micro == s->dp)
+    cJSON_AddItemToObject(dp, "micro_batches", cJSON_CreateIntArray(w->dp_micro, w->n_dp_micro));
   cJSON_AddNumberToObject(cJSON_AddObjectToObject(st, "tensor_parallel"), "degree", s->tp);
   cJSON *pp = cJSON_AddObjectToObject(st, "pipeline_parallel");
   cJSON_AddNumberToObject(pp, "degree", s->pp);
@@ -123,8 +126,8 @@ cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling, c
   cJSON_AddStringToObject(pp, "schedule", schedules[sched]);
   cJSON_AddNumberToObject(pp, "virtual_stages", v);
   cJSON_AddNumberToObject(pp, "micro_batches", s->micro_batches > 0 ? s->micro_batches : 1);
-  if (layers != NULL && n_layers == s->pp * v)
-    cJSON_AddItemToObject(pp, "layers", cJSON_CreateIntArray(layers, n_layers));
+  if (w->chunk_layers != NULL && w->n_chunk_layers == s->pp * v)
+    cJSON_AddItemToObject(pp, "layers", cJSON_CreateIntArray(w->chunk_layers, w->n_chunk_layers));
   cJSON_AddStringToObject(st, "mesh_mapping",
                           s->mapping == MR_MAP_TP_PP_DP ? "tp,pp,dp" : "tp,dp,pp");
   cJSON_AddBoolToObject(cJSON_AddObjectToObject(st, "sequence_parallel"), "enable",
@@ -151,15 +154,12 @@ cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling, c
 
 char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s) {
   cJSON *o = cJSON_Parse(job->text);
-  cJSON *st = mr_strategy_json(s, job->strategy.init_loss_scaling, job->strategy.chunk_layers,
-                               job->strategy.n_chunk_layers);
+  struct mr_workload w = mr_workload_of(&job->model, &job->train, &job->strategy);
+  cJSON *st = mr_strategy_json(s, job->strategy.init_loss_scaling, &w);
   if (o == NULL || st == NULL) {
     cJSON_Delete(o), cJSON_Delete(st);
     return NULL;
   }
-  if (job->strategy.n_dp_micro > 0 && job->strategy.n_dp_micro == s->dp) /* kept as given */
-    cJSON_AddItemToObject(cJSON_GetObjectItemCaseSensitive(st, "data_parallel"), "micro_batches",
-                          cJSON_CreateIntArray(job->strategy.dp_micro, job->strategy.n_dp_micro));
   cJSON_DeleteItemFromObjectCaseSensitive(o, "strategy");
   cJSON_AddItemToObject(o, "strategy", st);
   char *text = cJSON_PrintUnformatted(o);

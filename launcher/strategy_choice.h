@@ -34,11 +34,12 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
 void mr_strategy_choice_close(struct mr_strategy_choice *c);
 
 /* The strategy as a job file's "strategy" object (manual mode, every field
- * set; init_loss_scaling only when > 0; pipeline_parallel.layers when
- * `layers` has one entry per chunk), for the plan body and `meshrun plan
- * --json`. */
-cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling, const int *layers,
-                        int n_layers);
+ * set; init_loss_scaling only when > 0; the splits the workload fixes —
+ * pipeline_parallel.layers when it has one entry per chunk,
+ * data_parallel.micro_batches one per data rank), for the plan body and
+ * `meshrun plan --json`. */
+cJSON *mr_strategy_json(const struct mr_strategy *s, double init_loss_scaling,
+                        const struct mr_workload *w);
 
 /* Writes the chosen strategy into the job's canonical text (the plan body
  * the workers parse), under the job file's field names.  Returns a new

@@ -141,6 +141,54 @@ START_TEST(test_plan_cli_fixed_layer_split) {
 }
 END_TEST
 
+/* The 18.4B model on t 8 x d 2, 2 micro-batches a rank: a job that fixes
+ * them at 3 + 1 gets them in --json, and a step paced by the rank of 3 —
+ * longer than the even split's, by less than half (sync and optimizer stay
+ * once a step; the formula is test_cost's). */
+static double plan_18b_dp2(const char *micro, const cJSON **fixed_out, cJSON **j_out) {
+  char model[600], text[1200], path[600];
+  megatron("gpt-18.4b.json", model, sizeof model);
+  snprintf(text, sizeof text,
+           "{\"model\": \"%s\", \"data\": {\"train\": \"unused.bin\"},"
+           " \"train\": {\"global_batch\": 16, \"seq_len\": 2048},"
+           " \"cluster\": \"%s/configs/clusters/a100-80g-node.json\","
+           " \"strategy\": {\"auto_mode\": \"manual\", \"tensor_parallel\": {\"degree\": 8},"
+           " \"data_parallel\": {\"degree\": 2%s%s}, \"gradient_accumulation_steps\": 2,"
+           " \"recompute\": {\"enable\": true, \"granularity\": \"full\"},"
+           " \"amp\": {\"dtype\": \"fp16\"}}}",
+           model, getenv("MESHRUN_SOURCE_DIR"), micro ? ", \"micro_batches\": " : "",
+           micro ? micro : "");
+  write_file("dp.json", text, path, sizeof path);
+  const char *args[] = {path, "--nproc", "16", "--json", NULL};
+  char *out, *err;
+  ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
+  cJSON *j = cJSON_Parse(out);
+  ck_assert_msg(j != NULL, "not JSON: %s", out);
+  *fixed_out = cJSON_GetObjectItem(
+      cJSON_GetObjectItem(cJSON_GetObjectItem(j, "strategy"), "data_parallel"), "micro_batches");
+  *j_out = j;
+  double step = cJSON_GetObjectItem(j, "step_time_s")->valuedouble;
+  free(out), free(err);
+  return step;
+}
+
+START_TEST(test_plan_cli_fixed_data_parallel_split) {
+  mr_t_tmpdir(dir, sizeof dir);
+  const cJSON *fixed;
+  cJSON *j;
+  double even = plan_18b_dp2(NULL, &fixed, &j);
+  ck_assert_ptr_null(fixed);
+  cJSON_Delete(j);
+  double uneven = plan_18b_dp2("[3, 1]", &fixed, &j);
+  ck_assert_int_eq(cJSON_GetArraySize(fixed), 2);
+  ck_assert_int_eq(cJSON_GetArrayItem(fixed, 0)->valueint, 3);
+  ck_assert_int_eq(cJSON_GetArrayItem(fixed, 1)->valueint, 1);
+  cJSON_Delete(j);
+  ck_assert_msg(uneven > 1.2 * even && uneven < 1.5 * even,
+                "3 + 1 micro-batches: %.2f s a step, 2 + 2: %.2f s", uneven, even);
+}
+END_TEST
+
 START_TEST(test_plan_cli_text_explains_and_times_itself) {
   mr_t_tmpdir(dir, sizeof dir);
   char job[600];
@@ -587,6 +635,7 @@ static Suite *plan_cli_suite(void) {
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, test_plan_cli_json_has_the_job_field_names);
   tcase_add_test(tc, test_plan_cli_fixed_layer_split);
+  tcase_add_test(tc, test_plan_cli_fixed_data_parallel_split);
   tcase_add_test(tc, test_plan_cli_text_explains_and_times_itself);
   tcase_add_test(tc, test_plan_cli_does_not_fit);
   tcase_add_test(tc, test_plan_cli_bad_input_exits_2_naming_it);
