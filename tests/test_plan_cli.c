@@ -94,29 +94,40 @@ START_TEST(test_plan_cli_json_has_the_job_field_names) {
 }
 END_TEST
 
+/* `meshrun plan --json` of the 18.4B model on nproc A100s, global batch
+ * `batch`, full recompute, fp16, with the strategy members given. */
+static cJSON *plan_18b(const char *strategy, int batch, int nproc) {
+  char model[600], text[1400], path[600], n[16];
+  megatron("gpt-18.4b.json", model, sizeof model);
+  snprintf(text, sizeof text,
+           "{\"model\": \"%s\", \"data\": {\"train\": \"unused.bin\"},"
+           " \"train\": {\"global_batch\": %d, \"seq_len\": 2048},"
+           " \"cluster\": \"%s/configs/clusters/a100-80g-node.json\","
+           " \"strategy\": {%s, \"recompute\": {\"enable\": true, \"granularity\": \"full\"},"
+           " \"amp\": {\"dtype\": \"fp16\"}}}",
+           model, batch, getenv("MESHRUN_SOURCE_DIR"), strategy);
+  write_file("plan.json", text, path, sizeof path);
+  snprintf(n, sizeof n, "%d", nproc);
+  const char *args[] = {path, "--nproc", n, "--json", NULL};
+  char *out, *err;
+  ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
+  cJSON *j = cJSON_Parse(out);
+  ck_assert_msg(j != NULL, "not JSON: %s", out);
+  free(out), free(err);
+  return j;
+}
+
 /* The 18.4B model (40 layers) on t 8 x p 2: a job that fixes the split at
  * 30 + 10 layers gets it in --json (strategy and layers_per_chunk) and a
  * step paced by a 30-layer chunk, about 30/20 of the balanced split's
  * pipeline (the search, on the same degrees, splits 20 + 20). */
 static double plan_18b_p2(const char *layers, int *first) {
-  char model[600], text[1200], path[600];
-  megatron("gpt-18.4b.json", model, sizeof model);
-  snprintf(text, sizeof text,
-           "{\"model\": \"%s\", \"data\": {\"train\": \"unused.bin\"},"
-           " \"train\": {\"global_batch\": 1024, \"seq_len\": 2048},"
-           " \"cluster\": \"%s/configs/clusters/a100-80g-node.json\","
-           " \"strategy\": {\"auto_mode\": \"semi\", \"tensor_parallel\": {\"degree\": 8},"
+  char st[600];
+  snprintf(st, sizeof st,
+           "\"auto_mode\": \"semi\", \"tensor_parallel\": {\"degree\": 8},"
            " \"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 32%s%s},"
-           " \"recompute\": {\"enable\": true, \"granularity\": \"full\"},"
-           " \"amp\": {\"dtype\": \"fp16\"}, \"sharding\": {\"stage\": 0}}}",
-           model, getenv("MESHRUN_SOURCE_DIR"), layers ? ", \"layers\": " : "",
-           layers ? layers : "");
-  write_file("split.json", text, path, sizeof path);
-  const char *args[] = {path, "--nproc", "256", "--json", NULL};
-  char *out, *err;
-  ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
-  cJSON *j = cJSON_Parse(out);
-  ck_assert_msg(j != NULL, "not JSON: %s", out);
+           " \"sharding\": {\"stage\": 0}", layers ? ", \"layers\": " : "", layers ? layers : "");
+  cJSON *j = plan_18b(st, 1024, 256);
   const cJSON *lp = cJSON_GetObjectItem(j, "layers_per_chunk");
   ck_assert_int_eq(cJSON_GetArraySize(lp), 2);
   *first = cJSON_GetArrayItem(lp, 0)->valueint;
@@ -125,7 +136,6 @@ static double plan_18b_p2(const char *layers, int *first) {
   ck_assert(layers != NULL ? cJSON_GetArraySize(fixed) == 2 : fixed == NULL);
   double step = cJSON_GetObjectItem(j, "step_time_s")->valuedouble;
   cJSON_Delete(j);
-  free(out), free(err);
   return step;
 }
 
@@ -144,46 +154,33 @@ END_TEST
 /* The 18.4B model on t 8 x d 2, 2 micro-batches a rank: a job that fixes
  * them at 3 + 1 gets them in --json, and a step paced by the rank of 3 —
  * longer than the even split's, by less than half (sync and optimizer stay
- * once a step; the formula is test_cost's). */
-static double plan_18b_dp2(const char *micro, const cJSON **fixed_out, cJSON **j_out) {
-  char model[600], text[1200], path[600];
-  megatron("gpt-18.4b.json", model, sizeof model);
-  snprintf(text, sizeof text,
-           "{\"model\": \"%s\", \"data\": {\"train\": \"unused.bin\"},"
-           " \"train\": {\"global_batch\": 16, \"seq_len\": 2048},"
-           " \"cluster\": \"%s/configs/clusters/a100-80g-node.json\","
-           " \"strategy\": {\"auto_mode\": \"manual\", \"tensor_parallel\": {\"degree\": 8},"
-           " \"data_parallel\": {\"degree\": 2%s%s}, \"gradient_accumulation_steps\": 2,"
-           " \"recompute\": {\"enable\": true, \"granularity\": \"full\"},"
-           " \"amp\": {\"dtype\": \"fp16\"}}}",
-           model, getenv("MESHRUN_SOURCE_DIR"), micro ? ", \"micro_batches\": " : "",
-           micro ? micro : "");
-  write_file("dp.json", text, path, sizeof path);
-  const char *args[] = {path, "--nproc", "16", "--json", NULL};
-  char *out, *err;
-  ck_assert_msg(run_plan(args, &out, &err) == 0, "%s", err);
-  cJSON *j = cJSON_Parse(out);
-  ck_assert_msg(j != NULL, "not JSON: %s", out);
-  *fixed_out = cJSON_GetObjectItem(
+ * once a step; the formula is test_cost's).  The fixed counts into
+ * counts[2] (0 when --json has none). */
+static double plan_18b_dp2(const char *micro, int *counts) {
+  char st[600];
+  snprintf(st, sizeof st,
+           "\"auto_mode\": \"manual\", \"tensor_parallel\": {\"degree\": 8},"
+           " \"data_parallel\": {\"degree\": 2%s%s}, \"gradient_accumulation_steps\": 2",
+           micro ? ", \"micro_batches\": " : "", micro ? micro : "");
+  cJSON *j = plan_18b(st, 16, 16);
+  const cJSON *fixed = cJSON_GetObjectItem(
       cJSON_GetObjectItem(cJSON_GetObjectItem(j, "strategy"), "data_parallel"), "micro_batches");
-  *j_out = j;
+  counts[0] = counts[1] = 0;
+  for (int i = 0; i < 2 && i < cJSON_GetArraySize(fixed); i++)
+    counts[i] = cJSON_GetArrayItem(fixed, i)->valueint;
   double step = cJSON_GetObjectItem(j, "step_time_s")->valuedouble;
-  free(out), free(err);
+  cJSON_Delete(j);
   return step;
 }
 
 START_TEST(test_plan_cli_fixed_data_parallel_split) {
   mr_t_tmpdir(dir, sizeof dir);
-  const cJSON *fixed;
-  cJSON *j;
-  double even = plan_18b_dp2(NULL, &fixed, &j);
-  ck_assert_ptr_null(fixed);
-  cJSON_Delete(j);
-  double uneven = plan_18b_dp2("[3, 1]", &fixed, &j);
-  ck_assert_int_eq(cJSON_GetArraySize(fixed), 2);
-  ck_assert_int_eq(cJSON_GetArrayItem(fixed, 0)->valueint, 3);
-  ck_assert_int_eq(cJSON_GetArrayItem(fixed, 1)->valueint, 1);
-  cJSON_Delete(j);
+  int counts[2];
+  double even = plan_18b_dp2(NULL, counts);
+  ck_assert_int_eq(counts[0], 0);
+  double uneven = plan_18b_dp2("[3, 1]", counts);
+  ck_assert_int_eq(counts[0], 3);
+  ck_assert_int_eq(counts[1], 1);
   ck_assert_msg(uneven > 1.2 * even && uneven < 1.5 * even,
                 "3 + 1 micro-batches: %.2f s a step, 2 + 2: %.2f s", uneven, even);
 }
