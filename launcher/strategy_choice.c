@@ -34,6 +34,17 @@ static int runs(const struct mr_job *job, const struct mr_strategy *st, int worl
   return rc;
 }
 
+/* The job's micro-batches per data rank, when they apply to the chosen
+ * strategy, as "3,1" into out->dp_split. */
+static void note_split(const struct mr_job *job, struct mr_strategy_choice *out) {
+  const struct mr_strategy_hint *h = &job->strategy;
+  size_t at = 0;
+  for (int d = 0; h->n_dp_micro == out->chosen.strategy.dp && d < h->n_dp_micro &&
+                  at + 16 < sizeof out->dp_split; d++)
+    at += (size_t)snprintf(out->dp_split + at, sizeof out->dp_split - at, "%s%d", d ? "," : "",
+                           h->dp_micro[d]);
+}
+
 int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_choice *out) {
   memset(out, 0, sizeof *out);
   const char *name = job->cluster != NULL ? job->cluster : "cpu-local";
@@ -66,6 +77,7 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
     MR_TRY(mr_plan_choose(&req, &out->chosen));
     out->best = out->chosen;
     out->have_best = 1;
+    note_split(job, out);
     return runs(job, &out->chosen.strategy, world, out->program_digests);
   }
   struct mr_plan_result *res = calloc(1, sizeof *res);
@@ -96,6 +108,7 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
   if (rc < 0)
     return mr_error_set(MR_ENOFIT, "none of the planner's best strategies can be run: %s",
                         first_err);
+  note_split(job, out);
   return 0;
 }
 
@@ -187,6 +200,10 @@ void mr_strategy_print(const struct mr_strategy_choice *c, FILE *f) {
   char line[512];
   describe(&c->chosen, line, sizeof line);
   fprintf(f, "meshrun: strategy: %s\n", line);
+  if (c->dp_split[0] != '\0')
+    fprintf(f, "meshrun: micro-batches by data-parallel rank: %s "
+            "(strategy.data_parallel.micro_batches; the step paced by the busiest)\n",
+            c->dp_split);
   if (c->have_best && memcmp(&c->best.strategy, &c->chosen.strategy, sizeof c->best.strategy)) {
     describe(&c->best, line, sizeof line);
     fprintf(f, "meshrun: the planner's best, which this job cannot run: %s\n", line);

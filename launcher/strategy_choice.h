@@ -22,6 +22,8 @@ struct mr_strategy_choice {
   int have_best;
   char cluster_path[4096];
   uint64_t *program_digests;         // [world]: each rank's program as checked
+  char dp_split[128];                // "3,1": the job's micro-batches per data
+                                     // rank, when it sets them; else ""
 };
 
 /* Chooses for job on world ranks.  Returns 0, MR_ENOFIT, MR_EINVAL /
