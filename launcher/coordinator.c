@@ -763,89 +763,101 @@ static void check_balance(struct coordinator *co) {
   free(busy), free(slowness), free(counts);
 }
 
-/* Re-balances data-parallel ranks that run at different speeds (no
- * pipeline, ZeRO 0-1): each data rank's work per step (its slowest
- * rank's) over the sequences it ran gives its speed; when another split of
- * the step's micro-batches (launcher/rebalance.h) would cut the step by at
- * least MESHRUN_REBALANCE_GAIN, in STRAGGLER_STREAK checks running, a
- * checkpoint is written and the group starts again from it with that
- * split (strategy.data_parallel.micro_batches, and the micro-batches per
- * step when the job leaves them open).  A job that fixes its split keeps
- * it; an elastic job that can spare a node leaves a slow one out instead
- * (check_slow_node), as it always has. */
-static void check_dp_balance(struct coordinator *co) {
-  double min_gain = replan_gain(co); /* 0 without a job (the self-check) */
-  if (!(min_gain > 0) || co->opts->job->strategy.n_dp_micro > 0 ||
-      (elastic(co) && co->n_group_nodes - 1 >= co->opts->min_nodes))
-    return;
+/* Without a pipeline, every rank waits for the slowest at the gradient
+ * all-reduce, so a slow rank holds up the step.  Two ways out, weighed by
+ * the share of the step each saves, the larger taken when it reaches
+ * MESHRUN_REBALANCE_GAIN in STRAGGLER_STREAK checks running (a checkpoint
+ * is written and the group starts again from it):
+ * - give the slow data rank fewer of the step's micro-batches (ZeRO 0-1,
+ *   unless the job fixes the split): each data rank's work per step (its
+ *   slowest rank's) and the part its micro-batches do give its speed and
+ *   the part that stays; launcher/rebalance.h deals the step's slices;
+ * - leave the slow node out of an elastic job (--nnodes MIN allowing;
+ *   node 0 stays): when a node's ranks work B_k a step against at most
+ *   B_o on the others, the step T carries B_k - B_o of waiting for it;
+ *   without the node the others' share grows by n/(n - 1), so the step
+ *   would be T - (B_k - B_o) + B_o/(n - 1), communication unchanged.
+ * A node slow by a fixed time a step (its micro-batches no slower) gains
+ * nothing from fewer of them and is left out; a node slow at its work
+ * keeps what it can do. */
+struct dp_option {
+  int dp, n_micro;
+  double *busy, *micro;       // [dp] each data rank's work and its micro-batches' part
+  int *counts;                // [dp] the split
+  double gain;
+};
+
+static void dp_option_close(struct dp_option *o) {
+  free(o->busy), free(o->micro), free(o->counts);
+  memset(o, 0, sizeof *o);
+}
+
+/* The micro-batch split's gain into o (0 when it does not apply). */
+static void dp_option(struct coordinator *co, struct dp_option *o) {
   const struct mr_strategy_hint *h = &co->opts->job->strategy;
-  read_split(co);
+  memset(o, 0, sizeof *o);
   int dp = co->split.dp;
-  if (co->split.pp != 1 || dp < 2 || co->split.zero >= 2 || dp * co->split.tp != co->world)
+  if (h->n_dp_micro > 0 || dp < 2 || co->split.zero >= 2 || dp * co->split.tp != co->world)
     return;
-  double *busy = calloc((size_t)dp, sizeof *busy), *micro = calloc((size_t)dp, sizeof *micro);
-  int *counts = calloc((size_t)dp, sizeof *counts);
-  int ok = busy != NULL && micro != NULL && counts != NULL;
+  o->dp = dp;
+  o->busy = calloc((size_t)dp, sizeof *o->busy);
+  o->micro = calloc((size_t)dp, sizeof *o->micro);
+  o->counts = calloc((size_t)dp, sizeof *o->counts);
+  int ok = o->busy != NULL && o->micro != NULL && o->counts != NULL;
   for (int i = 0; i < co->world && ok; i++) { /* each data rank's slowest */
     const struct mr_rank *r = &co->ranks.r[i];
     int d = i / co->split.tp;
     ok = r->busy_n >= 2 * STRAGGLER_EVERY;
-    if (ok && r->busy_s > busy[d])
-      busy[d] = r->busy_s, micro[d] = r->micro_s;
+    if (ok && r->busy_s > o->busy[d])
+      o->busy[d] = r->busy_s, o->micro[d] = r->micro_s;
   }
-  struct mr_dp_rebalance_in in = {dp, co->split.n_micro, co->split.dp_micro, busy, micro,
+  struct mr_dp_rebalance_in in = {dp, co->split.n_micro, co->split.dp_micro, o->busy, o->micro,
                                   co->split.global_batch,
                                   h->grad_accum_steps > 0 || h->micro_batches > 0};
-  struct mr_dp_rebalance_out out = {0, counts, 0, 0};
-  double step = co->ranks.r[0].step_s, gain = 0;
-  if (ok && step > 0 && mr_dp_rebalance(&in, &out) == 0)
-    gain = (out.now - out.then) / step;
-  co->balance_streak = gain >= min_gain ? co->balance_streak + 1 : 0;
-  if (co->balance_streak >= STRAGGLER_STREAK) {
-    co->balance_streak = 0;
-    char work[256] = "", now[256];
-    for (int d = 0; d < dp && strlen(work) + 16 < sizeof work; d++)
-      snprintf(work + strlen(work), sizeof work - strlen(work), "%s%.1f", d ? ", " : "",
-               busy[d] * 1e3);
-    format_counts(counts, dp, now, sizeof now);
-    uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
-    double step_s = 0;
-    char *text = digests != NULL ? mr_plan_with_dp_split(co->opts->job, co->plan_text,
-                                                         co->world, out.n_micro, counts, dp,
-                                                         digests, &step_s)
-                                 : NULL;
-    if (text == NULL) {
-      MR_WARN("launch", "the data-parallel ranks run unbalanced (work per step by data rank: "
-              "%s ms) but micro-batches %s cannot run: %s", work, now, mr_error_message());
-      free(digests);
-    } else {
-      MR_WARN("launch", "the data-parallel ranks run unbalanced (work per step by data rank: "
-              "%s ms): running %s of %d micro-batches cuts the step by about %.0f%%; writing "
-              "a checkpoint, then starting again", work, now, dp * out.n_micro, 100.0 * gain);
-      free(co->balanced_text), free(co->balanced_digests);
-      co->balanced_text = text, co->balanced_digests = digests, co->balanced_s = step_s;
-      ask_regroup(co, REGROUP_DP_BALANCE);
-    }
+  struct mr_dp_rebalance_out out = {0, o->counts, 0, 0};
+  double step = co->ranks.r[0].step_s;
+  if (ok && step > 0 && mr_dp_rebalance(&in, &out) == 0) {
+    o->gain = (out.now - out.then) / step;
+    o->n_micro = out.n_micro;
   }
-  free(busy), free(micro), free(counts);
 }
 
-/* An elastic job leaves out a node that runs slow: without pipeline
- * stages every rank does the same work and waits for the slowest at every
- * step, so when a node's ranks work B_k a step against at most B_o on the
- * others, the step T carries B_k - B_o of waiting for it; without the node
- * the others' share of the batch grows by n/(n - 1), so the step would be
- * T - (B_k - B_o) + B_o/(n - 1), communication unchanged.  When that is at
- * least MESHRUN_REBALANCE_GAIN faster in STRAGGLER_STREAK checks running,
- * and --nnodes MIN allows it, a checkpoint is written and the group starts
- * again without the node, planned for the ranks left.  Node 0 stays. */
-static void check_slow_node(struct coordinator *co) {
-  double min_gain = replan_gain(co);
-  int n = co->n_group_nodes;
-  if (!elastic(co) || !(min_gain > 0) || n - 1 < co->opts->min_nodes)
+static void begin_dp_rebalance(struct coordinator *co, const struct dp_option *o) {
+  char work[256] = "", now[256];
+  for (int d = 0; d < o->dp && strlen(work) + 16 < sizeof work; d++)
+    snprintf(work + strlen(work), sizeof work - strlen(work), "%s%.1f", d ? ", " : "",
+             o->busy[d] * 1e3);
+  format_counts(o->counts, o->dp, now, sizeof now);
+  uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
+  double step_s = 0;
+  char *text = digests != NULL ? mr_plan_with_dp_split(co->opts->job, co->plan_text, co->world,
+                                                       o->n_micro, o->counts, o->dp, digests,
+                                                       &step_s)
+                               : NULL;
+  if (text == NULL) {
+    MR_WARN("launch", "the data-parallel ranks run unbalanced (work per step by data rank: "
+            "%s ms) but micro-batches %s cannot run: %s", work, now, mr_error_message());
+    free(digests);
     return;
-  read_split(co);
-  if (co->split.pp != 1)
+  }
+  MR_WARN("launch", "the data-parallel ranks run unbalanced (work per step by data rank: %s ms): "
+          "running %s of %d micro-batches cuts the step by about %.0f%%; writing a checkpoint, "
+          "then starting again", work, now, o->dp * o->n_micro, 100.0 * o->gain);
+  free(co->balanced_text), free(co->balanced_digests);
+  co->balanced_text = text, co->balanced_digests = digests, co->balanced_s = step_s;
+  ask_regroup(co, REGROUP_DP_BALANCE);
+}
+
+struct node_option {
+  int top;                    // the node's place in the group
+  double worst, others, gain; // its work a step, the others' most, the share saved
+};
+
+/* Leaving out the busiest node's gain into o (0 when it does not apply). */
+static void node_option(struct coordinator *co, struct node_option *o) {
+  int n = co->n_group_nodes;
+  memset(o, 0, sizeof *o);
+  if (!elastic(co) || n - 1 < co->opts->min_nodes)
     return;
   double *node_busy = calloc((size_t)n, sizeof *node_busy); /* by place in the group */
   if (node_busy == NULL)
@@ -859,25 +871,48 @@ static void check_slow_node(struct coordinator *co) {
     node_busy[i / co->node_ranks] = fmax(node_busy[i / co->node_ranks], r->busy_s);
   }
   /* only the busiest node can be worth leaving out: any other waits for it */
-  int top = 0;
   for (int pos = 1; pos < n; pos++)
-    top = node_busy[pos] > node_busy[top] ? pos : top;
-  double worst = node_busy[top], others = 0, step = co->ranks.r[0].step_s;
+    o->top = node_busy[pos] > node_busy[o->top] ? pos : o->top;
+  o->worst = node_busy[o->top];
   for (int pos = 0; pos < n; pos++)
-    others = pos != top ? fmax(others, node_busy[pos]) : others;
+    o->others = pos != o->top ? fmax(o->others, node_busy[pos]) : o->others;
   free(node_busy);
-  double gain = top > 0 && worst - others > STRAGGLER_MIN_S && step > 0
-                    ? (worst - others - others / (n - 1)) / step : 0;
-  co->slow_streak = gain >= min_gain ? co->slow_streak + 1 : 0;
-  if (co->slow_streak < STRAGGLER_STREAK)
+  double step = co->ranks.r[0].step_s;
+  o->gain = o->top > 0 && o->worst - o->others > STRAGGLER_MIN_S && step > 0
+                ? (o->worst - o->others - o->others / (n - 1)) / step : 0;
+}
+
+static void check_slow_ranks(struct coordinator *co) {
+  double min_gain = replan_gain(co); /* 0 without a job (the self-check) */
+  if (!(min_gain > 0))
     return;
-  co->slow_streak = 0;
-  co->leaving = co->group_nodes[top];
-  MR_WARN("launch", "node %d runs slow: %.1f ms of work a step against at most %.1f ms on the "
-          "others; leaving it out (%d of %d nodes) cuts the step by about %.0f%%; writing a "
-          "checkpoint, then starting again", co->leaving, worst * 1e3, others * 1e3, n - 1,
-          co->nnodes, 100.0 * gain);
-  ask_regroup(co, REGROUP_SLOW_NODE);
+  read_split(co);
+  if (co->split.pp != 1)
+    return;
+  struct dp_option d;
+  struct node_option k;
+  dp_option(co, &d);
+  node_option(co, &k);
+  int by_dp = d.gain >= k.gain;
+  if (d.gain >= min_gain || k.gain >= min_gain)
+    MR_DEBUG("launch", "slow ranks: fewer micro-batches for the slow would save %.0f%% of the "
+             "step, leaving node %d out %.0f%%", 100.0 * d.gain, co->group_nodes[k.top],
+             100.0 * k.gain);
+  co->balance_streak = by_dp && d.gain >= min_gain ? co->balance_streak + 1 : 0;
+  co->slow_streak = !by_dp && k.gain >= min_gain ? co->slow_streak + 1 : 0;
+  if (co->balance_streak >= STRAGGLER_STREAK) {
+    co->balance_streak = 0;
+    begin_dp_rebalance(co, &d);
+  } else if (co->slow_streak >= STRAGGLER_STREAK) {
+    co->slow_streak = 0;
+    co->leaving = co->group_nodes[k.top];
+    MR_WARN("launch", "node %d runs slow: %.1f ms of work a step against at most %.1f ms on the "
+            "others; leaving it out (%d of %d nodes) cuts the step by about %.0f%%; writing a "
+            "checkpoint, then starting again", co->leaving, k.worst * 1e3, k.others * 1e3,
+            co->n_group_nodes - 1, co->nnodes, 100.0 * k.gain);
+    ask_regroup(co, REGROUP_SLOW_NODE);
+  }
+  dp_option_close(&d);
 }
 
 #define WARMUP_STEPS 2 // a group's first steps allocate and fill caches
@@ -923,8 +958,7 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
   if (c->rank == 0 && m->step % STRAGGLER_EVERY == 0) {
     check_stragglers(co);
     check_balance(co);
-    check_dp_balance(co);
-    check_slow_node(co);
+    check_slow_ranks(co);
   }
   r->step = m->step;
   if (m->peak_memory_bytes > r->peak_memory)

@@ -117,7 +117,8 @@ int mr_dp_rebalance(const struct mr_dp_rebalance_in *in, struct mr_dp_rebalance_
     out->now = fmax(out->now, in->busy[d]);
   }
   /* the slices there are, unless there is one a rank and the job leaves
-   * their number open: then the fewest within 20% of the best count */
+   * their number open: then the fewest micro-batches that save at least
+   * 80% of what the best count saves */
   int lo = in->n_micro, hi = in->n_micro;
   if (in->n_micro == 1 && !in->fixed_micro)
     lo = 1, hi = (int)(in->global_batch / dp);
@@ -129,7 +130,7 @@ int mr_dp_rebalance(const struct mr_dp_rebalance_in *in, struct mr_dp_rebalance_
     if (in->global_batch % ((int64_t)dp * n) != 0)
       continue;
     double pace = deal(dp, n, (double)in->global_batch / ((double)dp * n), fixed, u, trial);
-    if (pace <= 1.2 * best) {
+    if (out->now - pace >= 0.8 * (out->now - best)) {
       out->n_micro = n;
       out->then = pace;
       memcpy(out->counts, trial, (size_t)dp * sizeof *trial);

@@ -52,9 +52,9 @@ int mr_rebalance(const struct mr_rebalance_in *in, struct mr_rebalance_out *out)
  * work less its micro-batches') plus its slices' at its measured time per
  * sequence.  The micro-batch count of the step changes only when the
  * slices it has cannot be moved (one a rank) and the job leaves it open:
- * then the fewest micro-batches whose pace is within 20% of the best of
- * the counts the batch divides into (smaller micro-batches cost efficiency
- * the arithmetic does not see). */
+ * then, of the counts the batch divides into, the fewest micro-batches
+ * that save at least 80% of what the best saves (smaller micro-batches
+ * cost efficiency the arithmetic does not see). */
 struct mr_dp_rebalance_in {
   int dp, n_micro;            // data-parallel degree, micro-batches per step now
   const int *counts;          // [dp] each data rank's micro-batches now (NULL: n_micro each)

@@ -535,6 +535,58 @@ START_TEST(test_nodes_elastic_leaves_out_a_slow_node) {
 }
 END_TEST
 
+/* Elastic (--nnodes 1:2), node 1's rank 3x slower at its work
+ * (MESHRUN_TEST_SLOW=1:x3): leaving node 1 out would save about a third of
+ * the step, giving it fewer micro-batches about half (docs/PLANNER.md), so
+ * node 0 re-balances the micro-batches and keeps the node; the loss at the
+ * end is that of two ranks never slowed.  (A node slow by a fixed time a
+ * step is left out: test_nodes_elastic_leaves_out_a_slow_node.) */
+START_TEST(test_nodes_elastic_slow_node_keeps_a_smaller_share) {
+  enum { STEPS = 60 };
+  char dir[64], path[300];
+  mr_t_tmpdir(dir, sizeof dir);
+  snprintf(path, sizeof path, "%s/train.bin", dir);
+  mr_t_write_tokens(path, 40000);
+  static const char *const names[] = {"ref.json", "job.json"};
+  for (int i = 0; i < 2; i++) {
+    snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f,
+            "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"
+            " \"intermediate_size\": 128, \"num_hidden_layers\": 8, \"num_attention_heads\": 4,"
+            " \"max_position_embeddings\": 32},"
+            " \"data\": {\"train\": \"train.bin\"},"
+            " \"train\": {\"steps\": %d, \"global_batch\": 8, \"seq_len\": 32, \"lr\": 0.003,"
+            " \"seed\": 11}%s%s%s,"
+            " \"strategy\": {\"auto_mode\": \"manual\", \"data_parallel\": {\"degree\": 2}}}\n",
+            STEPS, i ? ", \"checkpoint\": {\"dir\": \"" : "", i ? dir : "",
+            i ? "/ckpt\", \"save_interval_steps\": 10}" : "");
+    fclose(f);
+  }
+  one_node_n(dir, "ref.json", "one", "2");
+  int port = free_port();
+  struct mr_tproc n[2];
+  char *others[] = {"--join-timeout", "60", NULL};
+  snprintf(slow_env, sizeof slow_env, "MESHRUN_TEST_SLOW=1:x3");
+  nnodes_arg = "1:2";
+  nproc_arg = "1";
+  node(&n[1], dir, "job.json", 1, port, "token", "n1", others);
+  node(&n[0], dir, "job.json", 0, port, "token", "n0", NULL);
+  nnodes_arg = nproc_arg = "2";
+  slow_env[0] = '\0';
+  expect_exit(&n[0], 0, "node 0", 180);
+  expect_exit(&n[1], 0, "node 1", 30);
+  stderr_has(&n[0], "the data-parallel ranks run unbalanced");
+  stderr_has(&n[0], "starting the group again with the data-parallel ranks' micro-batches "
+                    "re-balanced");
+  char *err = mr_t_slurp(n[0].err_path);
+  ck_assert_msg(strstr(err, "runs slow:") == NULL, "left the node out:\n%s", err);
+  free(err);
+  ends_as_uninterrupted(dir, STEPS, "with node 1's share re-balanced");
+}
+END_TEST
+
 /* Slurm host lists: the first host, by hand; malformed ones refused. */
 START_TEST(test_nodes_slurm_first_host) {
   static const char *const good[][2] = {
@@ -721,6 +773,7 @@ static Suite *nodes_suite(void) {
   tcase_add_test(tc, test_nodes_elastic_goes_on_without_a_lost_node);
   tcase_add_test(tc, test_nodes_elastic_takes_in_a_late_node);
   tcase_add_test(tc, test_nodes_elastic_leaves_out_a_slow_node);
+  tcase_add_test(tc, test_nodes_elastic_slow_node_keeps_a_smaller_share);
   tcase_add_test(tc, test_nodes_wrong_token_and_missing_node);
   tcase_add_test(tc, test_nodes_rank_count_mismatch);
   tcase_add_test(tc, test_nodes_bad_flags);

@@ -77,8 +77,8 @@ END_TEST
  * the split stays 1 + 1, pace 4; at 2 (slices of 2 sequences) the
  * slices go 2 + 1, 3 + 1: pace max(3 x 2 x 0.25, 1 x 2 x 1) = 2; at 4
  * (slices of 1) rank 0 takes every slice while (k + 1) x 0.25 < 2 x 1:
- * 7 + 1, pace max(1.75, 1) = 1.75, the best; 2's 2 is within 20% of it
- * (1.75 x 1.2 = 2.1), and fewer micro-batches, so 2, 3 + 1. */
+ * 7 + 1, pace max(1.75, 1) = 1.75, the best, saving 2.25 of 4; 2 saves
+ * 2, at least 80% of that (1.8), with fewer micro-batches: 2, 3 + 1. */
 START_TEST(test_rebalance_data_parallel_by_hand) {
   int to[4];
   double busy[2] = {1, 4};
@@ -90,9 +90,10 @@ START_TEST(test_rebalance_data_parallel_by_hand) {
   ck_assert_int_eq(to[1], 1);
   NEAR(out.now, 4);
   NEAR(out.then, 2);
-  /* 6x slower: at 2, 3 + 1 paces at max(1.5, 2 x 1.5) = 3; at 4 rank 0
-   * takes slices while (k + 1) x 0.25 < 2 x 1.5: 7 + 1, max(1.75, 1.5);
-   * 3 > 1.2 x 1.75, so 4 micro-batches, 7 + 1 */
+  /* 6x slower (now 6): at 2, 3 + 1 paces at max(1.5, 2 x 1.5) = 3; at 4
+   * rank 0 takes slices while (k + 1) x 0.25 < 2 x 1.5: 7 + 1,
+   * max(1.75, 1.5), saving 4.25; 2 saves 3, less than 80% of it (3.4), so
+   * 4 micro-batches, 7 + 1 */
   busy[1] = 6;
   ck_assert_int_eq(mr_dp_rebalance(&in, &out), 0);
   ck_assert_int_eq(out.n_micro, 4);
