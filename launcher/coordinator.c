@@ -679,6 +679,15 @@ static int stage_busy(const struct coordinator *co, int pp, double *busy) {
   return 1;
 }
 
+/* Asks for the checkpoint the group starts again from, running plan text
+ * (its programs' digests, its predicted step) from then on. */
+static void regroup_with(struct coordinator *co, char *text, uint64_t *digests, double step_s,
+                         enum regroup kind) {
+  free(co->balanced_text), free(co->balanced_digests);
+  co->balanced_text = text, co->balanced_digests = digests, co->balanced_s = step_s;
+  ask_regroup(co, kind);
+}
+
 /* Lowers and checks the plan with the layers moved, then asks for the
  * checkpoint the group starts again from with it. */
 static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_out *out, int k,
@@ -703,9 +712,7 @@ static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_ou
   MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work by stage: %s): "
           "moving layers %s -> %s cuts the slowest chunk's time by %.0f%%; writing a checkpoint, "
           "then starting again", speeds, was, now, 100.0 * out->gain);
-  free(co->balanced_text), free(co->balanced_digests);
-  co->balanced_text = text, co->balanced_digests = digests, co->balanced_s = step_s;
-  ask_regroup(co, REGROUP_BALANCE);
+  regroup_with(co, text, digests, step_s, REGROUP_BALANCE);
 }
 
 /* The least share of the step a regroup for slow ranks must save
@@ -843,9 +850,7 @@ static void begin_dp_rebalance(struct coordinator *co, const struct dp_option *o
   MR_WARN("launch", "the data-parallel ranks run unbalanced (work per step by data rank: %s ms): "
           "running %s of %d micro-batches cuts the step by about %.0f%%; writing a checkpoint, "
           "then starting again", work, now, o->dp * o->n_micro, 100.0 * o->gain);
-  free(co->balanced_text), free(co->balanced_digests);
-  co->balanced_text = text, co->balanced_digests = digests, co->balanced_s = step_s;
-  ask_regroup(co, REGROUP_DP_BALANCE);
+  regroup_with(co, text, digests, step_s, REGROUP_DP_BALANCE);
 }
 
 struct node_option {

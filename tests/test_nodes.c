@@ -547,27 +547,12 @@ END_TEST
  * a smaller share saves under a fifth of the step. */
 START_TEST(test_nodes_elastic_slow_node_keeps_a_smaller_share) {
   enum { STEPS = 60 };
-  char dir[64], path[300];
+  char dir[64], ckpt[300];
   mr_t_tmpdir(dir, sizeof dir);
-  snprintf(path, sizeof path, "%s/train.bin", dir);
-  mr_t_write_tokens(path, 40000);
-  static const char *const names[] = {"ref.json", "job.json"};
-  for (int i = 0; i < 2; i++) {
-    snprintf(path, sizeof path, "%s/%s", dir, names[i]);
-    FILE *f = fopen(path, "w");
-    ck_assert_ptr_nonnull(f);
-    fprintf(f,
-            "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"
-            " \"intermediate_size\": 128, \"num_hidden_layers\": 8, \"num_attention_heads\": 4,"
-            " \"max_position_embeddings\": 32},"
-            " \"data\": {\"train\": \"train.bin\"},"
-            " \"train\": {\"steps\": %d, \"global_batch\": 8, \"seq_len\": 32, \"lr\": 0.003,"
-            " \"seed\": 11}%s%s%s,"
-            " \"strategy\": {\"auto_mode\": \"manual\", \"data_parallel\": {\"degree\": 2}}}\n",
-            STEPS, i ? ", \"checkpoint\": {\"dir\": \"" : "", i ? dir : "",
-            i ? "/ckpt\", \"save_interval_steps\": 10}" : "");
-    fclose(f);
-  }
+  snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
+  static const char dp2[] = "\"data_parallel\": {\"degree\": 2}";
+  mr_t_write_llama8_job(dir, "ref.json", STEPS, NULL, dp2);
+  mr_t_write_llama8_job(dir, "job.json", STEPS, ckpt, dp2);
   one_node_n(dir, "ref.json", "one", "2");
   int port = free_port();
   struct mr_tproc n[2];

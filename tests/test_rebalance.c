@@ -147,27 +147,12 @@ START_TEST(test_rebalance_data_parallel_by_hand) {
 }
 END_TEST
 
-/* An 8-layer LLaMA, `steps` steps, checkpoints every 10, under strategy
- * (JSON members); written to dir/NAME. */
+/* The 8-layer LLaMA under strategy (JSON members), checkpoints every 10
+ * into dir/ckpt-NAME; written to dir/NAME. */
 static void write_job_with(const char *dir, const char *name, int steps, const char *strategy) {
-  char path[300];
-  snprintf(path, sizeof path, "%s/train.bin", dir);
-  if (access(path, F_OK) != 0)
-    mr_t_write_tokens(path, 40000);
-  snprintf(path, sizeof path, "%s/%s", dir, name);
-  FILE *f = fopen(path, "w");
-  ck_assert_ptr_nonnull(f);
-  fprintf(f,
-          "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"
-          " \"intermediate_size\": 128, \"num_hidden_layers\": 8, \"num_attention_heads\": 4,"
-          " \"max_position_embeddings\": 32},"
-          " \"data\": {\"train\": \"train.bin\"},"
-          " \"train\": {\"steps\": %d, \"global_batch\": 8, \"seq_len\": 32, \"lr\": 0.003,"
-          " \"seed\": 11},"
-          " \"checkpoint\": {\"dir\": \"%s/ckpt-%s\", \"save_interval_steps\": 10},"
-          " \"strategy\": {\"auto_mode\": \"manual\", %s}}\n",
-          steps, dir, name, strategy);
-  fclose(f);
+  char ckpt[300];
+  snprintf(ckpt, sizeof ckpt, "%s/ckpt-%s", dir, name);
+  mr_t_write_llama8_job(dir, name, steps, ckpt, strategy);
 }
 
 /* Over a 2-stage pipeline of 4 micro-batches, with `layers` (or none). */

@@ -218,6 +218,28 @@ int mr_t_read_losses(const char *metrics_path, double *loss, int max) {
   return n;
 }
 
+void mr_t_write_llama8_job(const char *dir, const char *name, int steps, const char *ckpt_dir,
+                           const char *strategy) {
+  char path[400];
+  snprintf(path, sizeof path, "%s/train.bin", dir);
+  if (access(path, F_OK) != 0)
+    mr_t_write_tokens(path, 40000);
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fprintf(f,
+          "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 64,"
+          " \"intermediate_size\": 128, \"num_hidden_layers\": 8, \"num_attention_heads\": 4,"
+          " \"max_position_embeddings\": 32},"
+          " \"data\": {\"train\": \"train.bin\"},"
+          " \"train\": {\"steps\": %d, \"global_batch\": 8, \"seq_len\": 32, \"lr\": 0.003,"
+          " \"seed\": 11}%s%s%s,"
+          " \"strategy\": {\"auto_mode\": \"manual\", %s}}\n",
+          steps, ckpt_dir ? ", \"checkpoint\": {\"dir\": \"" : "", ckpt_dir ? ckpt_dir : "",
+          ckpt_dir ? "\", \"save_interval_steps\": 10}" : "", strategy);
+  fclose(f);
+}
+
 int mr_t_count_files(const char *dir) {
   DIR *d = opendir(dir);
   if (d == NULL)

@@ -61,6 +61,13 @@ int mr_t_gone(pid_t pid);
  * learn. */
 void mr_t_write_tokens(const char *path, int n);
 
+/* The slow-rank jobs: an 8-layer LLaMA (hidden 64, 4 heads, vocabulary
+ * 128, sequence 32, global batch 8, seed 11), `steps` steps on dir/train.bin
+ * (written when missing), checkpoints every 10 into ckpt_dir (NULL: none),
+ * strategy manual plus the members given; written to dir/NAME. */
+void mr_t_write_llama8_job(const char *dir, const char *name, int steps, const char *ckpt_dir,
+                           const char *strategy);
+
 /* Reads the per-step "loss" values of a metrics.jsonl into loss (at most
  * max); returns how many. */
 int mr_t_read_losses(const char *metrics_path, double *loss, int max);
