@@ -804,7 +804,7 @@ static void dp_option(struct coordinator *co, struct dp_option *o) {
   const struct mr_strategy_hint *h = &co->opts->job->strategy;
   memset(o, 0, sizeof *o);
   int dp = co->split.dp;
-  if (h->n_dp_micro > 0 || dp < 2 || co->split.zero >= 2 || dp * co->split.tp != co->world)
+  if (h->n_dp_micro > 0 || dp < 2 || co->split.zero >= 2) /* no pipeline: dp x tp ranks */
     return;
   o->dp = dp;
   o->busy = calloc((size_t)dp, sizeof *o->busy);

@@ -122,22 +122,22 @@ int mr_dp_rebalance(const struct mr_dp_rebalance_in *in, struct mr_dp_rebalance_
   int lo = in->n_micro, hi = in->n_micro;
   if (in->n_micro == 1 && !in->fixed_micro)
     lo = 1, hi = (int)(in->global_batch / dp);
-  double best = INFINITY;
-  for (int n = lo; n <= hi && rc == 0; n++)
-    if (in->global_batch % ((int64_t)dp * n) == 0)
-      best = fmin(best, deal(dp, n, (double)in->global_batch / ((double)dp * n), fixed, u, trial));
+  double *pace = malloc((size_t)(hi - lo + 1) * sizeof *pace), best = INFINITY;
+  if (pace == NULL && rc == 0)
+    rc = MR_ENOMEM;
   for (int n = lo; n <= hi && rc == 0; n++) {
-    if (in->global_batch % ((int64_t)dp * n) != 0)
-      continue;
-    double pace = deal(dp, n, (double)in->global_batch / ((double)dp * n), fixed, u, trial);
-    if (out->now - pace >= 0.8 * (out->now - best)) {
+    pace[n - lo] = INFINITY; /* a count the batch does not divide into */
+    if (in->global_batch % ((int64_t)dp * n) == 0)
+      pace[n - lo] = deal(dp, n, (double)in->global_batch / ((double)dp * n), fixed, u, trial);
+    best = fmin(best, pace[n - lo]);
+  }
+  for (int n = lo; n <= hi && rc == 0; n++)
+    if (out->now - pace[n - lo] >= 0.8 * (out->now - best)) {
       out->n_micro = n;
-      out->then = pace;
-      memcpy(out->counts, trial, (size_t)dp * sizeof *trial);
+      out->then = deal(dp, n, (double)in->global_batch / ((double)dp * n), fixed, u, out->counts);
       break;
     }
-  }
-  free(u), free(fixed), free(trial);
+  free(u), free(fixed), free(trial), free(pace);
   return rc;
 }
 

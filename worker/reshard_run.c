@@ -62,7 +62,7 @@ static void peer_local(const struct mr_reshard_ctx *x, int md, int i,
   mr_dist_local(x->mesh, d, ndim, shape, c, off, len);
 }
 
-static enum mr_red_op red(enum mr_reduce_op op) {
+enum mr_red_op mr_reshard_red_op(enum mr_reduce_op op) {
   return op == MR_REDUCE_AVG ? MR_RED_AVG : op == MR_REDUCE_MAX ? MR_RED_MAX : MR_RED_SUM;
 }
 
@@ -125,7 +125,7 @@ static int step(struct mr_reshard_ctx *x, const struct mr_reshard_step *s,
     return 0;
   }
   case MR_RS_ALL_REDUCE:
-    MR_TRY(mr_comm_all_reduce(grp, cur, dst, n_in, dt, red(s->op), &req));
+    MR_TRY(mr_comm_all_reduce(grp, cur, dst, n_in, dt, mr_reshard_red_op(s->op), &req));
     return wait_req(x, req);
   case MR_RS_REDUCE_SCATTER: {
     int64_t piece = n_in / (size_t)(len[s->tdim] ? len[s->tdim] : 1) *
@@ -145,7 +145,7 @@ static int step(struct mr_reshard_ctx *x, const struct mr_reshard_step *s,
                                (size_t)(piece - used) * es));
     }
     char *recv = pack + (size_t)(k * piece) * es;
-    MR_TRY(mr_comm_reduce_scatter(grp, pack, recv, (size_t)piece, dt, red(s->op), &req));
+    MR_TRY(mr_comm_reduce_scatter(grp, pack, recv, (size_t)piece, dt, mr_reshard_red_op(s->op), &req));
     MR_TRY(wait_req(x, req));
     return be->ops->copy2d(be, dst, 0, recv, 0, n_out * es, 1);
   }

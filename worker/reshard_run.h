@@ -25,6 +25,9 @@ struct mr_reshard_ctx {
   double wait_s;                                 // time blocked, accumulated
 };
 
+/* The comm backend's reduction for a placement's. */
+enum mr_red_op mr_reshard_red_op(enum mr_reduce_op op);
+
 /* Runs plan on the local shard `in` of a tensor of global shape[ndim] and
  * dtype dt under src, writing the shard under the plan's last DistAttr to
  * out (in and out may not overlap the scratch buffers).  Returns 0 or a

@@ -255,22 +255,30 @@ int mr__rt_gather(struct mr_runtime *rt, const struct mr_ins *in, const struct m
   return mr__rt_wait_req(rt, req);
 }
 
-/* Sum of one float over the model, data and pipe groups. */
-int mr__rt_allreduce_all(struct mr_runtime *rt, float *v, enum mr_red_op op) {
-  struct mr_comm_group *gs[3] = {rt->model_g, rt->data_g, rt->pipe_g};
+/* One float all-reduced over gs[0..n) in turn (NULL: a group of one),
+ * with ops[i]. */
+static int allreduce_seq(struct mr_runtime *rt, int n, struct mr_comm_group *const *gs,
+                         const enum mr_red_op *ops, float *v) {
   float *dev = rt->scalar;
   int rc = rt->be->ops->copy(rt->be, NULL, dev, v, sizeof *v, MR_COPY_HOST_TO_DEVICE);
-  for (int i = 0; i < 3 && rc == 0; i++) {
+  for (int i = 0; i < n && rc == 0; i++) {
     if (gs[i] == NULL)
       continue;
     struct mr_comm_req *req;
-    rc = mr_comm_all_reduce(gs[i], dev, dev, 1, MR_F32, op, &req);
+    rc = mr_comm_all_reduce(gs[i], dev, dev, 1, MR_F32, ops[i], &req);
     if (rc == 0)
       rc = mr__rt_wait_req(rt, req);
   }
   if (rc == 0)
     rc = rt->be->ops->copy(rt->be, NULL, v, dev, sizeof *v, MR_COPY_DEVICE_TO_HOST);
   return rc;
+}
+
+/* Sum of one float over the model, data and pipe groups. */
+int mr__rt_allreduce_all(struct mr_runtime *rt, float *v, enum mr_red_op op) {
+  struct mr_comm_group *gs[3] = {rt->model_g, rt->data_g, rt->pipe_g};
+  enum mr_red_op ops[3] = {op, op, op};
+  return allreduce_seq(rt, 3, gs, ops, v);
 }
 
 int mr__rt_optimizer(struct mr_runtime *rt, int64_t step, struct mr_step_report *r) {
@@ -380,7 +388,6 @@ int mr__rt_param_sync(struct mr_runtime *rt) {
   return rc < 0 ? rc : r2;
 }
 
-/* The loss of the last stage to every stage. */
 /* Micro-batches set per data rank: the loss of a step (or an evaluation
  * batch: lay.n_micro micro-batches on every rank) from the sum of this
  * rank's partial losses, the loss edge's steps run once on it (all-reduces
@@ -388,9 +395,9 @@ int mr__rt_param_sync(struct mr_runtime *rt) {
  * Elsewhere (and on stages without the loss) *loss is left as it is. */
 int mr__rt_step_loss(struct mr_runtime *rt, double partial_sum, float *loss) {
   const struct mr_lowered *L = rt->L;
-  int le = mr_lowered_loss_edge(L);
   if (L->dp_micro == NULL || rt->p.pipe != L->lay.pp - 1)
     return 0;
+  int le = mr_lowered_loss_edge(L);
   float v = (float)partial_sum;
   for (int s = 0; le >= 0 && s < L->dg.edges[le].plan.n_steps; s++) {
     const struct mr_reshard_step *st = &L->dg.edges[le].plan.steps[s];
@@ -400,21 +407,15 @@ int mr__rt_step_loss(struct mr_runtime *rt, double partial_sum, float *loss) {
     }
     struct mr_comm_group *g = st->mesh_dim == L->data_dim ? rt->data_g
                               : st->mesh_dim == L->model_dim ? rt->model_g : NULL;
-    if (g == NULL || st->group_size <= 1)
-      continue;
-    float *dev = rt->scalar;
-    struct mr_comm_req *req;
-    MR_TRY(rt->be->ops->copy(rt->be, NULL, dev, &v, sizeof v, MR_COPY_HOST_TO_DEVICE));
-    enum mr_red_op op = st->op == MR_REDUCE_AVG ? MR_RED_AVG
-                         : st->op == MR_REDUCE_MAX ? MR_RED_MAX : MR_RED_SUM;
-    MR_TRY(mr_comm_all_reduce(g, dev, dev, 1, MR_F32, op, &req));
-    MR_TRY(mr__rt_wait_req(rt, req));
-    MR_TRY(rt->be->ops->copy(rt->be, NULL, &v, dev, sizeof v, MR_COPY_DEVICE_TO_HOST));
+    enum mr_red_op op = mr_reshard_red_op(st->op);
+    if (st->group_size > 1)
+      MR_TRY(allreduce_seq(rt, 1, &g, &op, &v));
   }
   *loss = v / (float)L->lay.n_micro;
   return 0;
 }
 
+/* The loss of the last stage to every stage. */
 int mr__rt_share_loss(struct mr_runtime *rt, float *loss) {
   if (rt->pipe_g == NULL)
     return 0;

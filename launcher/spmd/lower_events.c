@@ -93,8 +93,9 @@ static void edge_events(struct build *b, struct mr_ins *in, int e, int only,
 
 void mr__lower_loss_events(struct build *b, struct mr_ins *in) {
   const struct mr_lowered *L = b->L;
-  if (L->dp_micro != NULL && b->p->pipe == L->lay.pp - 1 && mr_lowered_loss_edge(L) >= 0)
-    edge_events(b, in, mr_lowered_loss_edge(L), -1, NULL);
+  int le = L->dp_micro != NULL && b->p->pipe == L->lay.pp - 1 ? mr_lowered_loss_edge(L) : -1;
+  if (le >= 0)
+    edge_events(b, in, le, -1, NULL);
 }
 
 /* The grad-sync edge of parameter t, or -1. */

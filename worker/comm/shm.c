@@ -586,7 +586,8 @@ static void shm_free_state(struct shm *s) {
  * mid-step.  Where there is no room, the zero-copy heaps go first, then the
  * chunk halves, down to SHM_MIN_SLOT: slower large transfers, but the job
  * runs; a warning says what was given up.  tmpfs leaves the size 0 when it
- * cannot reserve, so a peer never maps a size that is taken back. */
+ * cannot reserve, so a peer never maps a size that is taken back.  Returns
+ * 1 when it made do with less than asked, 0, or an error. */
 static int reserve(struct mr__group *g, struct shm *s, int fd, size_t hdr, size_t cb) {
   size_t asked_slot = s->slot_bytes, asked_bytes = 0;
   for (;;) {
@@ -617,12 +618,13 @@ static int reserve(struct mr__group *g, struct shm *s, int fd, size_t hdr, size_
                           g->desc, asked_bytes >> 10, s->bytes >> 10, strerror(e));
     }
   }
-  if (s->bytes != asked_bytes)
-    MR_WARN("comm", "group %s: /dev/shm has no room for %zu KiB; made do with %zu KiB "
-            "(%zu KiB chunks instead of %zu): large transfers are slower (a container's "
-            "/dev/shm is small: docker run --shm-size=1g)", g->desc, asked_bytes >> 10,
-            s->bytes >> 10, s->slot_bytes >> 10, asked_slot >> 10);
-  return 0;
+  if (s->bytes == asked_bytes)
+    return 0;
+  MR_WARN("comm", "group %s: /dev/shm has no room for %zu KiB; made do with %zu KiB "
+          "(%zu KiB chunks instead of %zu): large transfers are slower (a container's "
+          "/dev/shm is small: docker run --shm-size=1g)", g->desc, asked_bytes >> 10,
+          s->bytes >> 10, s->slot_bytes >> 10, asked_slot >> 10);
+  return 1;
 }
 
 static int shm_open_group(struct mr__group *g) {
@@ -640,7 +642,7 @@ static int shm_open_group(struct mr__group *g) {
   s->heap_bytes = (size_t)mr_tunable_int(MR_TUNABLE_COMM_SHM_HEAP_BYTES);
   s->heap_bytes = (s->heap_bytes + 4095) & ~(size_t)4095;
   s->small_bytes = (size_t)mr_tunable_int(MR_TUNABLE_COMM_SHM_SMALL_BYTES);
-  size_t asked_slot = s->slot_bytes, asked_heap = s->heap_bytes;
+  int fitted = 0;
   s->ctl = calloc((size_t)n, sizeof *s->ctl);
   s->stage = calloc((size_t)n, sizeof *s->stage);
   s->heap = calloc((size_t)n, sizeof *s->heap);
@@ -671,6 +673,8 @@ static int shm_open_group(struct mr__group *g) {
       shm_unlink(s->name);
       goto err;
     }
+    fitted = rc;
+    rc = 0;
   } else {
     while ((fd = shm_open(s->name, O_RDWR, 0600)) < 0) {
       if (errno != ENOENT || mr_clock_ns() > deadline) {
@@ -714,7 +718,7 @@ static int shm_open_group(struct mr__group *g) {
     h->heap_bytes = s->heap_bytes;
     h->stride = stride;
     h->total = s->bytes;
-    h->fitted = s->slot_bytes != asked_slot || s->heap_bytes != asked_heap;
+    h->fitted = (uint64_t)fitted;
     atomic_store_explicit(&h->magic, SEG_MAGIC, memory_order_release);
   } else {
     while (atomic_load_explicit(&h->magic, memory_order_acquire) != SEG_MAGIC) {
