@@ -107,8 +107,8 @@ struct coordinator {
   enum regroup regroup;     //   the group stops to start again, not a failure
   struct mr_split split;    // the running plan's layers per pipeline chunk
   int split_known;          //   (read at the group's first balance check)
-  int balance_streak;       // balance checks in a row that found a faster split
-  int slow_streak;          // checks in a row that found a node worth leaving out
+  enum regroup slow_kind;   // the way out of slow ranks the last check chose
+  int slow_streak;          //   and the checks in a row that chose it
   unsigned char *left_out;  // [nnodes] elastic nodes left out for running slow
   int stop_signal;          // SIGINT/SIGTERM that stopped us, or 0
   int exit_code;
@@ -739,54 +739,60 @@ static void read_split(struct coordinator *co) {
     mr_split_close(&co->split);
 }
 
-/* Re-balances a pipeline whose stages run at different speeds: when moving
- * layers off the slow stages would make the slowest chunk at least
- * MESHRUN_REBALANCE_GAIN faster, in STRAGGLER_STREAK checks running, a
- * checkpoint is written and the group starts again from it with the new
- * split (not a failure).  A job that fixes its split keeps it. */
-static void check_balance(struct coordinator *co) {
-  double min_gain = replan_gain(co);
-  if (!(min_gain > 0) || co->opts->job->strategy.n_chunk_layers > 0)
-    return;
-  read_split(co);
-  int pp = co->split.pp, k = pp * co->split.vp;
-  if (pp < 2)
-    return;
-  double *busy = calloc((size_t)pp, sizeof *busy), *slowness = calloc((size_t)pp, sizeof *slowness);
-  int *counts = calloc((size_t)k, sizeof *counts);
-  struct mr_rebalance_in in = {pp, co->split.vp, co->split.n_layers, co->split.counts,
-                               co->split.layer, co->split.first, co->split.last, busy};
-  struct mr_rebalance_out out = {slowness, counts, 0, 0, 0};
-  if (busy != NULL && slowness != NULL && counts != NULL && stage_busy(co, pp, busy) &&
-      mr_rebalance(&in, &out) == 0 && out.gain >= min_gain &&
-      memcmp(counts, co->split.counts, (size_t)k * sizeof *counts) != 0)
-    co->balance_streak++;
-  else
-    co->balance_streak = 0;
-  if (co->balance_streak >= STRAGGLER_STREAK) {
-    co->balance_streak = 0;
-    begin_rebalance(co, &out, k, pp);
-  }
-  free(busy), free(slowness), free(counts);
-}
-
-/* Without a pipeline, every rank waits for the slowest at the gradient
- * all-reduce, so a slow rank holds up the step.  Two ways out, weighed by
- * the share of the step each saves, the larger taken when it reaches
- * MESHRUN_REBALANCE_GAIN in STRAGGLER_STREAK checks running (a checkpoint
- * is written and the group starts again from it):
+/* A rank that runs slow holds up the step: its stage's peers wait for it
+ * at every collective, the pipeline at every send, the data ranks at the
+ * gradient all-reduce.  Three ways out, weighed by the share of the step
+ * each saves, the largest taken when it reaches MESHRUN_REBALANCE_GAIN in
+ * STRAGGLER_STREAK checks running (a checkpoint is written and the group
+ * starts again from it with the new plan; not a failure):
+ * - move layers off the slow pipeline stages (unless the job fixes the
+ *   split): each stage's work per step (its slowest rank's) against the
+ *   work its layers give it; launcher/rebalance.h splits the layers and
+ *   says the share of the pipeline's pace saved;
  * - give the slow data rank fewer of the step's micro-batches (ZeRO 0-1,
  *   unless the job fixes the split): each data rank's work per step (its
- *   slowest rank's) and the part its micro-batches do give its speed and
- *   the part that stays; launcher/rebalance.h deals the step's slices;
- * - leave the slow node out of an elastic job (--nnodes MIN allowing;
- *   node 0 stays): when a node's ranks work B_k a step against at most
- *   B_o on the others, the step T carries B_k - B_o of waiting for it;
- *   without the node the others' share grows by n/(n - 1), so the step
- *   would be T - (B_k - B_o) + B_o/(n - 1), communication unchanged.
+ *   slowest rank's, over every stage of its pipeline) and the part its
+ *   micro-batches do give its speed and the part that stays;
+ *   launcher/rebalance.h deals the step's slices;
+ * - leave the slow node out of an elastic job without a pipeline
+ *   (--nnodes MIN allowing; node 0 stays): when a node's ranks work B_k a
+ *   step against at most B_o on the others, the step T carries B_k - B_o
+ *   of waiting for it; without the node the others' share grows by
+ *   n/(n - 1), so the step would be T - (B_k - B_o) + B_o/(n - 1),
+ *   communication unchanged.
  * A node slow by a fixed time a step (its micro-batches no slower) gains
  * nothing from fewer of them and is left out; a node slow at its work
- * keeps what it can do. */
+ * keeps what it can do; a slow replica of every stage keeps its layers
+ * and gets fewer micro-batches. */
+struct layer_option {
+  double *busy, *slowness;    // [pp]
+  struct mr_rebalance_out out;
+  double gain;
+};
+
+static void layer_option_close(struct layer_option *o) {
+  free(o->busy), free(o->slowness), free(o->out.counts);
+  memset(o, 0, sizeof *o);
+}
+
+/* Moving layers' gain into o (0 when it does not apply). */
+static void layer_option(struct coordinator *co, struct layer_option *o) {
+  memset(o, 0, sizeof *o);
+  int pp = co->split.pp, k = pp * co->split.vp;
+  if (pp < 2 || co->opts->job->strategy.n_chunk_layers > 0)
+    return;
+  o->busy = calloc((size_t)pp, sizeof *o->busy);
+  o->slowness = calloc((size_t)pp, sizeof *o->slowness);
+  o->out.counts = calloc((size_t)k, sizeof *o->out.counts);
+  o->out.slowness = o->slowness;
+  struct mr_rebalance_in in = {pp, co->split.vp, co->split.n_layers, co->split.counts,
+                               co->split.layer, co->split.first, co->split.last, o->busy};
+  if (o->busy != NULL && o->slowness != NULL && o->out.counts != NULL &&
+      stage_busy(co, pp, o->busy) && mr_rebalance(&in, &o->out) == 0 &&
+      memcmp(o->out.counts, co->split.counts, (size_t)k * sizeof *o->out.counts) != 0)
+    o->gain = o->out.gain;
+}
+
 struct dp_option {
   int dp, n_micro;
   double *busy, *micro;       // [dp] each data rank's work and its micro-batches' part
@@ -804,7 +810,7 @@ static void dp_option(struct coordinator *co, struct dp_option *o) {
   const struct mr_strategy_hint *h = &co->opts->job->strategy;
   memset(o, 0, sizeof *o);
   int dp = co->split.dp;
-  if (h->n_dp_micro > 0 || dp < 2 || co->split.zero >= 2) /* no pipeline: dp x tp ranks */
+  if (h->n_dp_micro > 0 || dp < 2 || co->split.zero >= 2 || co->split.data_of == NULL)
     return;
   o->dp = dp;
   o->busy = calloc((size_t)dp, sizeof *o->busy);
@@ -813,14 +819,16 @@ static void dp_option(struct coordinator *co, struct dp_option *o) {
   int ok = o->busy != NULL && o->micro != NULL && o->counts != NULL;
   for (int i = 0; i < co->world && ok; i++) { /* each data rank's slowest */
     const struct mr_rank *r = &co->ranks.r[i];
-    int d = i / co->split.tp;
+    int d = co->split.data_of[i];
     ok = r->busy_n >= 2 * STRAGGLER_EVERY;
     if (ok && r->busy_s > o->busy[d])
       o->busy[d] = r->busy_s, o->micro[d] = r->micro_s;
   }
+  int pp = co->split.pp, vp = co->split.vp;
   struct mr_dp_rebalance_in in = {dp, co->split.n_micro, co->split.dp_micro, o->busy, o->micro,
                                   co->split.global_batch,
-                                  h->grad_accum_steps > 0 || h->micro_batches > 0};
+                                  pp > 1 || h->grad_accum_steps > 0 || h->micro_batches > 0,
+                                  (double)(pp - 1) / vp, vp > 1 ? pp : 1};
   struct mr_dp_rebalance_out out = {0, o->counts, 0, 0};
   double step = co->ranks.r[0].step_s;
   if (ok && step > 0 && mr_dp_rebalance(&in, &out) == 0) {
@@ -837,8 +845,9 @@ static void begin_dp_rebalance(struct coordinator *co, const struct dp_option *o
   format_counts(o->counts, o->dp, now, sizeof now);
   uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
   double step_s = 0;
+  int n_micro = o->n_micro == co->split.n_micro ? 0 : o->n_micro; /* 0: the plan's count */
   char *text = digests != NULL ? mr_plan_with_dp_split(co->opts->job, co->plan_text, co->world,
-                                                       o->n_micro, o->counts, o->dp, digests,
+                                                       n_micro, o->counts, o->dp, digests,
                                                        &step_s)
                                : NULL;
   if (text == NULL) {
@@ -892,31 +901,43 @@ static void check_slow_ranks(struct coordinator *co) {
   if (!(min_gain > 0))
     return;
   read_split(co);
-  if (co->split.pp != 1)
+  if (co->split.pp < 1)
     return;
+  struct layer_option l;
   struct dp_option d;
-  struct node_option k;
+  struct node_option k = {0};
+  layer_option(co, &l);
   dp_option(co, &d);
-  node_option(co, &k);
-  int by_dp = d.gain >= k.gain;
-  if (d.gain >= min_gain || k.gain >= min_gain)
-    MR_DEBUG("launch", "slow ranks: fewer micro-batches for the slow would save %.0f%% of the "
-             "step, leaving node %d out %.0f%%", 100.0 * d.gain, co->group_nodes[k.top],
-             100.0 * k.gain);
-  co->balance_streak = by_dp && d.gain >= min_gain ? co->balance_streak + 1 : 0;
-  co->slow_streak = !by_dp && k.gain >= min_gain ? co->slow_streak + 1 : 0;
-  if (co->balance_streak >= STRAGGLER_STREAK) {
-    co->balance_streak = 0;
-    begin_dp_rebalance(co, &d);
-  } else if (co->slow_streak >= STRAGGLER_STREAK) {
+  if (co->split.pp == 1)
+    node_option(co, &k);
+  double best = fmax(l.gain, fmax(d.gain, k.gain));
+  enum regroup kind = !(best >= min_gain)  ? REGROUP_NONE
+                      : best == l.gain ? REGROUP_BALANCE
+                      : best == d.gain ? REGROUP_DP_BALANCE
+                                       : REGROUP_SLOW_NODE;
+  if (kind != REGROUP_NONE)
+    MR_DEBUG("launch", "slow ranks: moving layers would save %.0f%% of the step, fewer "
+             "micro-batches for the slow %.0f%%, leaving node %d out %.0f%%", 100.0 * l.gain,
+             100.0 * d.gain, co->group_nodes[k.top], 100.0 * k.gain);
+  co->slow_streak = kind == REGROUP_NONE ? 0 : kind == co->slow_kind ? co->slow_streak + 1 : 1;
+  co->slow_kind = kind;
+  if (kind != REGROUP_NONE && co->slow_streak >= STRAGGLER_STREAK) {
     co->slow_streak = 0;
-    co->leaving = co->group_nodes[k.top];
-    MR_WARN("launch", "node %d runs slow: %.1f ms of work a step against at most %.1f ms on the "
-            "others; leaving it out (%d of %d nodes) cuts the step by about %.0f%%; writing a "
-            "checkpoint, then starting again", co->leaving, k.worst * 1e3, k.others * 1e3,
-            co->n_group_nodes - 1, co->nnodes, 100.0 * k.gain);
-    ask_regroup(co, REGROUP_SLOW_NODE);
+    co->slow_kind = REGROUP_NONE;
+    if (kind == REGROUP_BALANCE) {
+      begin_rebalance(co, &l.out, co->split.pp * co->split.vp, co->split.pp);
+    } else if (kind == REGROUP_DP_BALANCE) {
+      begin_dp_rebalance(co, &d);
+    } else {
+      co->leaving = co->group_nodes[k.top];
+      MR_WARN("launch", "node %d runs slow: %.1f ms of work a step against at most %.1f ms on "
+              "the others; leaving it out (%d of %d nodes) cuts the step by about %.0f%%; "
+              "writing a checkpoint, then starting again", co->leaving, k.worst * 1e3,
+              k.others * 1e3, co->n_group_nodes - 1, co->nnodes, 100.0 * k.gain);
+      ask_regroup(co, REGROUP_SLOW_NODE);
+    }
   }
+  layer_option_close(&l);
   dp_option_close(&d);
 }
 
@@ -962,7 +983,6 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
   r->stage = m->stage;
   if (c->rank == 0 && m->step % STRAGGLER_EVERY == 0) {
     check_stragglers(co);
-    check_balance(co);
     check_slow_ranks(co);
   }
   r->step = m->step;
@@ -1238,7 +1258,7 @@ static int start_group(struct coordinator *co) {
   co->failure[0] = '\0';
   co->failed_rank = -1;
   co->pending = REGROUP_NONE;
-  co->balance_streak = 0;
+  co->slow_kind = REGROUP_NONE;
   co->slow_streak = 0;
   co->split_known = 0;
   mr_split_close(&co->split);

@@ -69,30 +69,37 @@ done:
   return rc;
 }
 
-/* Deals dp * n slices of q sequences one at a time to the data rank that
- * would finish it first (fixed[d]: its per-step work, u[d]: its time per
- * sequence); the pace. */
-static double deal(int dp, int n, double q, const double *fixed, const double *u, int *counts) {
+/* Deals dp * n slices of q sequences, `unit` at a time, to the data rank
+ * that would finish them first (fixed[d]: its per-step work, u[d]: its
+ * time per sequence, bubble: the pipeline's fill and drain in slices);
+ * the pace. */
+static double deal(const struct mr_dp_rebalance_in *in, int n, double q, const double *fixed,
+                   const double *u, int *counts) {
+  int dp = in->dp, unit = in->unit > 1 ? in->unit : 1;
+  double b = in->bubble;
   for (int d = 0; d < dp; d++)
-    counts[d] = 1;
-  for (int left = dp * n - dp; left > 0; left--) {
+    counts[d] = unit;
+  for (int left = dp * n - dp * unit; left > 0; left -= unit) {
     int best = 0;
     for (int d = 1; d < dp; d++)
-      if (fixed[d] + (counts[d] + 1) * q * u[d] < fixed[best] + (counts[best] + 1) * q * u[best])
+      if (fixed[d] + (counts[d] + unit + b) * q * u[d] <
+          fixed[best] + (counts[best] + unit + b) * q * u[best])
         best = d;
-    counts[best]++;
+    counts[best] += unit;
   }
   double pace = 0;
   for (int d = 0; d < dp; d++)
-    pace = fmax(pace, fixed[d] + counts[d] * q * u[d]);
+    pace = fmax(pace, fixed[d] + (counts[d] + b) * q * u[d]);
   return pace;
 }
 
 int mr_dp_rebalance(const struct mr_dp_rebalance_in *in, struct mr_dp_rebalance_out *out) {
-  int dp = in->dp, sum = 0;
-  if (dp < 1 || in->n_micro < 1 || in->global_batch % ((int64_t)dp * in->n_micro) != 0)
+  int dp = in->dp, sum = 0, unit = in->unit > 1 ? in->unit : 1;
+  if (dp < 1 || in->n_micro < 1 || in->global_batch % ((int64_t)dp * in->n_micro) != 0 ||
+      in->n_micro % unit != 0 || !(in->bubble >= 0))
     return mr_error_set(MR_EINVAL, "rebalance: %lld sequences do not split over %d data ranks "
-                        "x %d micro-batches", (long long)in->global_batch, dp, in->n_micro);
+                        "x %d micro-batches (%d at a time)", (long long)in->global_batch, dp,
+                        in->n_micro, unit);
   for (int d = 0; d < dp; d++)
     sum += in->counts != NULL ? in->counts[d] : in->n_micro;
   if (sum != dp * in->n_micro)
@@ -114,7 +121,7 @@ int mr_dp_rebalance(const struct mr_dp_rebalance_in *in, struct mr_dp_rebalance_
       rc = mr_error_set(MR_EINVAL, "rebalance: data rank %d has no measured work", d);
     fixed[d] = in->busy[d] - micro;
     u[d] = micro / (k * q_now); /* per sequence */
-    out->now = fmax(out->now, in->busy[d]);
+    out->now = fmax(out->now, in->busy[d] + in->bubble * q_now * u[d]);
   }
   /* the slices there are, unless there is one a rank and the job leaves
    * their number open: then the fewest micro-batches that save at least
@@ -127,14 +134,14 @@ int mr_dp_rebalance(const struct mr_dp_rebalance_in *in, struct mr_dp_rebalance_
     rc = MR_ENOMEM;
   for (int n = lo; n <= hi && rc == 0; n++) {
     pace[n - lo] = INFINITY; /* a count the batch does not divide into */
-    if (in->global_batch % ((int64_t)dp * n) == 0)
-      pace[n - lo] = deal(dp, n, (double)in->global_batch / ((double)dp * n), fixed, u, trial);
+    if (in->global_batch % ((int64_t)dp * n) == 0 && n % unit == 0)
+      pace[n - lo] = deal(in, n, (double)in->global_batch / ((double)dp * n), fixed, u, trial);
     best = fmin(best, pace[n - lo]);
   }
   for (int n = lo; n <= hi && rc == 0; n++)
     if (out->now - pace[n - lo] >= 0.8 * (out->now - best)) {
       out->n_micro = n;
-      out->then = deal(dp, n, (double)in->global_batch / ((double)dp * n), fixed, u, out->counts);
+      out->then = deal(in, n, (double)in->global_batch / ((double)dp * n), fixed, u, out->counts);
       break;
     }
   free(u), free(fixed), free(trial), free(pace);
@@ -161,13 +168,19 @@ int mr_split_of_plan(const struct mr_job *job, const char *plan, int world, stru
     out->counts[c] = L.chunk_first_layer[c + 1] - L.chunk_first_layer[c];
   out->dp = L.lay.dp, out->tp = L.lay.tp, out->zero = L.lay.zero, out->n_micro = L.lay.n_micro;
   out->global_batch = job->train.global_batch;
-  if (L.dp_micro != NULL) {
-    if ((out->dp_micro = malloc((size_t)L.lay.dp * sizeof *out->dp_micro)) == NULL) {
-      mr_lowered_close(&L);
-      mr_split_close(out);
-      return MR_ENOMEM;
-    }
+  out->data_of = malloc((size_t)world * sizeof *out->data_of);
+  if (L.dp_micro != NULL)
+    out->dp_micro = malloc((size_t)L.lay.dp * sizeof *out->dp_micro);
+  if (out->data_of == NULL || (L.dp_micro != NULL && out->dp_micro == NULL)) {
+    mr_lowered_close(&L);
+    mr_split_close(out);
+    return MR_ENOMEM;
+  }
+  if (L.dp_micro != NULL)
     memcpy(out->dp_micro, L.dp_micro, (size_t)L.lay.dp * sizeof *out->dp_micro);
+  for (int r = 0; r < world; r++) {
+    int pipe, model;
+    mr_lower_coords(&L.lay, r, &pipe, &out->data_of[r], &model);
   }
   mr_lowered_close(&L);
   return 0;
@@ -176,6 +189,7 @@ int mr_split_of_plan(const struct mr_job *job, const char *plan, int world, stru
 void mr_split_close(struct mr_split *s) {
   free(s->counts);
   free(s->dp_micro);
+  free(s->data_of);
   memset(s, 0, sizeof *s);
 }
 
@@ -253,6 +267,8 @@ static int set_dp_micro(cJSON *o, const void *arg) {
     return mr_error_set(MR_EINVAL, "%s: the plan has no data parallelism", a->path);
   cJSON_DeleteItemFromObjectCaseSensitive(dp, "micro_batches");
   cJSON_AddItemToObject(dp, "micro_batches", cJSON_CreateIntArray(a->counts, a->n));
+  if (a->n_micro == 0) /* the count kept */
+    return 0;
   cJSON *pp = strategy_item(o, "pipeline_parallel");
   if (cJSON_IsObject(pp)) { /* no pipeline: its micro-batches are accumulation's */
     cJSON_DeleteItemFromObjectCaseSensitive(pp, "micro_batches");

@@ -54,7 +54,13 @@ int mr_rebalance(const struct mr_rebalance_in *in, struct mr_rebalance_out *out)
  * slices it has cannot be moved (one a rank) and the job leaves it open:
  * then, of the counts the batch divides into, the fewest micro-batches
  * that save at least 80% of what the best saves (smaller micro-batches
- * cost efficiency the arithmetic does not see). */
+ * cost efficiency the arithmetic does not see).  Over a pipeline a data
+ * rank is a replica of every stage, whose step is its micro-batches plus
+ * the fill and drain: (k + p - 1) slots under 1F1B and GPipe, (k + (p -
+ * 1)/v) interleaved (whose micro-batches go p at a time), a slot being
+ * its slowest rank's work per micro-batch (Narayanan et al. 2021, §2.2);
+ * the count is then kept (more micro-batches would shrink the bubble for
+ * every replica, a choice the planner weighs with what they cost). */
 struct mr_dp_rebalance_in {
   int dp, n_micro;            // data-parallel degree, micro-batches per step now
   const int *counts;          // [dp] each data rank's micro-batches now (NULL: n_micro each)
@@ -64,6 +70,8 @@ struct mr_dp_rebalance_in {
                               //   it whatever its share); NULL: all of it
   int64_t global_batch;       // sequences per step
   int fixed_micro;            // 1: keep n_micro (the job fixes the micro-batches)
+  double bubble;              // slots of pipeline fill and drain (0: no pipeline)
+  int unit;                   // micro-batches dealt at a time (0 or 1: one)
 };
 
 struct mr_dp_rebalance_out {
@@ -85,6 +93,7 @@ struct mr_split {
   int dp, tp, zero, n_micro;  // the layout (struct mr_layout)
   int64_t global_batch;
   int *dp_micro;              // [dp] data_parallel.micro_batches, NULL: even
+  int *data_of;               // [world] each rank's data-parallel coordinate
 };
 int mr_split_of_plan(const struct mr_job *job, const char *plan, int world, struct mr_split *out);
 void mr_split_close(struct mr_split *s);
@@ -99,9 +108,9 @@ char *mr_plan_with_split(const struct mr_job *job, const char *plan, int world,
                          const int *counts, int n, uint64_t *digests, double *step_s);
 
 /* The plan with n_micro micro-batches a step (gradient accumulation; no
- * pipeline) split over the data-parallel ranks as counts[dp]
- * (strategy.data_parallel.micro_batches), checked as mr_plan_with_split
- * checks. */
+ * pipeline; 0: the plan's count, pipeline or not) split over the
+ * data-parallel ranks as counts[dp] (strategy.data_parallel.micro_batches),
+ * checked as mr_plan_with_split checks. */
 char *mr_plan_with_dp_split(const struct mr_job *job, const char *plan, int world, int n_micro,
                             const int *counts, int dp, uint64_t *digests, double *step_s);
 

@@ -4,7 +4,8 @@
  * (MESHRUN_TEST_SLOW=1:x4), which the launcher re-balances from a
  * checkpoint to a faster step and the losses of a run never slowed.  A
  * data-parallel rank that runs slow gets fewer micro-batches, the same
- * way: by hand, the plan, and a real run. */
+ * way: by hand, the plan, and a real run, without a pipeline and as a
+ * slow replica of one. */
 #include <check.h>
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -82,7 +83,7 @@ END_TEST
 START_TEST(test_rebalance_data_parallel_by_hand) {
   int to[4];
   double busy[2] = {1, 4};
-  struct mr_dp_rebalance_in in = {2, 1, NULL, busy, NULL, 8, 0};
+  struct mr_dp_rebalance_in in = {2, 1, NULL, busy, NULL, 8, 0, 0, 0};
   struct mr_dp_rebalance_out out = {0, to, 0, 0};
   ck_assert_int_eq(mr_dp_rebalance(&in, &out), 0);
   ck_assert_int_eq(out.n_micro, 2);
@@ -147,6 +148,47 @@ START_TEST(test_rebalance_data_parallel_by_hand) {
 }
 END_TEST
 
+/* By hand, over a pipeline.  Two replicas of 4 stages under 1F1B (3
+ * slots of fill and drain), 4 micro-batches of 1 sequence each, replica 1
+ * measured 1.7x slower: 1 and 1.7 a micro-batch, now max(4 + 3, 6.8 +
+ * 3 x 1.7) = 11.9.  A replica with k finishes at (k + 3) x its slot: its
+ * fill and drain grow with its slowness, so replica 0 takes slices while
+ * (k + 4) x 1 < (k1 + 4) x 1.7: to 5 (9 > 8.5), replica 1 a second one,
+ * then replica 0 its sixth (9 < 10.2): 6 + 2, pace max(9, 8.5) = 9.  Without
+ * the pipeline (bubble 0) the same speeds deal 5 + 3 (pace max(5, 5.1)).
+ * Interleaved (v 2: half a slot each end; micro-batches 2 at a time), 2
+ * stages, replica 1 4x slow (1 and 4 a micro-batch, now max(4.5, 18)):
+ * replica 0 takes 2 at a time while (k + 2.5) < (2 + 2.5) x 4: 6 + 2,
+ * pace max(6.5, 10) = 10 (one at a time would have given 7 + 1). */
+START_TEST(test_rebalance_data_parallel_pipeline_by_hand) {
+  int to[2];
+  double busy[2] = {4, 6.8};
+  struct mr_dp_rebalance_in in = {2, 4, NULL, busy, NULL, 8, 1, 3, 1};
+  struct mr_dp_rebalance_out out = {0, to, 0, 0};
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), 0);
+  ck_assert_int_eq(out.n_micro, 4);
+  ck_assert_int_eq(to[0], 6);
+  ck_assert_int_eq(to[1], 2);
+  NEAR(out.now, 11.9);
+  NEAR(out.then, 9);
+  in.bubble = 0;
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), 0);
+  ck_assert_int_eq(to[0], 5);
+  ck_assert_int_eq(to[1], 3);
+  NEAR(out.then, 5.1);
+  in.bubble = 0.5, in.unit = 2;
+  busy[1] = 16;
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), 0);
+  ck_assert_int_eq(to[0], 6);
+  ck_assert_int_eq(to[1], 2);
+  NEAR(out.now, 18);
+  NEAR(out.then, 10);
+  /* a count the rounds do not divide: refused */
+  in.n_micro = 3, in.global_batch = 6;
+  ck_assert_int_eq(mr_dp_rebalance(&in, &out), MR_EINVAL);
+}
+END_TEST
+
 /* The 8-layer LLaMA under strategy (JSON members), checkpoints every 10
  * into dir/ckpt-NAME; written to dir/NAME. */
 static void write_job_with(const char *dir, const char *name, int steps, const char *strategy) {
@@ -199,6 +241,31 @@ START_TEST(test_rebalance_plan_with_dp_split) {
                                            NULL));
   ck_assert_msg(strstr(mr_error_message(), "data_parallel.micro_batches") != NULL, "%s",
                 mr_error_message());
+  mr_job_close(&job);
+  /* over a 2-stage pipeline of 4 micro-batches a replica: the data
+   * coordinate runs after the model's (1 here), before the pipeline's, so
+   * ranks 1 and 3 are data rank 1; the count is kept (0) */
+  write_job_with(dir, "pipe.json", 4,
+                 "\"data_parallel\": {\"degree\": 2}, "
+                 "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 4}");
+  snprintf(path, sizeof path, "%s/pipe.json", dir);
+  ck_assert_msg(mr_job_load(path, &job) == 0, "%s", mr_error_message());
+  ck_assert_int_eq(mr_split_of_plan(&job, job.text, 4, &s), 0);
+  ck_assert_int_eq(s.pp, 2);
+  ck_assert_int_eq(s.n_micro, 4);
+  for (int r = 0; r < 4; r++)
+    ck_assert_int_eq(s.data_of[r], r % 2);
+  mr_split_close(&s);
+  uint64_t four[4] = {0};
+  text = mr_plan_with_dp_split(&job, job.text, 4, 0, (int[]){6, 2}, 2, four, NULL);
+  ck_assert_msg(text != NULL, "%s", mr_error_message());
+  ck_assert_int_eq(mr_split_of_plan(&job, text, 4, &s), 0);
+  ck_assert_int_eq(s.pp, 2);
+  ck_assert_int_eq(s.n_micro, 4);
+  ck_assert_int_eq(s.dp_micro[0], 6);
+  ck_assert_int_eq(s.dp_micro[1], 2);
+  mr_split_close(&s);
+  free(text);
   mr_job_close(&job);
 }
 END_TEST
@@ -335,11 +402,12 @@ static double median_time(const struct step_line *at, int from, int to, int rest
   return v[n / 2];
 }
 
-static char *run(const char *dir, const char *name, const char *slow, int *code) {
+static char *run(const char *dir, const char *name, const char *slow, const char *nproc,
+                 int *code) {
   char logdir[300], jobf[300];
   snprintf(logdir, sizeof logdir, "%s/logs-%s", dir, name);
   snprintf(jobf, sizeof jobf, "%s/%s", dir, name);
-  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--threads", "1",
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", (char *)nproc, "--threads", "1",
                   "--log-dir", logdir, jobf, NULL};
   static char hook[64];
   snprintf(hook, sizeof hook, "MESHRUN_TEST_SLOW=%s", slow ? slow : "");
@@ -354,19 +422,18 @@ static char *run(const char *dir, const char *name, const char *slow, int *code)
 
 enum { STEPS = 60 };
 
-/* Runs dir/ref.json never slowed nor re-planned, then dir/slow.json with
- * rank 1 slowed (`slow`: MESHRUN_TEST_SLOW); the slowed run's stderr (for
- * its messages), once its
- * every step's loss is the reference's within tol, its group started again
- * once (once its messages say so) and its steps after run faster than
- * before. */
-static char *slowed_and_rebalanced(const char *dir, const char *slow_hook, double tol,
-                                   const char *again) {
+/* Runs dir/ref.json on nproc ranks never slowed nor re-planned, then
+ * dir/slow.json with ranks slowed (`slow`: MESHRUN_TEST_SLOW); the slowed
+ * run's stderr (for its messages), once its every step's loss is the
+ * reference's within tol, its group started again once (once its messages
+ * say so) and its steps after run faster than before. */
+static char *slowed_and_rebalanced(const char *dir, const char *slow_hook, const char *nproc,
+                                   double tol, const char *again) {
   int code;
-  char *err = run(dir, "ref.json", NULL, &code);
+  char *err = run(dir, "ref.json", NULL, nproc, &code);
   ck_assert_msg(code == 0, "reference: exit %d\n%s", code, err);
   free(err);
-  err = run(dir, "slow.json", slow_hook, &code);
+  err = run(dir, "slow.json", slow_hook, nproc, &code);
   ck_assert_msg(code == 0, "slowed: exit %d\n%s", code, err);
   ck_assert_msg(strstr(err, again) != NULL, "%s", err);
   const char *once = strstr(err, "unbalanced");
@@ -400,7 +467,7 @@ START_TEST(test_rebalance_slow_stage_gets_fewer_layers) {
   mr_t_tmpdir(dir, sizeof dir);
   write_job(dir, "ref.json", STEPS, NULL);
   write_job(dir, "slow.json", STEPS, NULL);
-  char *err = slowed_and_rebalanced(dir, "1:x4", 1e-5,
+  char *err = slowed_and_rebalanced(dir, "1:x4", "2", 1e-5,
                                     "starting the group again with the pipeline re-balanced");
   /* 7 + 1 at 4x; a slowness measured lower (a sanitized build slows the
    * rest of the step too) moves fewer */
@@ -411,6 +478,20 @@ START_TEST(test_rebalance_slow_stage_gets_fewer_layers) {
   free(err);
 }
 END_TEST
+
+#define DP_AGAIN "starting the group again with the data-parallel ranks' micro-batches re-balanced"
+
+/* The launcher's message says data rank 1 runs fewer micro-batches. */
+static void fewer_for_data_rank_1(const char *err) {
+  const char *said = strstr(err, "the data-parallel ranks run unbalanced");
+  ck_assert_msg(said != NULL, "%s", err);
+  int fast, slow_k, total;
+  const char *run_at = strstr(said, "running ");
+  ck_assert_ptr_nonnull(run_at);
+  ck_assert_int_eq(sscanf(run_at, "running %d,%d of %d micro-batches", &fast, &slow_k, &total),
+                   3);
+  ck_assert_msg(fast > slow_k && fast + slow_k == total, "%s", said);
+}
 
 /* Rank 1 of two data-parallel ranks made 8x slower (its kernels: the step's
  * per-step part and, in a sanitized build, everything around the kernels
@@ -425,17 +506,27 @@ START_TEST(test_rebalance_slow_data_rank_gets_fewer_micro_batches) {
   mr_t_tmpdir(dir, sizeof dir);
   write_dp_job(dir, "ref.json", STEPS);
   write_dp_job(dir, "slow.json", STEPS);
-  char *err = slowed_and_rebalanced(dir, "1:x8", 1e-4,
-                                    "starting the group again with the data-parallel ranks' "
-                                    "micro-batches re-balanced");
-  const char *said = strstr(err, "the data-parallel ranks run unbalanced");
-  ck_assert_msg(said != NULL, "%s", err);
-  int fast, slow_k, total;
-  const char *run_at = strstr(said, "running ");
-  ck_assert_ptr_nonnull(run_at);
-  ck_assert_int_eq(sscanf(run_at, "running %d,%d of %d micro-batches", &fast, &slow_k, &total),
-                   3);
-  ck_assert_msg(fast > slow_k && fast + slow_k == total, "%s", said);
+  char *err = slowed_and_rebalanced(dir, "1:x8", "2", 1e-4, DP_AGAIN);
+  fewer_for_data_rank_1(err);
+  free(err);
+}
+END_TEST
+
+/* Over a 2-stage pipeline (dp 2 x pp 2, 4 micro-batches a replica), data
+ * rank 1 (ranks 1 and 3: the data coordinate runs fastest after the
+ * model's) made 8x slower at both stages: every stage is as slow as the
+ * others of its replica, so no layers move; the slow replica gets fewer
+ * micro-batches, the same checks. */
+START_TEST(test_rebalance_slow_pipeline_replica_gets_fewer_micro_batches) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  const char *st = "\"data_parallel\": {\"degree\": 2}, "
+                   "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 4}";
+  write_job_with(dir, "ref.json", STEPS, st);
+  write_job_with(dir, "slow.json", STEPS, st);
+  char *err = slowed_and_rebalanced(dir, "1:x8,3:x8", "4", 1e-4, DP_AGAIN);
+  ck_assert_msg(strstr(err, "moving layers") == NULL, "%s", err);
+  fewer_for_data_rank_1(err);
   free(err);
 }
 END_TEST
@@ -449,8 +540,10 @@ static Suite *rebalance_suite(void) {
   tcase_add_test(tc, test_rebalance_split_must_fit);
   tcase_add_test(tc, test_rebalance_slow_stage_gets_fewer_layers);
   tcase_add_test(tc, test_rebalance_data_parallel_by_hand);
+  tcase_add_test(tc, test_rebalance_data_parallel_pipeline_by_hand);
   tcase_add_test(tc, test_rebalance_plan_with_dp_split);
   tcase_add_test(tc, test_rebalance_slow_data_rank_gets_fewer_micro_batches);
+  tcase_add_test(tc, test_rebalance_slow_pipeline_replica_gets_fewer_micro_batches);
   suite_add_tcase(s, tc);
   return s;
 }
