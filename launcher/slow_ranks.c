@@ -60,6 +60,15 @@ static void format_counts(const int *counts, int n, char *buf, size_t size) {
     at += (size_t)snprintf(buf + at, size - at, "%s%d", i ? "," : "", counts[i]);
 }
 
+/* v[0..n) times scale as "1.00, 3.97" (`digits` decimals) into buf. */
+static void format_values(const double *v, int n, double scale, int digits, char *buf,
+                          size_t size) {
+  size_t at = 0;
+  buf[0] = '\0';
+  for (int i = 0; i < n && at + 16 < size; i++)
+    at += (size_t)snprintf(buf + at, size - at, "%s%.*f", i ? ", " : "", digits, v[i] * scale);
+}
+
 /* Each stage's work per step (its slowest rank's) into busy[pp]; 0 while
  * some rank has not reported enough steps to tell. */
 static int stage_busy(const struct coordinator *co, int pp, double *busy) {
@@ -90,10 +99,8 @@ static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_ou
   double step_s = 0;
   char *text = digests != NULL ? mr_plan_with_split(job, co->plan_text, co->world, out->counts,
                                                     k, digests, &step_s) : NULL;
-  char speeds[256] = "", was[256], now[256];
-  for (int s = 0; s < pp && strlen(speeds) + 16 < sizeof speeds; s++)
-    snprintf(speeds + strlen(speeds), sizeof speeds - strlen(speeds), "%s%.2f", s ? ", " : "",
-             out->slowness[s]);
+  char speeds[256], was[256], now[256];
+  format_values(out->slowness, pp, 1, 2, speeds, sizeof speeds);
   format_counts(co->split.counts, k, was, sizeof was);
   format_counts(out->counts, k, now, sizeof now);
   if (text == NULL) {
@@ -231,10 +238,8 @@ static void dp_option(struct coordinator *co, struct dp_option *o) {
 }
 
 static void begin_dp_rebalance(struct coordinator *co, const struct dp_option *o) {
-  char work[256] = "", now[256];
-  for (int d = 0; d < o->dp && strlen(work) + 16 < sizeof work; d++)
-    snprintf(work + strlen(work), sizeof work - strlen(work), "%s%.1f", d ? ", " : "",
-             o->busy[d] * 1e3);
+  char work[256], now[256];
+  format_values(o->busy, o->dp, 1e3, 1, work, sizeof work);
   format_counts(o->counts, o->dp, now, sizeof now);
   uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
   double step_s = 0;
