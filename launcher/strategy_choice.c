@@ -56,13 +56,17 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
   if (out->program_digests == NULL)
     return MR_ENOMEM;
   /* More CPU ranks than the spec's cores: ranks share the cores, each
-   * getting its fraction of their compute and memory bandwidth. */
+   * getting its fraction of their compute and memory bandwidth — the
+   * host's too, which is the same memory (else offloading the optimizer
+   * would look faster than running it in place). */
   int devices = cluster.nodes * cluster.devices_per_node;
   if (job->cluster == NULL && world > devices && cluster.nodes == 1) {
     double share = (double)devices / (double)world;
     for (int i = 0; i < 3; i++)
       cluster.peak_flops[i] *= share;
     cluster.memory_bandwidth *= share;
+    cluster.host_memory_bandwidth *= share;
+    cluster.host_link_bandwidth *= share;
     cluster.memory_bytes *= share;
     cluster.devices_per_node = world;
   }

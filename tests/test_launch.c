@@ -16,9 +16,12 @@
 
 #include "check_main.h"
 #include "common/auth.h"
+#include "common/error.h"
 #include "common/frame.h"
 #include "common/rpc.h"
+#include "launcher/planner/cluster.h"
 #include "launcher/sockdir.h"
+#include "launcher/strategy_choice.h"
 #include "testutil.h"
 
 /* Starts `meshrun launch --selfcheck` with nproc ranks and extra flags. */
@@ -615,6 +618,68 @@ START_TEST(test_launch_summary_measured_beside_predicted) {
 }
 END_TEST
 
+/* The tiny job's plan on `world` ranks of this host (no cluster named:
+ * the built-in spec) with `sharding` (JSON members) and dp fixed at world;
+ * its chosen candidate into out. */
+static void plan_tiny(const char *dir, int world, const char *sharding,
+                      struct mr_plan_candidate *out) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/train.bin", dir);
+  mr_t_write_tokens(path, 4000);
+  snprintf(path, sizeof path, "%s/plan.json", dir);
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fprintf(f, "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 16,"
+             " \"intermediate_size\": 24, \"num_hidden_layers\": 1, \"num_attention_heads\": 2,"
+             " \"max_position_embeddings\": 16},"
+             " \"data\": {\"train\": \"train.bin\"},"
+             " \"train\": {\"steps\": 2, \"global_batch\": %d, \"seq_len\": 8},"
+             " \"strategy\": {\"auto_mode\": \"semi\", \"data_parallel\": {\"degree\": %d}%s}}\n",
+          world, world, sharding);
+  fclose(f);
+  struct mr_job job;
+  ck_assert_msg(mr_job_load(path, &job) == 0, "%s", mr_error_message());
+  struct mr_strategy_choice c;
+  ck_assert_msg(mr_strategy_choose(&job, world, &c) == 0, "%s", mr_error_message());
+  *out = c.chosen;
+  mr_strategy_choice_close(&c);
+  mr_job_close(&job);
+}
+
+/* More CPU ranks than the built-in spec's cores share them: each plans at
+ * its share (2 cores, 4 ranks: half) of the compute and of the memory
+ * bandwidth, the host's included, which is the same memory.  The
+ * optimizer step by hand: ZeRO-1 over 4 ranks owns a quarter of the
+ * 6 320 parameters (embedding and head 128 x 16 each, the layer's
+ * 4 x 16 x 16 attention and 3 x 16 x 24 MLP weights, 3 norms of 16); in
+ * place it moves 28 bytes a parameter at the halved memory bandwidth;
+ * offloaded, 2 x 4 bytes across the halved host link besides, so the
+ * search, free to offload, does not (it took offload when the host's
+ * bandwidth was left whole: twice as fast an optimizer step, from the
+ * same memory). */
+START_TEST(test_launch_oversubscribed_cpu_ranks_plan_at_their_share) {
+  char dir[64], path[400];
+  mr_t_tmpdir(dir, sizeof dir);
+  snprintf(path, sizeof path, "%s/configs/clusters/cpu-local.json", getenv("MESHRUN_SOURCE_DIR"));
+  struct mr_cluster spec;
+  ck_assert_msg(mr_cluster_load(path, &spec) == 0, "%s", mr_error_message());
+  int devices = spec.nodes * spec.devices_per_node, world = 2 * devices;
+  double share = (double)devices / world, owned = 6320.0 / world;
+  struct mr_plan_candidate in_place, offloaded, open;
+  plan_tiny(dir, world, ", \"sharding\": {\"stage\": 1, \"offload\": false}", &in_place);
+  plan_tiny(dir, world, ", \"sharding\": {\"stage\": 1, \"offload\": true}", &offloaded);
+  plan_tiny(dir, world, "", &open);
+  double want = owned * 28.0 / (spec.memory_bandwidth * share);
+  ck_assert_msg(fabs(in_place.cost.optimizer_s - want) <= 1e-6 * want, "%g s, by hand %g s",
+                in_place.cost.optimizer_s, want);
+  want = owned * 8.0 / (spec.host_link_bandwidth * share) +
+         owned * 28.0 / (spec.host_memory_bandwidth * share);
+  ck_assert_msg(fabs(offloaded.cost.optimizer_s - want) <= 1e-6 * want, "%g s, by hand %g s",
+                offloaded.cost.optimizer_s, want);
+  ck_assert_int_eq(open.strategy.offload, 0);
+}
+END_TEST
+
 static Suite *launch_suite(void) {
   Suite *s = suite_create("launch");
   TCase *tc = mr_t_tcase("e2e");
@@ -632,6 +697,7 @@ static Suite *launch_suite(void) {
   tcase_add_test(tc, test_launch_bind_and_metrics_flags);
   tcase_add_test(tc, test_launch_persistently_slow_rank_named);
   tcase_add_test(tc, test_launch_summary_measured_beside_predicted);
+  tcase_add_test(tc, test_launch_oversubscribed_cpu_ranks_plan_at_their_share);
   suite_add_tcase(s, tc);
   return s;
 }
