@@ -359,7 +359,9 @@ int mr_cmd_calibrate(int argc, char **argv) {
   cJSON *host = num_obj(spec, "host");
   set_num(host, "link_bandwidth", bw);
   set_num(host, "memory_bandwidth", bw);
-  set_str(host, "source", "the host is the device: memcpy bandwidth");
+  cJSON_DeleteItemFromObjectCaseSensitive(host, "is_device");
+  cJSON_AddBoolToObject(host, "is_device", 1);
+  set_str(host, "source", "the host is the device: memcpy bandwidth; offload frees no memory");
 
   struct mr_cluster parsed;
   if (mr_cluster_parse(spec, "calibrated spec", &parsed) < 0) {

@@ -426,6 +426,11 @@ START_TEST(test_cost_memory_by_hand) {
   mr_cost_memory(&w, &c, &s, &k);
   NEAR(k.mem.optimizer, 0.0);
   NEAR(k.mem.host, 16 * P / 8);
+  /* unless the host is the device (CPU ranks): its ZeRO-1 share stays */
+  c.host_is_device = 1;
+  mr_cost_memory(&w, &c, &s, &k);
+  NEAR(k.mem.optimizer, 16 * P / 8);
+  NEAR(k.mem.host, 0.0);
 }
 END_TEST
 

@@ -195,6 +195,12 @@ START_TEST(test_search_does_not_fit_says_what_would) {
   ck_assert(r->least_memory.cost.mem.total > c.memory_bytes);
   ck_assert_int_eq(r->fits_with_offload, 1);   // ZeRO 0 fixed: offload needs a stage
   ck_assert(r->devices_to_fit >= 4 && r->devices_to_fit <= 8);
+  /* the same devices with their host as their memory (as CPU ranks have
+   * it): offloading frees nothing, so it is not what would make it fit */
+  c.host_is_device = 1;
+  memset(r, 0, sizeof *r);
+  ck_assert_int_eq(mr_plan_search(&req, r), MR_ENOFIT);
+  ck_assert_int_eq(r->fits_with_offload, 0);
   free(r);
 }
 END_TEST

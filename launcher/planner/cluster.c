@@ -90,10 +90,12 @@ int mr_cluster_parse(const cJSON *obj, const char *file, struct mr_cluster *out)
   }
   const cJSON *h = need_obj(&jv, obj, "host");
   if (h != NULL) {
-    static const char *const hk[] = {"link_bandwidth", "memory_bandwidth", "source", NULL};
+    static const char *const hk[] = {"link_bandwidth", "memory_bandwidth", "is_device", "source",
+                                     NULL};
     mr_jv_only_keys(&jv, h, "host", hk);
     need_num(&jv, h, "host", "link_bandwidth", 1e3, 1e15, &out->host_link_bandwidth);
     need_num(&jv, h, "host", "memory_bandwidth", 1e3, 1e15, &out->host_memory_bandwidth);
+    mr_jv_bool(&jv, h, "host", "is_device", &out->host_is_device); /* optional, false */
   }
 done:;
   int rc = 0;

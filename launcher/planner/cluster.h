@@ -31,6 +31,8 @@ struct mr_cluster {
   double inter_latency;        // s, per ring step across nodes
   double host_link_bandwidth;  // bytes/s per device, device <-> host (offload)
   double host_memory_bandwidth;// bytes/s per device share of host memory
+  int host_is_device;          // 1: the device's memory is the host's (CPU
+                               // ranks): offloading frees none of it
 };
 
 /* Parses a cluster spec object; `file` names it in messages.  Every

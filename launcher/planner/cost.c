@@ -312,7 +312,7 @@ static void stage_memory(const struct mr_workload *w, const struct mr_cluster *c
   out->psi = psi;
   mr_cost_model_states(psi, s->dp, s->zero_stage, s->amp_dtype, &mm->params, &mm->grads,
                        &mm->optimizer);
-  if (s->offload) {
+  if (s->offload && !c->host_is_device) { /* on CPU ranks they stay in the same memory */
     mm->host = mm->optimizer;
     mm->optimizer = 0;
   }
