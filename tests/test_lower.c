@@ -12,6 +12,7 @@
 
 #include "check_main.h"
 #include "common/error.h"
+#include "common/dtype.h"
 #include "common/job.h"
 #include "common/ops.h"
 #include "launcher/spmd/lower.h"
@@ -58,6 +59,15 @@ static void check_layout(const char *strategy, int world) {
       for (int m = 0; m < L.lay.n_micro; m++)
         ck_assert_msg(seen[c][m] == 1, "%s rank %d: chunk %d micro %d not run", strategy, r,
                       c, m);
+    /* every buffer holds its tensor (a ZeRO-2 gradient bigger than its
+     * parameter's shard was once cut to the shard's padded size) */
+    for (int t = 0; t < L.n_local; t++)
+      if (p.buf[t].region != MR_REG_NONE)
+        ck_assert_msg(p.buf[t].bytes >= p.buf[t].numel * (int64_t)mr_dtype_size(
+                                                            p.local.tensors[t].dtype),
+                      "%s rank %d: %s holds %lld elements in %lld bytes", strategy, r,
+                      p.local.tensors[t].name, (long long)p.buf[t].numel,
+                      (long long)p.buf[t].bytes);
     mr_rank_program_close(&p);
   }
   mr_lowered_close(&L);
@@ -90,6 +100,8 @@ START_TEST(test_lower_layouts_check) {
       {"\"gradient_accumulation_steps\": 4", 1},
       {"\"tensor_parallel\": {\"degree\": 2}, \"data_parallel\": {\"degree\": 2}, "
        "\"sharding\": {\"stage\": 3}", 4},
+      {"\"tensor_parallel\": {\"degree\": 2}, \"data_parallel\": {\"degree\": 2}, "
+       "\"sharding\": {\"stage\": 2}, \"gradient_accumulation_steps\": 2", 4},
       {"\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
        "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}, "
        "\"mesh_mapping\": \"tp,pp,dp\"", 8},

@@ -98,12 +98,14 @@ int mr__lower_plan_buffers(struct build *b) {
       p->params[i].store_offset = param;
       param += bf->bytes;
     }
-    if (lay->zero >= 2) /* reduce-scatter pads the gradient to dp blocks */
-      p->buf[g->tensors[pp->tensor].grad].bytes = padded;
+    /* reduce-scatter pads the gradient to dp blocks (a gradient larger than
+     * the parameter's shard, sliced to it on the way, keeps its size) */
+    struct mr_lbuf *gb = &p->buf[g->tensors[pp->tensor].grad];
+    if (lay->zero >= 2 && padded > gb->bytes)
+      gb->bytes = padded;
     /* one micro-batch: the op producing the gradient writes the accumulator
      * itself, where its synchronisation then runs */
     if (lay->n_micro == 1 && lay->zero < 2 && !pp->off_data && pp->replica_of < 0) {
-      struct mr_lbuf *gb = &p->buf[g->tensors[pp->tensor].grad];
       gb->region = MR_REG_ACC;
       gb->offset = pp->acc_offset;
     }
