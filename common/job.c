@@ -185,8 +185,7 @@ static void parse_chunk_layers(struct mr_jv *jv, const cJSON *pp, struct mr_stra
 
 /* data_parallel.micro_batches: the micro-batches each data-parallel rank
  * runs a step, so that a slower one can take fewer (they add up to degree x
- * micro-batches; checked when the strategy is lowered).  ZeRO-2/3 reduce
- * every micro-batch's gradients across the ranks, so they need the same. */
+ * micro-batches; checked when the strategy is lowered). */
 static void parse_dp_micro(struct mr_jv *jv, const cJSON *dp, struct mr_strategy_hint *h) {
   const char *path = "strategy.data_parallel";
   if (cJSON_GetObjectItemCaseSensitive(dp, "micro_batches") == NULL)
@@ -265,11 +264,6 @@ static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_
     if (h->offload == 1 && h->zero_stage == 0)
       mr_jv_error(jv, "strategy.sharding", "offload",
                   "offload moves sharded optimizer states: it needs stage >= 1, got 0");
-    if (h->n_dp_micro > 0 && h->zero_stage >= 2)
-      mr_jv_error(jv, "strategy.data_parallel", "micro_batches",
-                  "ZeRO-%d reduces every micro-batch's gradients across the data-parallel "
-                  "ranks, so each runs the same micro-batches: needs sharding.stage <= 1",
-                  h->zero_stage);
   }
   if (mr_jv_obj(jv, s, "strategy", "recompute", &o) == 1) {
     static const char *const k[] = {"enable", "granularity", "checkpoint_every_n_layers", NULL};

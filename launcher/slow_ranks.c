@@ -149,8 +149,9 @@ static void read_split(struct coordinator *co) {
  *   split): each stage's work per step (its slowest rank's) against the
  *   work its layers give it; launcher/rebalance.h splits the layers and
  *   says the share of the pipeline's pace saved;
- * - give the slow data rank fewer of the step's micro-batches (ZeRO 0-1,
- *   unless the job fixes the split): each data rank's work per step (its
+ * - give the slow data rank fewer of the step's micro-batches (unless
+ *   the job fixes the split; under ZeRO-2/3 it still joins the others'
+ *   per-micro-batch collectives, with no data): each data rank's work per step (its
  *   slowest rank's, over every stage of its pipeline) and the part its
  *   micro-batches do give its speed and the part that stays;
  *   launcher/rebalance.h deals the step's slices;
@@ -210,7 +211,7 @@ static void dp_option(struct coordinator *co, struct dp_option *o) {
   const struct mr_strategy_hint *h = &co->opts->job->strategy;
   memset(o, 0, sizeof *o);
   int dp = co->split.dp;
-  if (h->n_dp_micro > 0 || dp < 2 || co->split.zero >= 2 || co->split.data_of == NULL)
+  if (h->n_dp_micro > 0 || dp < 2 || co->split.data_of == NULL)
     return;
   o->dp = dp;
   o->busy = calloc((size_t)dp, sizeof *o->busy);

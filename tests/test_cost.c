@@ -455,6 +455,20 @@ START_TEST(test_cost_uneven_micro_batches_pace_at_the_busiest) {
   NEAR(uneven.dp_comm_s, even.dp_comm_s);
   NEAR(uneven.optimizer_s, even.optimizer_s);
   NEAR(uneven.step_time_s - even.step_time_s, 0.5 * even.compute_s);
+  /* ZeRO-2 reduce-scatters every micro-batch's gradients, and the rank
+   * with one joins the busiest rank's three: three rounds of the step's
+   * per-micro-batch sync, against two for the even split and one for a
+   * step of one micro-batch a rank (half the batch), the rest once a step */
+  s.zero_stage = 2;
+  c.intra_bus_bandwidth = 10e9; /* a slow link: the backward hides little of each sync */
+  struct mr_cost one, two, three;
+  ck_assert_int_eq(mr_cost_evaluate(&w, &c, &s, &three), 0);
+  w.dp_micro = NULL, w.n_dp_micro = 0;
+  ck_assert_int_eq(mr_cost_evaluate(&w, &c, &s, &two), 0);
+  w.global_batch = 4, s.grad_accum_steps = 1;
+  ck_assert_int_eq(mr_cost_evaluate(&w, &c, &s, &one), 0);
+  ck_assert(two.dp_comm_s > one.dp_comm_s);
+  NEAR(three.dp_comm_s - two.dp_comm_s, two.dp_comm_s - one.dp_comm_s);
 }
 END_TEST
 

@@ -315,14 +315,20 @@ START_TEST(test_dist_train_pipelines) {
 END_TEST
 
 START_TEST(test_dist_train_zero_stages) {
-  const char *names[] = {"zero1", "zero2", "zero3", "zero3offload"};
+  const char *names[] = {"zero1", "zero2", "zero3", "zero3offload", "tp2zero2acc", "tp2zero3acc"};
   const char *st[] = {
       "\"data_parallel\": {\"degree\": 4}, \"sharding\": {\"stage\": 1}",
       "\"data_parallel\": {\"degree\": 4}, \"sharding\": {\"stage\": 2}",
       "\"data_parallel\": {\"degree\": 4}, \"sharding\": {\"stage\": 3}",
-      "\"data_parallel\": {\"degree\": 4}, \"sharding\": {\"stage\": 3, \"offload\": true}"};
-  const int np[] = {4, 4, 4, 4};
-  check_strategies(names, st, np, 4);
+      "\"data_parallel\": {\"degree\": 4}, \"sharding\": {\"stage\": 3, \"offload\": true}",
+      /* with tensor parallelism and accumulation: the embedding's whole
+       * gradient once overran the buffer of its shard */
+      "\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
+      "\"sharding\": {\"stage\": 2}, \"gradient_accumulation_steps\": 2",
+      "\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
+      "\"sharding\": {\"stage\": 3}, \"gradient_accumulation_steps\": 2"};
+  const int np[] = {4, 4, 4, 4, 4, 4};
+  check_strategies(names, st, np, 6);
 }
 END_TEST
 
@@ -345,7 +351,9 @@ END_TEST
  * loss summed over the step, then made whole over both mesh dims), and
  * in front of a pipeline. */
 START_TEST(test_dist_train_uneven_micro_batches) {
-  const char *names[] = {"dp2uneven", "dp2zero1uneven", "dp2tp2spuneven", "dp2pp2uneven"};
+  const char *names[] = {"dp2uneven", "dp2zero1uneven", "dp2tp2spuneven", "dp2pp2uneven",
+                         "dp2zero2uneven", "dp2zero3uneven", "dp2tp2zero2uneven",
+                         "dp2pp2zero2uneven"};
   const char *st[] = {
       "\"data_parallel\": {\"degree\": 2, \"micro_batches\": [6, 2]}, "
       "\"gradient_accumulation_steps\": 4",
@@ -355,9 +363,21 @@ START_TEST(test_dist_train_uneven_micro_batches) {
       "\"tensor_parallel\": {\"degree\": 2}, \"sequence_parallel\": {\"enable\": true}, "
       "\"gradient_accumulation_steps\": 2",
       "\"data_parallel\": {\"degree\": 2, \"micro_batches\": [5, 3]}, "
-      "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 4}"};
-  const int np[] = {2, 2, 4, 4};
-  check_strategies(names, st, np, 4); /* evaluation: even micro-batches */
+      "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 4}",
+      /* ZeRO-2/3: the rank with fewer joins the others' collectives in
+       * phantom slots, reduce-scattering zeros */
+      "\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3, 1]}, "
+      "\"sharding\": {\"stage\": 2}, \"gradient_accumulation_steps\": 2",
+      "\"data_parallel\": {\"degree\": 2, \"micro_batches\": [1, 3]}, "
+      "\"sharding\": {\"stage\": 3}, \"gradient_accumulation_steps\": 2",
+      "\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3, 1]}, "
+      "\"tensor_parallel\": {\"degree\": 2}, \"sharding\": {\"stage\": 2}, "
+      "\"gradient_accumulation_steps\": 2",
+      "\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3, 1]}, "
+      "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}, "
+      "\"sharding\": {\"stage\": 2}"};
+  const int np[] = {2, 2, 4, 4, 2, 2, 4, 4};
+  check_strategies(names, st, np, 8); /* evaluation: even micro-batches */
 }
 END_TEST
 

@@ -306,6 +306,14 @@ START_TEST(test_lower_uneven_micro_batches) {
       {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": [6, 2]}, "
        "\"pipeline_parallel\": {\"degree\": 2, \"schedule\": \"interleaved\", "
        "\"virtual_stages\": 2, \"micro_batches\": 4}", 4},
+      {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3, 1]}, "
+       "\"sharding\": {\"stage\": 2}, \"gradient_accumulation_steps\": 2", 2},
+      {"\"data_parallel\": {\"degree\": 4, \"micro_batches\": [1, 1, 1, 5]}, "
+       "\"tensor_parallel\": {\"degree\": 2}, \"sharding\": {\"stage\": 3}, "
+       "\"gradient_accumulation_steps\": 2", 8},
+      {"\"data_parallel\": {\"degree\": 2, \"micro_batches\": [3, 1]}, "
+       "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 2}, "
+       "\"sharding\": {\"stage\": 2}", 4},
   };
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
     struct mr_job job;
@@ -314,12 +322,23 @@ START_TEST(test_lower_uneven_micro_batches) {
                   mr_error_message());
     struct mr_lowered L;
     ck_assert_int_eq(mr_lower_graph(&job, cases[k].world, &L), 0);
-    int slices = L.lay.dp * L.lay.n_micro;
+    int slices = L.lay.dp * L.lay.n_micro, busiest = 0;
+    for (int d = 0; d < L.lay.dp; d++)
+      busiest = job.strategy.dp_micro[d] > busiest ? job.strategy.dp_micro[d] : busiest;
     int seen[8][8][64] = {{{0}}}; /* [pipe][model][slice] */
     for (int r = 0; r < cases[k].world; r++) {
       struct mr_rank_program p;
       ck_assert_msg(mr_rank_program_build(&L, r, &p) == 0, "%s", mr_error_message());
       ck_assert_int_eq(p.n_micro, job.strategy.dp_micro[p.data]);
+      /* ZeRO-2/3: the busiest data rank's slots, those past this rank's
+       * own micro-batches holding only the data-parallel collectives */
+      ck_assert_int_eq(p.n_slots, L.lay.zero >= 2 ? busiest : p.n_micro);
+      for (int i = 0; i < p.n_step; i++)
+        if (p.step[i].micro >= p.n_micro)
+          ck_assert_msg(p.step[i].kind == MR_INS_GATHER || p.step[i].kind == MR_INS_GRAD ||
+                            p.step[i].kind == MR_INS_GRAD_WAIT,
+                        "%s rank %d: instruction %d (kind %d) in phantom slot %d", cases[k].s,
+                        r, i, p.step[i].kind, p.step[i].micro);
       int run[64] = {0};
       for (int i = 0; i < p.n_step; i++)
         if (p.step[i].kind == MR_INS_KERNEL && !p.passes[p.step[i].pass].backward)

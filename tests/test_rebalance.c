@@ -512,6 +512,21 @@ START_TEST(test_rebalance_slow_data_rank_gets_fewer_micro_batches) {
 }
 END_TEST
 
+/* The same under ZeRO-2 (two micro-batches a step to deal): the slow rank
+ * runs fewer and joins the other's reduce-scatters with zeros. */
+START_TEST(test_rebalance_slow_data_rank_under_zero2) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  const char *st = "\"data_parallel\": {\"degree\": 2}, \"sharding\": {\"stage\": 2}, "
+                   "\"gradient_accumulation_steps\": 2";
+  write_job_with(dir, "ref.json", STEPS, st);
+  write_job_with(dir, "slow.json", STEPS, st);
+  char *err = slowed_and_rebalanced(dir, "1:x8", "2", 1e-4, DP_AGAIN);
+  fewer_for_data_rank_1(err);
+  free(err);
+}
+END_TEST
+
 /* Over a 2-stage pipeline (dp 2 x pp 2, 4 micro-batches a replica), data
  * rank 1 (ranks 1 and 3: the data coordinate runs fastest after the
  * model's) made 8x slower at both stages: every stage is as slow as the
@@ -544,6 +559,7 @@ static Suite *rebalance_suite(void) {
   tcase_add_test(tc, test_rebalance_plan_with_dp_split);
   tcase_add_test(tc, test_rebalance_slow_data_rank_gets_fewer_micro_batches);
   tcase_add_test(tc, test_rebalance_slow_pipeline_replica_gets_fewer_micro_batches);
+  tcase_add_test(tc, test_rebalance_slow_data_rank_under_zero2);
   suite_add_tcase(s, tc);
   return s;
 }

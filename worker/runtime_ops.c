@@ -131,7 +131,9 @@ int mr__rt_reshard(struct mr_runtime *rt, const struct mr_ins *in, const struct 
 
 /* This micro-batch's gradient of a parameter is final: accumulate it (the
  * mean over micro-batches), and on the last micro-batch start its
- * synchronisation; under ZeRO-2/3 reduce-scatter it now. */
+ * synchronisation; under ZeRO-2/3 reduce-scatter it now — zeros in a
+ * phantom slot (past this rank's micro-batches: struct
+ * mr_rank_program.n_slots), whose gradient nothing computed. */
 int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_pass *ps) {
   const struct mr_lowered *L = rt->L;
   const struct mr_layout *lay = &L->lay;
@@ -145,6 +147,9 @@ int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
   /* the gradient's synchronisation, if any */
   const struct mr_reshard_edge *sync = in->edge >= 0 ? &L->dg.edges[in->edge] : NULL;
   const struct mr_reshard_plan *plan = sync != NULL ? &sync->plan : NULL;
+  if (in->micro >= rt->p.n_micro) /* a phantom: its buffer is the gradient's alone till the
+                                   * pass ends (lowering keeps it for the reduce-scatter) */
+    MR_TRY(be->ops->memset(be, NULL, gr, 0, (size_t)rt->p.buf[gt].bytes));
   if (pp->off_data) { /* to the parameter's shard first (slices, sums off data) */
     struct mr_reshard_plan off = *plan;
     off.n_steps = 0;
@@ -195,7 +200,7 @@ int mr__rt_grad_wait(struct mr_runtime *rt, const struct mr_ins *in) {
   for (int i = 0; i < n; i++)
     list[i] = rt->pass_req[i].param;
   MR_TRY(mr__rt_wait_all(rt, rt->pass_req, &rt->n_pass_req));
-  int last = in->micro == rt->p.n_micro - 1;
+  int last = in->micro == rt->p.n_slots - 1;
   float scale = last ? 1.0f / (float)lay->n_micro : 1.0f;
   for (int i = 0; i < n; i++) {
     const struct mr_param_plan *pp = &rt->p.params[list[i]];

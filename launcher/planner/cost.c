@@ -577,16 +577,17 @@ int mr_cost_evaluate_prepared(const struct mr_workload *w, const struct mr_clust
     if (s->zero_stage <= 1) {
       dp_s = fmax(ar - window, ar / buckets);
     } else if (s->zero_stage == 2) {
-      /* Gradients reduce-scattered every micro-batch, parameters gathered
+      /* Gradients reduce-scattered every micro-batch (the busiest data
+       * rank's count: the others join with zeros), parameters gathered
        * once after the update. */
-      dp_s = ga * mb * fmax(0.0, rs - window) + rs / buckets + ag;
+      dp_s = share * ga * mb * fmax(0.0, rs - window) + rs / buckets + ag;
     } else {
       /* Parameters gathered for forward and again for backward, gradients
        * reduce-scattered, every micro-batch; prefetch hides them behind
        * that micro-batch's work but for the first layer's gather of each
        * pass. */
       double per_mb = 2.0 * ag + rs;
-      dp_s = ga * mb * (fmax(0.0, per_mb - stage_work) + 2.0 * ag / buckets);
+      dp_s = share * ga * mb * (fmax(0.0, per_mb - stage_work) + 2.0 * ag / buckets);
     }
   }
   if (p > 1 && m->tie_word_embeddings) {

@@ -13,8 +13,9 @@
 
 /* strategy.data_parallel.micro_batches against the layout: one count per
  * data-parallel rank, adding up to the step's dp x n_micro slices; whole
- * rounds of the interleaved schedule; not under ZeRO-2/3 (every
- * micro-batch's gradients are reduced across the data ranks). */
+ * rounds of the interleaved schedule.  (Under ZeRO-2/3 every micro-batch's
+ * collectives span the data ranks: the ranks with fewer run phantom
+ * slots, struct mr_rank_program.n_slots.) */
 static int dp_micro_check(const struct mr_job *job, const struct mr_layout *lay) {
   const struct mr_strategy_hint *h = &job->strategy;
   if (h->n_dp_micro == 0)
@@ -23,10 +24,6 @@ static int dp_micro_check(const struct mr_job *job, const struct mr_layout *lay)
   if (h->n_dp_micro != lay->dp)
     return mr_error_set(MR_EINVAL, "%s: %s: expected %d entries, one per data-parallel rank, "
                         "got %d", job->path, f, lay->dp, h->n_dp_micro);
-  if (lay->zero >= 2)
-    return mr_error_set(MR_EINVAL, "%s: %s: ZeRO-%d reduces every micro-batch's gradients "
-                        "across the data-parallel ranks, so each runs the same micro-batches",
-                        job->path, f, lay->zero);
   int64_t sum = 0;
   for (int d = 0; d < lay->dp; d++) {
     if (lay->vp > 1 && h->dp_micro[d] % lay->pp != 0)

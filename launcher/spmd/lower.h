@@ -38,7 +38,9 @@
  * micro-batch the accumulated mean starts its synchronisation at once
  * (AllReduce over data, asynchronous, overlapping the rest of the
  * backward).  Under ZeRO-2/3 every micro-batch's gradient is
- * reduce-scattered instead, so a rank keeps only its block; under ZeRO-3
+ * reduce-scattered instead, so a rank keeps only its block (a data rank
+ * with fewer micro-batches than another joins the rest of its
+ * reduce-scatters, and gathers, in phantom slots: no data, zeros); under ZeRO-3
  * parameters are kept as blocks too and all-gathered just before each pass
  * that reads them.  The optimizer updates each rank's block (ZeRO >= 1)
  * and all-gathers the updated parameters (ZeRO-1/2). */
@@ -238,6 +240,13 @@ struct mr_rank_program {
   int rank, pipe, data, model;    // coordinates
   int coord[MR_MESH_MAX_DIMS];    // in L->mesh
   int n_micro;                    // micro-batches this rank runs a step
+  int n_slots;                    // micro-batch slots of its schedule: n_micro,
+                                  // but under ZeRO-2/3 with micro-batches set
+                                  // per data rank the busiest one's; the slots
+                                  // past n_micro are phantoms, which run only
+                                  // the data-parallel collectives (gathers,
+                                  // reduce-scatters of zeros) every rank of
+                                  // the group must join
   int first_slice;                // the first of them: the step's batch is
                                   // dp * lay.n_micro slices of micro_seqs /
                                   // dp sequences, read by data rank in order

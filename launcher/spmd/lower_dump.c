@@ -136,6 +136,9 @@ void mr_rank_program_dump(const struct mr_rank_program *p, FILE *f) {
   if (L->dp_micro != NULL)
     fprintf(f, "micro-batches: %d a step, slices %d..%d of the step's batch\n", p->n_micro,
             p->first_slice, p->first_slice + p->n_micro - 1);
+  if (p->n_slots > p->n_micro)
+    fprintf(f, "phantom slots: %d..%d (the ZeRO collectives of the busiest data rank's "
+            "micro-batches, with no data)\n", p->n_micro, p->n_slots - 1);
   fprintf(f, "program digest: %016llx\n", (unsigned long long)mr_rank_program_digest(p));
   fprintf(f, "chunks:");
   for (int c = p->pipe; c < L->n_chunks; c += L->lay.pp)

@@ -272,13 +272,15 @@ int mr_lowered_loss_edge(const struct mr_lowered *L) {
  * the loss edge's steps run once on the sum at the step's end, so they
  * must be linear (all-reduces, scalings). */
 static int micro_share(struct mr_rank_program *p, const struct mr_lowered *L) {
-  p->n_micro = L->lay.n_micro;
+  p->n_slots = p->n_micro = L->lay.n_micro;
   p->first_slice = 0;
   if (L->dp_micro == NULL)
     return 0;
-  p->n_micro = L->dp_micro[p->data];
+  p->n_slots = p->n_micro = L->dp_micro[p->data];
   for (int d = 0; d < p->data; d++)
     p->first_slice += L->dp_micro[d];
+  for (int d = 0; L->lay.zero >= 2 && d < L->lay.dp; d++)
+    p->n_slots = L->dp_micro[d] > p->n_slots ? L->dp_micro[d] : p->n_slots;
   int le = mr_lowered_loss_edge(L);
   for (int s = 0; le >= 0 && s < L->dg.edges[le].plan.n_steps; s++) {
     enum mr_reshard_kind k = L->dg.edges[le].plan.steps[s].kind;
@@ -514,7 +516,7 @@ static int build_pass(struct build *b, int c, int dir) {
 static int schedule(const struct build *b, const int *fpass, const int *bpass, int *out_pass,
                     int *out_micro) {
   const struct mr_layout *lay = &b->L->lay;
-  int m = b->p->n_micro;
+  int m = b->p->n_slots;
   struct mr_sched_pass *sp = malloc((size_t)(2 * m * lay->vp + 1) * sizeof *sp);
   if (sp == NULL)
     return MR_ENOMEM;
@@ -527,12 +529,18 @@ static int schedule(const struct build *b, const int *fpass, const int *bpass, i
   return n;
 }
 
+/* A pass of micro-batch `micro` into the step; a phantom slot (past this
+ * rank's micro-batches) keeps only the collectives every data rank joins:
+ * ZeRO-3's gathers and ZeRO-2/3's gradient reduce-scatters (of zeros). */
 static void expand(struct build *b, int pass, int micro) {
   struct mr_rank_program *p = b->p;
   const struct mr_pass *ps = &p->passes[pass];
   int slots = p->stash_slots[ps->chunk] > 0 ? p->stash_slots[ps->chunk] : 1;
   for (int i = ps->first; i < ps->first + ps->n && b->rc == 0; i++) {
     struct mr_ins in = p->tmpl[i];
+    if (micro >= p->n_micro && in.kind != MR_INS_GATHER && in.kind != MR_INS_GRAD &&
+        in.kind != MR_INS_GRAD_WAIT)
+      continue;
     in.micro = micro;
     in.slot = micro % slots;
     struct mr_ins *x = push_ins(b, &p->step, &p->n_step, &b->cap_step, in);
@@ -591,7 +599,7 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
     MR_TRY_GOTO(rc, build_pass(&b, c, 1), out);
   }
   /* stash slots: micro-batches in flight per chunk under the schedule */
-  int cap = 2 * p->n_micro * lay->vp + 4;
+  int cap = 2 * p->n_slots * lay->vp + 4;
   sp = malloc((size_t)cap * sizeof *sp);
   sm = malloc((size_t)cap * sizeof *sm);
   fly = calloc((size_t)L->n_chunks, sizeof *fly);
