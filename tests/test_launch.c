@@ -41,20 +41,27 @@ static void launch(struct mr_tproc *p, const char *dir, int nproc, const char *s
   mr_t_spawn(p, dir, argv, env);
 }
 
-/* A one-layer LLaMA training job of `steps` steps in dir (tokens beside
- * it); its path into path[n]. */
-static void tiny_job(const char *dir, int steps, char *path, size_t n) {
+/* A one-layer LLaMA training job dir/name of `steps` steps of `batch`
+ * sequences (tokens beside it), with `strategy` (", " and JSON members, or
+ * ""); its path into path[n]. */
+static void tiny_job_with(const char *dir, const char *name, int steps, int batch,
+                          const char *strategy, char *path, size_t n) {
   snprintf(path, n, "%s/train.bin", dir);
   mr_t_write_tokens(path, 4000);
-  snprintf(path, n, "%s/job.json", dir);
+  snprintf(path, n, "%s/%s", dir, name);
   FILE *f = fopen(path, "w");
   ck_assert_ptr_nonnull(f);
   fprintf(f, "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 16,"
              " \"intermediate_size\": 24, \"num_hidden_layers\": 1, \"num_attention_heads\": 2,"
              " \"max_position_embeddings\": 16},"
              " \"data\": {\"train\": \"train.bin\"},"
-             " \"train\": {\"steps\": %d, \"global_batch\": 2, \"seq_len\": 8}}\n", steps);
+             " \"train\": {\"steps\": %d, \"global_batch\": %d, \"seq_len\": 8}%s}\n",
+          steps, batch, strategy);
   fclose(f);
+}
+
+static void tiny_job(const char *dir, int steps, char *path, size_t n) {
+  tiny_job_with(dir, "job.json", steps, 2, "", path, n);
 }
 
 /* Waits until every rank has registered (its log shows the job started). */
@@ -623,20 +630,11 @@ END_TEST
  * its chosen candidate into out. */
 static void plan_tiny(const char *dir, int world, const char *sharding,
                       struct mr_plan_candidate *out) {
-  char path[300];
-  snprintf(path, sizeof path, "%s/train.bin", dir);
-  mr_t_write_tokens(path, 4000);
-  snprintf(path, sizeof path, "%s/plan.json", dir);
-  FILE *f = fopen(path, "w");
-  ck_assert_ptr_nonnull(f);
-  fprintf(f, "{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 128, \"hidden_size\": 16,"
-             " \"intermediate_size\": 24, \"num_hidden_layers\": 1, \"num_attention_heads\": 2,"
-             " \"max_position_embeddings\": 16},"
-             " \"data\": {\"train\": \"train.bin\"},"
-             " \"train\": {\"steps\": 2, \"global_batch\": %d, \"seq_len\": 8},"
-             " \"strategy\": {\"auto_mode\": \"semi\", \"data_parallel\": {\"degree\": %d}%s}}\n",
-          world, world, sharding);
-  fclose(f);
+  char path[300], strategy[300];
+  snprintf(strategy, sizeof strategy,
+           ", \"strategy\": {\"auto_mode\": \"semi\", \"data_parallel\": {\"degree\": %d}%s}",
+           world, sharding);
+  tiny_job_with(dir, "plan.json", 2, world, strategy, path, sizeof path);
   struct mr_job job;
   ck_assert_msg(mr_job_load(path, &job) == 0, "%s", mr_error_message());
   struct mr_strategy_choice c;
