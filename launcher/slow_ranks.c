@@ -150,8 +150,9 @@ static void read_split(struct coordinator *co) {
  *   work its layers give it; launcher/rebalance.h splits the layers and
  *   says the share of the pipeline's pace saved;
  * - give the slow data rank fewer of the step's micro-batches (unless
- *   the job fixes the split; under ZeRO-2/3 it still joins the others'
- *   per-micro-batch collectives, with no data): each data rank's work per step (its
+ *   the job fixes the split; ZeRO 0-1, or ZeRO-2 without a pipeline,
+ *   where it posts the reduce-scatters of the micro-batches it no longer
+ *   runs first and goes on to its own): each data rank's work per step (its
  *   slowest rank's, over every stage of its pipeline) and the part its
  *   micro-batches do give its speed and the part that stays;
  *   launcher/rebalance.h deals the step's slices;
@@ -211,7 +212,11 @@ static void dp_option(struct coordinator *co, struct dp_option *o) {
   const struct mr_strategy_hint *h = &co->opts->job->strategy;
   memset(o, 0, sizeof *o);
   int dp = co->split.dp;
-  if (h->n_dp_micro > 0 || dp < 2 || co->split.data_of == NULL)
+  /* under ZeRO-3, or ZeRO-2 with a pipeline, a rank with fewer micro-batches
+   * still waits for the others' at every micro-batch's collectives (its
+   * phantom slots come last): fewer would not make it finish sooner */
+  if (h->n_dp_micro > 0 || dp < 2 || co->split.data_of == NULL || co->split.zero >= 3 ||
+      (co->split.zero == 2 && co->split.pp > 1))
     return;
   o->dp = dp;
   o->busy = calloc((size_t)dp, sizeof *o->busy);

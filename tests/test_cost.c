@@ -469,6 +469,17 @@ START_TEST(test_cost_uneven_micro_batches_pace_at_the_busiest) {
   ck_assert_int_eq(mr_cost_evaluate(&w, &c, &s, &one), 0);
   ck_assert(two.dp_comm_s > one.dp_comm_s);
   NEAR(three.dp_comm_s - two.dp_comm_s, two.dp_comm_s - one.dp_comm_s);
+  /* and the rank with one keeps a landing set of its fp32 gradient blocks
+   * (P / 2 each) for each of its 2 phantom slots, and the zeros they send:
+   * the largest parameter's gradient, V x h */
+  w.global_batch = 8, s.grad_accum_steps = 2;
+  w.dp_micro = (int[]){3, 1}, w.n_dp_micro = 2;
+  struct mr_cost mem3, mem2;
+  mr_cost_memory(&w, &c, &s, &mem3);
+  w.dp_micro = NULL, w.n_dp_micro = 0;
+  mr_cost_memory(&w, &c, &s, &mem2);
+  double P = (double)mr_model_param_count(&m);
+  NEAR(mem3.mem.buffers - mem2.mem.buffers, 2 * 4.0 * P / 2 + 4.0 * 51200 * 1024);
 }
 END_TEST
 

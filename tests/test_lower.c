@@ -331,14 +331,21 @@ START_TEST(test_lower_uneven_micro_batches) {
       ck_assert_msg(mr_rank_program_build(&L, r, &p) == 0, "%s", mr_error_message());
       ck_assert_int_eq(p.n_micro, job.strategy.dp_micro[p.data]);
       /* ZeRO-2/3: the busiest data rank's slots, those past this rank's
-       * own micro-batches holding only the data-parallel collectives */
+       * own micro-batches holding only the data-parallel collectives, and
+       * under ZeRO-2 without a pipeline before any of its own work */
       ck_assert_int_eq(p.n_slots, L.lay.zero >= 2 ? busiest : p.n_micro);
-      for (int i = 0; i < p.n_step; i++)
-        if (p.step[i].micro >= p.n_micro)
-          ck_assert_msg(p.step[i].kind == MR_INS_GATHER || p.step[i].kind == MR_INS_GRAD ||
-                            p.step[i].kind == MR_INS_GRAD_WAIT,
+      int own_seen = 0;
+      for (int i = 0; i < p.n_step; i++) {
+        int phantom = p.step[i].micro >= p.n_micro;
+        if (phantom)
+          ck_assert_msg(p.step[i].kind == MR_INS_GATHER || p.step[i].kind == MR_INS_GRAD,
                         "%s rank %d: instruction %d (kind %d) in phantom slot %d", cases[k].s,
                         r, i, p.step[i].kind, p.step[i].micro);
+        if (phantom && L.lay.zero == 2 && L.lay.pp == 1)
+          ck_assert_msg(!own_seen, "%s rank %d: phantom instruction %d after its own work",
+                        cases[k].s, r, i);
+        own_seen |= !phantom && p.step[i].micro >= 0;
+      }
       int run[64] = {0};
       for (int i = 0; i < p.n_step; i++)
         if (p.step[i].kind == MR_INS_KERNEL && !p.passes[p.step[i].pass].backward)

@@ -158,6 +158,7 @@ void mr_runtime_free(struct mr_runtime *rt) {
   for (int c = 0; rt->stash && c < rt->L->n_chunks; c++)
     free_region(rt, rt->stash[c]);
   free(rt->stash);
+  free(rt->phantom_grad);
   free(rt->host_ids);
   free(rt->host_labels);
   free(rt->host_pos);
@@ -225,6 +226,11 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
     char *s;
     MR_TRY_GOTO(rc, mr__rt_alloc(rt, p->scratch_bytes, &s), fail);
     rt->rs.scratch[i] = s;
+  }
+  rt->phantom_grad = calloc((size_t)(p->n_params > 0 ? p->n_params : 1), 1);
+  if (!rt->phantom_grad) {
+    rc = MR_ENOMEM;
+    goto fail;
   }
   rt->stash = calloc((size_t)L->n_chunks, sizeof *rt->stash);
   if (!rt->stash) {
@@ -321,7 +327,8 @@ static int exec(struct mr_runtime *rt, const struct mr_ins *in, int idx, int64_t
     return mr__rt_send(rt, in, ps);
   case MR_INS_SYNC_WAIT:
     mr__rt_waiting(rt, idx, in, "gradient synchronisation");
-    return mr__rt_wait_all(rt, rt->step_req, &rt->n_step_req);
+    MR_TRY(mr__rt_wait_all(rt, rt->step_req, &rt->n_step_req));
+    return mr__rt_phantom_sum(rt);
   default:
     return 0;
   }

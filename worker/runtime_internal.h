@@ -27,6 +27,8 @@ struct mr_runtime {
   struct mr_reshard_ctx rs;
   char *param, *acc, *optim, *arena, *send, *zero_tmp, *gstage;
   char **stash;                 // [n_chunks]
+  unsigned char *phantom_grad;  // [n_params] a phantom slot reduce-scattered
+                                // it this step (mr__rt_phantom_sum)
   float *scalar;                // one float on the device: the small
                                 // all-reduces and the loss broadcast
   int64_t allocated;            // device memory held: every region lives
@@ -90,6 +92,7 @@ int mr__rt_kernel(struct mr_runtime *rt, const struct mr_ins *in, const struct m
 int mr__rt_reshard(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_pass *ps);
 int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_pass *ps);
 int mr__rt_grad_wait(struct mr_runtime *rt, const struct mr_ins *in);
+int mr__rt_phantom_sum(struct mr_runtime *rt);
 int mr__rt_send(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_pass *ps);
 int mr__rt_recv(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_pass *ps);
 int mr__rt_seed(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_pass *ps);

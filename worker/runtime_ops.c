@@ -147,9 +147,16 @@ int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
   /* the gradient's synchronisation, if any */
   const struct mr_reshard_edge *sync = in->edge >= 0 ? &L->dg.edges[in->edge] : NULL;
   const struct mr_reshard_plan *plan = sync != NULL ? &sync->plan : NULL;
-  if (in->micro >= rt->p.n_micro) /* a phantom: its buffer is the gradient's alone till the
-                                   * pass ends (lowering keeps it for the reduce-scatter) */
-    MR_TRY(be->ops->memset(be, NULL, gr, 0, (size_t)rt->p.buf[gt].bytes));
+  if (in->micro >= rt->p.n_micro) { /* a phantom: zeros, landing apart, summed at sync_wait */
+    int64_t z = rt->p.zero_landing_bytes;
+    int phantoms = rt->p.n_slots - rt->p.n_micro;
+    rt->phantom_grad[pi] = 1;
+    MR_TRY(mr_comm_reduce_scatter(rt->data_g, rt->zero_tmp + z * (1 + phantoms),
+                                  rt->zero_tmp + z * (1 + in->micro - rt->p.n_micro) +
+                                      pp->zero_tmp_offset,
+                                  (size_t)pp->block, MR_F32, MR_RED_SUM, &req));
+    return mr__rt_push_req(rt, rt->step_req, &rt->n_step_req, req, pi);
+  }
   if (pp->off_data) { /* to the parameter's shard first (slices, sums off data) */
     struct mr_reshard_plan off = *plan;
     off.n_steps = 0;
@@ -200,13 +207,32 @@ int mr__rt_grad_wait(struct mr_runtime *rt, const struct mr_ins *in) {
   for (int i = 0; i < n; i++)
     list[i] = rt->pass_req[i].param;
   MR_TRY(mr__rt_wait_all(rt, rt->pass_req, &rt->n_pass_req));
-  int last = in->micro == rt->p.n_slots - 1;
+  int last = in->micro == rt->p.n_micro - 1;
   float scale = last ? 1.0f / (float)lay->n_micro : 1.0f;
   for (int i = 0; i < n; i++) {
     const struct mr_param_plan *pp = &rt->p.params[list[i]];
     MR_TRY(rt->be->ops->axpby(rt->be, (float *)(rt->acc + pp->acc_offset),
                               (const float *)(rt->zero_tmp + pp->zero_tmp_offset),
                               in->micro == 0 ? 0.0f : scale, scale, (size_t)pp->block));
+  }
+  return 0;
+}
+
+/* The phantom slots' reduce-scatters landed (sync_wait waited them): add
+ * their blocks to the accumulators, at the step's mean scale. */
+int mr__rt_phantom_sum(struct mr_runtime *rt) {
+  int phantoms = rt->p.n_slots - rt->p.n_micro;
+  float scale = 1.0f / (float)rt->L->lay.n_micro;
+  for (int i = 0; i < rt->p.n_params && phantoms > 0; i++) {
+    if (!rt->phantom_grad[i])
+      continue;
+    rt->phantom_grad[i] = 0;
+    const struct mr_param_plan *pp = &rt->p.params[i];
+    for (int j = 0; j < phantoms; j++)
+      MR_TRY(rt->be->ops->axpby(rt->be, (float *)(rt->acc + pp->acc_offset),
+                                (const float *)(rt->zero_tmp + rt->p.zero_landing_bytes * (1 + j) +
+                                                pp->zero_tmp_offset),
+                                1.0f, scale, (size_t)pp->block));
   }
   return 0;
 }

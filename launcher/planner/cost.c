@@ -282,6 +282,24 @@ static int stage_layers(const int *counts, int p, int v, int i) {
   return n;
 }
 
+/* ZeRO-2/3 with micro-batches set per data rank: the rank with the fewest
+ * keeps a landing set of its gradient blocks (fp32) per phantom slot, and
+ * the zeros they send (the largest parameter's gradient). */
+static double phantom_bytes(const struct mr_workload *w, const struct mr_strategy *s,
+                            double psi) {
+  if (s->zero_stage < 2 || w->n_dp_micro != s->dp || s->dp < 2)
+    return 0;
+  int kmax = 0, kmin = w->dp_micro[0];
+  for (int d = 0; d < s->dp; d++) {
+    kmax = w->dp_micro[d] > kmax ? w->dp_micro[d] : kmax;
+    kmin = w->dp_micro[d] < kmin ? w->dp_micro[d] : kmin;
+  }
+  const struct mr_model_config *m = w->model;
+  double largest = fmax((double)m->vocab_size, (double)m->intermediate_size) *
+                   (double)m->hidden_size / s->tp;
+  return kmax > kmin ? (kmax - kmin) * 4.0 * psi / s->dp + 4.0 * largest : 0;
+}
+
 struct stage_mem {
   struct mr_memory mem;
   double psi; // parameters held (before ZeRO sharding)
@@ -377,7 +395,7 @@ static void stage_memory(const struct mr_workload *w, const struct mr_cluster *c
     if (s->pp > 1) /* boundary sends in flight for a step, both directions, per chunk */
       buf += 2.0 * vp * m_ * (double)(s->grad_accum_steps > 0 ? s->grad_accum_steps : 1) *
              rows * h * ab / (s->sequence_parallel && s->tp > 1 ? t : 1);
-    mm->buffers = buf;
+    mm->buffers = buf + phantom_bytes(w, s, psi);
     mm->workspace = c->reserved_bytes;
     mm->total = mm->params + mm->grads + mm->optimizer + mm->activations + mm->buffers +
                 mm->workspace;
@@ -402,7 +420,7 @@ static void stage_memory(const struct mr_workload *w, const struct mr_cluster *c
     buf += 2.0 * fmin(psi, 25e6) * wb;
   if (s->zero_stage >= 3)
     buf += 2.0 * per_layer / t * wb;
-  mm->buffers = buf;
+  mm->buffers = buf + phantom_bytes(w, s, psi);
   mm->workspace = c->reserved_bytes;
   mm->total = mm->params + mm->grads + mm->optimizer + mm->activations + mm->buffers +
               mm->workspace;

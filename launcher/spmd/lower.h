@@ -244,9 +244,13 @@ struct mr_rank_program {
                                   // but under ZeRO-2/3 with micro-batches set
                                   // per data rank the busiest one's; the slots
                                   // past n_micro are phantoms, which run only
-                                  // the data-parallel collectives (gathers,
-                                  // reduce-scatters of zeros) every rank of
-                                  // the group must join
+                                  // the data-parallel collectives every rank
+                                  // of the group must join: ZeRO-3's gathers
+                                  // and reduce-scatters of zeros, left in
+                                  // flight (each slot's land apart, summed at
+                                  // sync_wait).  Under ZeRO-2 without a
+                                  // pipeline they come first, so a slow rank
+                                  // posts them and goes on to its own work
   int first_slice;                // the first of them: the step's batch is
                                   // dp * lay.n_micro slices of micro_seqs /
                                   // dp sequences, read by data rank in order
@@ -263,6 +267,11 @@ struct mr_rank_program {
   int64_t *stash_bytes;           // [n_chunks] one slot
   int64_t param_bytes, acc_bytes, optim_bytes, arena_bytes, send_bytes;
   int64_t zero_tmp_bytes;         // ZeRO-2/3: reduce-scatter landing blocks
+                                  // (zero_landing_bytes), one more set per
+                                  // phantom slot and, with phantoms, the
+                                  // zeros they reduce-scatter (the largest
+                                  // padded gradient)
+  int64_t zero_landing_bytes;     // one set of landing blocks
                                   // (one per parameter); ZeRO-1: the largest
                                   // block (what an all-gather sends)
   int64_t scratch_bytes;          // reshard staging (three buffers of this)

@@ -147,8 +147,9 @@ void mr__lower_events_of(struct build *b, struct mr_ins *in, int64_t *staging) {
     int e = in->edge;
     snprintf(what, sizeof what, "gradient of %.80s", g->tensors[in->tensor].name);
     /* off the data dim (a slice to the parameter's shard, a sum over
-     * sequence-parallel ranks): every micro-batch, before accumulating */
-    if (e >= 0)
+     * sequence-parallel ranks): every micro-batch, before accumulating;
+     * a phantom slot reduce-scatters zeros as they are */
+    if (e >= 0 && in->micro < p->n_micro)
       edge_events(b, in, e, -2 - L->data_dim, staging);
     if (lay->zero >= 2) {
       mr__lower_add_event(b, in, MR_CEV_REDUCE_SCATTER, &p->data_group, -1, pp->block, MR_F32, 0, -1,

@@ -531,15 +531,33 @@ static int schedule(const struct build *b, const int *fpass, const int *bpass, i
 
 /* A pass of micro-batch `micro` into the step; a phantom slot (past this
  * rank's micro-batches) keeps only the collectives every data rank joins:
- * ZeRO-3's gathers and ZeRO-2/3's gradient reduce-scatters (of zeros). */
+ * ZeRO-3's gathers and ZeRO-2/3's gradient reduce-scatters (of zeros, not
+ * waited in the pass). */
+/* Reorders the schedule (pass, micro-batch) pairs so the phantom slots
+ * (micro-batch n_micro and up) come first, each group in its order. */
+static int phantoms_first(int *sp, int *sm, int n, int n_micro) {
+  int *tp = malloc((size_t)n * sizeof *tp), *tm = malloc((size_t)n * sizeof *tm), k = 0;
+  if (tp == NULL || tm == NULL) {
+    free(tp), free(tm);
+    return MR_ENOMEM;
+  }
+  for (int phantom = 1; phantom >= 0; phantom--)
+    for (int i = 0; i < n; i++)
+      if ((sm[i] >= n_micro) == phantom)
+        tp[k] = sp[i], tm[k++] = sm[i];
+  memcpy(sp, tp, (size_t)n * sizeof *sp);
+  memcpy(sm, tm, (size_t)n * sizeof *sm);
+  free(tp), free(tm);
+  return 0;
+}
+
 static void expand(struct build *b, int pass, int micro) {
   struct mr_rank_program *p = b->p;
   const struct mr_pass *ps = &p->passes[pass];
   int slots = p->stash_slots[ps->chunk] > 0 ? p->stash_slots[ps->chunk] : 1;
   for (int i = ps->first; i < ps->first + ps->n && b->rc == 0; i++) {
     struct mr_ins in = p->tmpl[i];
-    if (micro >= p->n_micro && in.kind != MR_INS_GATHER && in.kind != MR_INS_GRAD &&
-        in.kind != MR_INS_GRAD_WAIT)
+    if (micro >= p->n_micro && in.kind != MR_INS_GATHER && in.kind != MR_INS_GRAD)
       continue;
     in.micro = micro;
     in.slot = micro % slots;
@@ -610,6 +628,8 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
   }
   int ns = schedule(&b, fpass, bpass, sp, sm);
   MR_TRY_GOTO(rc, ns, out);
+  if (p->n_slots > p->n_micro && lay->zero == 2 && lay->pp == 1)
+    MR_TRY_GOTO(rc, phantoms_first(sp, sm, ns, p->n_micro), out);
   for (int i = 0; i < ns; i++) {
     int c = p->passes[sp[i]].chunk;
     fly[c] += p->passes[sp[i]].backward ? -1 : 1;
@@ -653,12 +673,16 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
               "the evaluation loss");
   p->scratch_bytes = ALIGNED(p->scratch_bytes * 4);
   if (lay->zero >= 2) { /* reduce-scatter landing blocks, one per parameter */
-    int64_t z = 0;
+    int64_t z = 0, pad = 0;
     for (int i = 0; i < p->n_params; i++) {
       p->params[i].zero_tmp_offset = z;
       z += ALIGNED(p->params[i].block * 4);
+      if (ALIGNED(p->params[i].block * lay->dp * 4) > pad)
+        pad = ALIGNED(p->params[i].block * lay->dp * 4);
     }
-    p->zero_tmp_bytes = z;
+    p->zero_landing_bytes = p->zero_tmp_bytes = z;
+    if (p->n_slots > p->n_micro) /* each phantom's blocks land apart; the zeros they send */
+      p->zero_tmp_bytes += (p->n_slots - p->n_micro) * z + pad;
   }
   for (int i = 0; i < p->n_params; i++) {
     struct mr_param_plan *pp = &p->params[i];
