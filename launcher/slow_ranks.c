@@ -92,9 +92,9 @@ static void regroup_with(struct coordinator *co, char *text, uint64_t *digests, 
 
 /* Lowers and checks the plan with the layers moved, then asks for the
  * checkpoint the group starts again from with it. */
-static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_out *out, int k,
-                            int pp) {
+static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_out *out) {
   const struct mr_job *job = co->opts->job;
+  int pp = co->split.pp, k = pp * co->split.vp;
   uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
   double step_s = 0;
   char *text = digests != NULL ? mr_plan_with_split(job, co->plan_text, co->world, out->counts,
@@ -167,13 +167,13 @@ static void read_split(struct coordinator *co) {
  * keeps what it can do; a slow replica of every stage keeps its layers
  * and gets fewer micro-batches. */
 struct layer_option {
-  double *busy, *slowness;    // [pp]
-  struct mr_rebalance_out out;
+  double *busy;               // [pp]
+  struct mr_rebalance_out out; // (its arrays owned here)
   double gain;
 };
 
 static void layer_option_close(struct layer_option *o) {
-  free(o->busy), free(o->slowness), free(o->out.counts);
+  free(o->busy), free(o->out.slowness), free(o->out.counts);
   memset(o, 0, sizeof *o);
 }
 
@@ -184,12 +184,11 @@ static void layer_option(struct coordinator *co, struct layer_option *o) {
   if (pp < 2 || co->opts->job->strategy.n_chunk_layers > 0)
     return;
   o->busy = calloc((size_t)pp, sizeof *o->busy);
-  o->slowness = calloc((size_t)pp, sizeof *o->slowness);
+  o->out.slowness = calloc((size_t)pp, sizeof *o->out.slowness);
   o->out.counts = calloc((size_t)k, sizeof *o->out.counts);
-  o->out.slowness = o->slowness;
   struct mr_rebalance_in in = {pp, co->split.vp, co->split.n_layers, co->split.counts,
                                co->split.layer, co->split.first, co->split.last, o->busy};
-  if (o->busy != NULL && o->slowness != NULL && o->out.counts != NULL &&
+  if (o->busy != NULL && o->out.slowness != NULL && o->out.counts != NULL &&
       stage_busy(co, pp, o->busy) && mr_rebalance(&in, &o->out) == 0 &&
       memcmp(o->out.counts, co->split.counts, (size_t)k * sizeof *o->out.counts) != 0)
     o->gain = o->out.gain;
@@ -329,7 +328,7 @@ void mr__co_check_slow_ranks(struct coordinator *co) {
     co->slow_streak = 0;
     co->slow_kind = REGROUP_NONE;
     if (kind == REGROUP_BALANCE) {
-      begin_rebalance(co, &l.out, co->split.pp * co->split.vp, co->split.pp);
+      begin_rebalance(co, &l.out);
     } else if (kind == REGROUP_DP_BALANCE) {
       begin_dp_rebalance(co, &d);
     } else {

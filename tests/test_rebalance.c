@@ -493,6 +493,21 @@ static void fewer_for_data_rank_1(const char *err) {
   ck_assert_msg(fast > slow_k && fast + slow_k == total, "%s", said);
 }
 
+/* The job under `strategy` (JSON members) on nproc ranks, the ranks in
+ * `slow_hook` slowed: re-balanced once to one rank's losses and faster
+ * steps (slowed_and_rebalanced), data rank 1 given fewer micro-batches;
+ * the slowed run's stderr. */
+static char *data_rank_1_rebalanced(const char *strategy, const char *slow_hook,
+                                    const char *nproc) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  write_job_with(dir, "ref.json", STEPS, strategy);
+  write_job_with(dir, "slow.json", STEPS, strategy);
+  char *err = slowed_and_rebalanced(dir, slow_hook, nproc, 1e-4, DP_AGAIN);
+  fewer_for_data_rank_1(err);
+  return err;
+}
+
 /* Rank 1 of two data-parallel ranks made 8x slower (its kernels: the step's
  * per-step part and, in a sanitized build, everything around the kernels
  * are not slowed, so a 4x device would leave less to gain than the test
@@ -502,28 +517,16 @@ static void fewer_for_data_rank_1(const char *err) {
  * slowed nor re-planned (within float rounding: the gradients are summed
  * in other groups). */
 START_TEST(test_rebalance_slow_data_rank_gets_fewer_micro_batches) {
-  char dir[64];
-  mr_t_tmpdir(dir, sizeof dir);
-  write_dp_job(dir, "ref.json", STEPS);
-  write_dp_job(dir, "slow.json", STEPS);
-  char *err = slowed_and_rebalanced(dir, "1:x8", "2", 1e-4, DP_AGAIN);
-  fewer_for_data_rank_1(err);
-  free(err);
+  free(data_rank_1_rebalanced("\"data_parallel\": {\"degree\": 2}", "1:x8", "2"));
 }
 END_TEST
 
 /* The same under ZeRO-2 (two micro-batches a step to deal): the slow rank
  * runs fewer and joins the other's reduce-scatters with zeros. */
 START_TEST(test_rebalance_slow_data_rank_under_zero2) {
-  char dir[64];
-  mr_t_tmpdir(dir, sizeof dir);
-  const char *st = "\"data_parallel\": {\"degree\": 2}, \"sharding\": {\"stage\": 2}, "
-                   "\"gradient_accumulation_steps\": 2";
-  write_job_with(dir, "ref.json", STEPS, st);
-  write_job_with(dir, "slow.json", STEPS, st);
-  char *err = slowed_and_rebalanced(dir, "1:x8", "2", 1e-4, DP_AGAIN);
-  fewer_for_data_rank_1(err);
-  free(err);
+  free(data_rank_1_rebalanced("\"data_parallel\": {\"degree\": 2}, \"sharding\": "
+                              "{\"stage\": 2}, \"gradient_accumulation_steps\": 2",
+                              "1:x8", "2"));
 }
 END_TEST
 
@@ -533,15 +536,10 @@ END_TEST
  * others of its replica, so no layers move; the slow replica gets fewer
  * micro-batches, the same checks. */
 START_TEST(test_rebalance_slow_pipeline_replica_gets_fewer_micro_batches) {
-  char dir[64];
-  mr_t_tmpdir(dir, sizeof dir);
-  const char *st = "\"data_parallel\": {\"degree\": 2}, "
-                   "\"pipeline_parallel\": {\"degree\": 2, \"micro_batches\": 4}";
-  write_job_with(dir, "ref.json", STEPS, st);
-  write_job_with(dir, "slow.json", STEPS, st);
-  char *err = slowed_and_rebalanced(dir, "1:x8,3:x8", "4", 1e-4, DP_AGAIN);
+  char *err = data_rank_1_rebalanced("\"data_parallel\": {\"degree\": 2}, "
+                                     "\"pipeline_parallel\": {\"degree\": 2, "
+                                     "\"micro_batches\": 4}", "1:x8,3:x8", "4");
   ck_assert_msg(strstr(err, "moving layers") == NULL, "%s", err);
-  fewer_for_data_rank_1(err);
   free(err);
 }
 END_TEST

@@ -129,6 +129,12 @@ int mr__rt_reshard(struct mr_runtime *rt, const struct mr_ins *in, const struct 
                   mr__rt_buf(rt, in->tensor, ps, in->slot));
 }
 
+/* Phantom slot `micro`'s landing blocks in the ZeRO region (after the
+ * passes' own set); slot n_slots is the zeros they reduce-scatter. */
+static char *phantom_landing(const struct mr_runtime *rt, int micro) {
+  return rt->zero_tmp + rt->p.zero_landing_bytes * (1 + micro - rt->p.n_micro);
+}
+
 /* This micro-batch's gradient of a parameter is final: accumulate it (the
  * mean over micro-batches), and on the last micro-batch start its
  * synchronisation; under ZeRO-2/3 reduce-scatter it now — zeros in a
@@ -148,12 +154,9 @@ int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
   const struct mr_reshard_edge *sync = in->edge >= 0 ? &L->dg.edges[in->edge] : NULL;
   const struct mr_reshard_plan *plan = sync != NULL ? &sync->plan : NULL;
   if (in->micro >= rt->p.n_micro) { /* a phantom: zeros, landing apart, summed at sync_wait */
-    int64_t z = rt->p.zero_landing_bytes;
-    int phantoms = rt->p.n_slots - rt->p.n_micro;
     rt->phantom_grad[pi] = 1;
-    MR_TRY(mr_comm_reduce_scatter(rt->data_g, rt->zero_tmp + z * (1 + phantoms),
-                                  rt->zero_tmp + z * (1 + in->micro - rt->p.n_micro) +
-                                      pp->zero_tmp_offset,
+    MR_TRY(mr_comm_reduce_scatter(rt->data_g, phantom_landing(rt, rt->p.n_slots),
+                                  phantom_landing(rt, in->micro) + pp->zero_tmp_offset,
                                   (size_t)pp->block, MR_F32, MR_RED_SUM, &req));
     return mr__rt_push_req(rt, rt->step_req, &rt->n_step_req, req, pi);
   }
@@ -221,17 +224,15 @@ int mr__rt_grad_wait(struct mr_runtime *rt, const struct mr_ins *in) {
 /* The phantom slots' reduce-scatters landed (sync_wait waited them): add
  * their blocks to the accumulators, at the step's mean scale. */
 int mr__rt_phantom_sum(struct mr_runtime *rt) {
-  int phantoms = rt->p.n_slots - rt->p.n_micro;
   float scale = 1.0f / (float)rt->L->lay.n_micro;
-  for (int i = 0; i < rt->p.n_params && phantoms > 0; i++) {
+  for (int i = 0; i < rt->p.n_params && rt->p.n_slots > rt->p.n_micro; i++) {
     if (!rt->phantom_grad[i])
       continue;
     rt->phantom_grad[i] = 0;
     const struct mr_param_plan *pp = &rt->p.params[i];
-    for (int j = 0; j < phantoms; j++)
+    for (int m = rt->p.n_micro; m < rt->p.n_slots; m++)
       MR_TRY(rt->be->ops->axpby(rt->be, (float *)(rt->acc + pp->acc_offset),
-                                (const float *)(rt->zero_tmp + rt->p.zero_landing_bytes * (1 + j) +
-                                                pp->zero_tmp_offset),
+                                (const float *)(phantom_landing(rt, m) + pp->zero_tmp_offset),
                                 1.0f, scale, (size_t)pp->block));
   }
   return 0;

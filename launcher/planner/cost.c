@@ -282,18 +282,28 @@ static int stage_layers(const int *counts, int p, int v, int i) {
   return n;
 }
 
+/* Micro-batches set per data rank (the workload's, for this degree): the
+ * most and the fewest any rank runs; 0 when the split is even. */
+static int dp_micro_range(const struct mr_workload *w, const struct mr_strategy *s, int *kmin) {
+  if (w->n_dp_micro != s->dp || s->dp < 1)
+    return 0;
+  int kmax = w->dp_micro[0];
+  *kmin = w->dp_micro[0];
+  for (int d = 1; d < s->dp; d++) {
+    kmax = w->dp_micro[d] > kmax ? w->dp_micro[d] : kmax;
+    *kmin = w->dp_micro[d] < *kmin ? w->dp_micro[d] : *kmin;
+  }
+  return kmax;
+}
+
 /* ZeRO-2/3 with micro-batches set per data rank: the rank with the fewest
  * keeps a landing set of its gradient blocks (fp32) per phantom slot, and
  * the zeros they send (the largest parameter's gradient). */
 static double phantom_bytes(const struct mr_workload *w, const struct mr_strategy *s,
                             double psi) {
-  if (s->zero_stage < 2 || w->n_dp_micro != s->dp || s->dp < 2)
+  int kmin = 0, kmax = dp_micro_range(w, s, &kmin);
+  if (s->zero_stage < 2 || s->dp < 2 || kmax == 0)
     return 0;
-  int kmax = 0, kmin = w->dp_micro[0];
-  for (int d = 0; d < s->dp; d++) {
-    kmax = w->dp_micro[d] > kmax ? w->dp_micro[d] : kmax;
-    kmin = w->dp_micro[d] < kmin ? w->dp_micro[d] : kmin;
-  }
   const struct mr_model_config *m = w->model;
   double largest = fmax((double)m->vocab_size, (double)m->intermediate_size) *
                    (double)m->hidden_size / s->tp;
@@ -562,12 +572,9 @@ int mr_cost_evaluate_prepared(const struct mr_workload *w, const struct mr_clust
    * per data rank: the busiest rank's count paces the step, k_max of the
    * m·g, so the per-micro-batch terms grow by k_max / (m·g). */
   double slots = (double)mb * v, share = 1.0;
-  if (w->n_dp_micro == s->dp && s->dp > 0) {
-    int kmax = 0;
-    for (int d = 0; d < s->dp; d++)
-      kmax = w->dp_micro[d] > kmax ? w->dp_micro[d] : kmax;
+  int kmin, kmax = dp_micro_range(w, s, &kmin);
+  if (kmax > 0)
     share = (double)kmax / ((double)mb * (ga > 0 ? ga : 1));
-  }
   out->compute_s = share * ga * slots * x;
   out->bubble_s = ga * (p - 1) * x;
   out->bubble_fraction = mr_cost_bubble_fraction(s->schedule, p, mb, v);

@@ -40,8 +40,8 @@
  * backward).  Under ZeRO-2/3 every micro-batch's gradient is
  * reduce-scattered instead, so a rank keeps only its block (a data rank
  * with fewer micro-batches than another joins the rest of its
- * reduce-scatters, and gathers, in phantom slots: no data, zeros); under ZeRO-3
- * parameters are kept as blocks too and all-gathered just before each pass
+ * reduce-scatters, and gathers, in phantom slots: no data, zeros); under
+ * ZeRO-3 parameters are kept as blocks too and all-gathered just before each pass
  * that reads them.  The optimizer updates each rank's block (ZeRO >= 1)
  * and all-gathers the updated parameters (ZeRO-1/2). */
 #ifndef MR_SPMD_LOWER_H
@@ -267,13 +267,13 @@ struct mr_rank_program {
   int64_t *stash_bytes;           // [n_chunks] one slot
   int64_t param_bytes, acc_bytes, optim_bytes, arena_bytes, send_bytes;
   int64_t zero_tmp_bytes;         // ZeRO-2/3: reduce-scatter landing blocks
-                                  // (zero_landing_bytes), one more set per
-                                  // phantom slot and, with phantoms, the
-                                  // zeros they reduce-scatter (the largest
-                                  // padded gradient)
-  int64_t zero_landing_bytes;     // one set of landing blocks
-                                  // (one per parameter); ZeRO-1: the largest
-                                  // block (what an all-gather sends)
+                                  // (one per parameter: zero_landing_bytes),
+                                  // one more set per phantom slot and, with
+                                  // phantoms, the zeros they reduce-scatter
+                                  // (the largest padded gradient); ZeRO-1:
+                                  // the largest block (what an all-gather
+                                  // sends)
+  int64_t zero_landing_bytes;     // ZeRO-2/3: one set of landing blocks
   int64_t scratch_bytes;          // reshard staging (three buffers of this)
   int64_t grad_stage_bytes;       // a gradient brought to its parameter's
                                   // shard (padded to dp blocks under ZeRO)

@@ -529,10 +529,6 @@ static int schedule(const struct build *b, const int *fpass, const int *bpass, i
   return n;
 }
 
-/* A pass of micro-batch `micro` into the step; a phantom slot (past this
- * rank's micro-batches) keeps only the collectives every data rank joins:
- * ZeRO-3's gathers and ZeRO-2/3's gradient reduce-scatters (of zeros, not
- * waited in the pass). */
 /* Reorders the schedule (pass, micro-batch) pairs so the phantom slots
  * (micro-batch n_micro and up) come first, each group in its order. */
 static int phantoms_first(int *sp, int *sm, int n, int n_micro) {
@@ -551,6 +547,10 @@ static int phantoms_first(int *sp, int *sm, int n, int n_micro) {
   return 0;
 }
 
+/* A pass of micro-batch `micro` into the step; a phantom slot (past this
+ * rank's micro-batches) keeps only the collectives every data rank joins:
+ * ZeRO-3's gathers and ZeRO-2/3's gradient reduce-scatters (of zeros, not
+ * waited in the pass). */
 static void expand(struct build *b, int pass, int micro) {
   struct mr_rank_program *p = b->p;
   const struct mr_pass *ps = &p->passes[pass];
