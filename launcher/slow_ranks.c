@@ -82,9 +82,18 @@ static int stage_busy(const struct coordinator *co, int pp, double *busy) {
 }
 
 /* Asks for the checkpoint the group starts again from, running plan text
- * (its programs' digests, its predicted step) from then on. */
+ * (its programs' digests, its predicted step; both taken) from then on, and
+ * says so: what runs unbalanced, and what the plan changes.  Where the plan
+ * could not be made (text NULL), says that the new split cannot run. */
 static void regroup_with(struct coordinator *co, char *text, uint64_t *digests, double step_s,
-                         enum regroup kind) {
+                         enum regroup kind, const char *unbalanced, const char *split,
+                         const char *change) {
+  if (text == NULL) {
+    MR_WARN("launch", "%s but %s cannot run: %s", unbalanced, split, mr_error_message());
+    free(digests);
+    return;
+  }
+  MR_WARN("launch", "%s: %s; writing a checkpoint, then starting again", unbalanced, change);
   free(co->balanced_text), free(co->balanced_digests);
   co->balanced_text = text, co->balanced_digests = digests, co->balanced_s = step_s;
   mr__co_ask_regroup(co, kind);
@@ -99,20 +108,16 @@ static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_ou
   double step_s = 0;
   char *text = digests != NULL ? mr_plan_with_split(job, co->plan_text, co->world, out->counts,
                                                     k, digests, &step_s) : NULL;
-  char speeds[256], was[256], now[256];
+  char speeds[256], was[256], now[256], unbalanced[400], split[300], change[700];
   format_values(out->slowness, pp, 1, 2, speeds, sizeof speeds);
   format_counts(co->split.counts, k, was, sizeof was);
   format_counts(out->counts, k, now, sizeof now);
-  if (text == NULL) {
-    MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work by stage: "
-            "%s) but layers %s cannot run: %s", speeds, now, mr_error_message());
-    free(digests);
-    return;
-  }
-  MR_WARN("launch", "the pipeline's stages run unbalanced (time per unit of work by stage: %s): "
-          "moving layers %s -> %s cuts the slowest chunk's time by %.0f%%; writing a checkpoint, "
-          "then starting again", speeds, was, now, 100.0 * out->gain);
-  regroup_with(co, text, digests, step_s, REGROUP_BALANCE);
+  snprintf(unbalanced, sizeof unbalanced, "the pipeline's stages run unbalanced (time per "
+           "unit of work by stage: %s)", speeds);
+  snprintf(split, sizeof split, "layers %s", now);
+  snprintf(change, sizeof change, "moving layers %s -> %s cuts the slowest chunk's time by "
+           "%.0f%%", was, now, 100.0 * out->gain);
+  regroup_with(co, text, digests, step_s, REGROUP_BALANCE, unbalanced, split, change);
 }
 
 /* The least share of the step a regroup for slow ranks must save
@@ -253,16 +258,13 @@ static void begin_dp_rebalance(struct coordinator *co, const struct dp_option *o
                                                        n_micro, o->counts, o->dp, digests,
                                                        &step_s)
                                : NULL;
-  if (text == NULL) {
-    MR_WARN("launch", "the data-parallel ranks run unbalanced (work per step by data rank: "
-            "%s ms) but micro-batches %s cannot run: %s", work, now, mr_error_message());
-    free(digests);
-    return;
-  }
-  MR_WARN("launch", "the data-parallel ranks run unbalanced (work per step by data rank: %s ms): "
-          "running %s of %d micro-batches cuts the step by about %.0f%%; writing a checkpoint, "
-          "then starting again", work, now, o->dp * o->n_micro, 100.0 * o->gain);
-  regroup_with(co, text, digests, step_s, REGROUP_DP_BALANCE);
+  char unbalanced[400], split[300], change[400];
+  snprintf(unbalanced, sizeof unbalanced, "the data-parallel ranks run unbalanced (work per "
+           "step by data rank: %s ms)", work);
+  snprintf(split, sizeof split, "micro-batches %s", now);
+  snprintf(change, sizeof change, "running %s of %d micro-batches cuts the step by about "
+           "%.0f%%", now, o->dp * o->n_micro, 100.0 * o->gain);
+  regroup_with(co, text, digests, step_s, REGROUP_DP_BALANCE, unbalanced, split, change);
 }
 
 struct node_option {

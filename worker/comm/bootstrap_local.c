@@ -16,6 +16,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/rng.h"
 
 struct slot_hdr {
   uint64_t key_hash;
@@ -36,13 +37,6 @@ struct mr_bootstrap_local {
   int timeout_ms;
   uint64_t round;
 };
-
-static uint64_t fnv1a(const char *s) {
-  uint64_t h = 1469598103934665603ull;
-  for (; *s; s++)
-    h = (h ^ (unsigned char)*s) * 1099511628211ull;
-  return h;
-}
 
 static size_t hdr_bytes(int world) {
   size_t b = sizeof(struct area) + (size_t)world * sizeof(uint64_t);
@@ -86,7 +80,7 @@ static int local_allgather(void *ctx, const char *key, const void *blob,
   if (len > a->max_len)
     return mr_error_set(MR_ETOOBIG, "bootstrap %s: blob of %zu bytes, at most "
                         "%zu", key, len, a->max_len);
-  uint64_t h = fnv1a(key), r = bl->round++;
+  uint64_t h = mr_hash_str(key), r = bl->round++;
   unsigned char *mine = slot(a, r, bl->rank);
   struct slot_hdr hd = {h, len};
   memcpy(mine, &hd, sizeof hd);

@@ -26,6 +26,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/rng.h"
 #include "worker/comm/cpu.h"
 #include "worker/comm/reduce.h"
 
@@ -58,13 +59,6 @@ struct tcp {
   struct xfer *rx;  /* (n) */
   unsigned char token[2];
 };
-
-static uint64_t fnv1a(const char *str) {
-  uint64_t h = 1469598103934665603ull;
-  for (; *str; str++)
-    h = (h ^ (unsigned char)*str) * 1099511628211ull;
-  return h;
-}
 
 /* ---- exchanges --------------------------------------------------------- */
 
@@ -358,7 +352,7 @@ static int tcp_open_group(struct mr__group *g) {
   for (int i = 0; i < g->n; i++)
     t->fd[i] = -1;
   int occ = mr__group_occurrence(g);
-  uint64_t key = fnv1a(g->desc) ^ ((uint64_t)occ * 0x9e3779b97f4a7c15ull);
+  uint64_t key = mr_hash_str(g->desc) ^ ((uint64_t)occ * 0x9e3779b97f4a7c15ull);
   int64_t deadline = mr_clock_ns() + ci->timeout_ms * 1000000;
   int rc = 0;
   for (int i = 0; i < g->me; i++) {
