@@ -16,6 +16,10 @@
   XX(LOG_LEVEL, "MESHRUN_LOG_LEVEL", "info",                                 \
      "log level: error, warn, info, debug")                                  \
   XX(THREADS, "MESHRUN_THREADS", "1", "compute threads per CPU rank")        \
+  XX(CLUSTER, "MESHRUN_CLUSTER", "",                                         \
+     "cluster spec (a shipped name or a file) for jobs that name none; "    \
+     "empty: launch plans for this machine, measured once and cached "     \
+     "under ~/.cache/meshrun, and plan for cpu-local")                      \
   XX(DEVICE, "MESHRUN_DEVICE", "",                                          \
      "what ranks compute on: cpu or cuda (set by launch --device)")         \
   XX(CPU_SIMD, "MESHRUN_CPU_SIMD", "auto",                                   \

@@ -5,6 +5,7 @@
  * ranks.  What it cannot measure here (the network to other nodes) comes
  * from the cpu-local spec it starts from. */
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
@@ -22,7 +23,10 @@
 #include "common/discovery.h"
 #include "common/error.h"
 #include "common/jsonv.h"
+#include "common/log.h"
+#include "common/rng.h"
 #include "common/tunable.h"
+#include "launcher/calibrate.h"
 #include "launcher/cli.h"
 #include "launcher/planner/cluster.h"
 #include "worker/backend/cpu/kernels.h"
@@ -229,6 +233,199 @@ static void set_str(cJSON *o, const char *key, const char *v) {
   cJSON_AddStringToObject(o, key, v);
 }
 
+/* "AMD EPYC core": /proc/cpuinfo's model name (else "CPU") and "core". */
+static void cpu_model(char *buf, size_t len) {
+  char line[512], name[256] = "CPU";
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  while (f != NULL && fgets(line, sizeof line, f) != NULL)
+    if (strncmp(line, "model name", 10) == 0 && strchr(line, ':') != NULL) {
+      const char *v = strchr(line, ':') + 1;
+      v += strspn(v, " \t");
+      snprintf(name, sizeof name, "%.*s", (int)strcspn(v, "\n"), v);
+      break;
+    }
+  if (f != NULL)
+    fclose(f);
+  snprintf(buf, len, "%s core", name);
+}
+
+int mr_calibrate_spec(long ranks, const char *base, int quiet, char **text) {
+  *text = NULL;
+  if (ranks < 1)
+    ranks = 1;
+  char base_path[4096];
+  if (mr_plan_cluster_path(base, base_path, sizeof base_path) < 0)
+    return mr_error_set(MR_ENOENT, "calibrate: no cluster spec \"%s\" to start from", base);
+  cJSON *spec = NULL;
+  MR_TRY(mr_json_load(base_path, &spec));
+  struct mr_cluster check;
+  int rc = mr_cluster_parse(spec, base_path, &check);
+  if (rc < 0) {
+    cJSON_Delete(spec);
+    return rc;
+  }
+
+  if (!quiet)
+    fprintf(stderr, "meshrun calibrate: FMA peak, matmul, memcpy (one core)...\n");
+  double peak = 0;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) /* the kernels' own sgemm uses it */
+    peak = fma_peak_512();
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    peak = fma_peak();
+#endif
+  struct mr_pool *pool = NULL;
+  rc = mr_pool_new(1, &pool);
+  double big = 0, small = 0;
+  if (rc == 0)
+    rc = gemm_rate(pool, 1024, 1024, 1024, &big);
+  if (rc == 0)
+    rc = gemm_rate(pool, 2048, 128, 128, &small);
+  mr_pool_free(pool);
+  if (rc < 0) {
+    cJSON_Delete(spec);
+    return rc;
+  }
+  if (!(peak > big))
+    peak = check.peak_flops[MR_AMP_FP32];
+  /* eff = e / (1 + g·S), S = 1/M + 1/N + 1/K, from the two shapes. */
+  double s_big = 3.0 / 1024, s_small = 1.0 / 2048 + 2.0 / 128;
+  double g = (big - small) / (small * s_small - big * s_big);
+  if (!(g > 0) || g > 1e5)
+    g = 0;
+  double e = big * (1 + g * s_big) / peak;
+  if (e > 1)
+    e = 1;
+  double bw = memcpy_bandwidth();
+  if (!quiet)
+    fprintf(stderr, "meshrun calibrate: AllReduce over %ld ranks (CPU comm backend)...\n",
+            ranks);
+  struct comm_result cr = {0, 0, 0};
+  int world = ranks < 2 ? 2 : (int)ranks;
+  rc = measure_comm(world, &cr);
+  if (rc < 0) {
+    cJSON_Delete(spec);
+    return rc;
+  }
+  /* α–β: small ≈ 2(n−1)α; large = 2(n−1)α + 2(n−1)/n·S/β */
+  double n = world, S = 16.0 * 1048576;
+  double alpha = cr.small_s / (2 * (n - 1));
+  double beta = 2 * (n - 1) / n * S / (cr.large_s - 2 * (n - 1) * alpha);
+  if (!(beta > 0))
+    beta = 2 * (n - 1) / n * S / cr.large_s;
+  long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+  double mem = (double)pages * (double)psz / (double)ranks;
+
+  char when[64], src[4096 + 512];
+  time_t now = time(NULL);
+  strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", gmtime(&now));
+  set_str(spec, "name", "calibrated");
+  set_num(spec, "nodes", 1);
+  set_num(spec, "devices_per_node", (double)ranks);
+  snprintf(src, sizeof src, "measured by meshrun calibrate on %s, %ld ranks; inter_node "
+           "and reserved_bytes from %s", when, ranks, base_path);
+  set_str(spec, "source", src);
+  cJSON *dev = num_obj(spec, "device");
+  char cpu[256];
+  cpu_model(cpu, sizeof cpu);
+  set_str(dev, "name", cpu);
+  cJSON *pf = num_obj(dev, "peak_flops");
+  set_num(pf, "fp32", peak);
+  set_num(pf, "bf16", peak);
+  set_num(pf, "fp16", peak);
+  set_str(pf, "source", "FMA loop, 12 chains of 16-wide (AVX-512) or 8-wide (AVX2) fused "
+          "multiply-adds, one core; 16-bit types compute in fp32");
+  set_num(dev, "matmul_efficiency", e);
+  set_num(dev, "gemm_half_dim", g);
+  set_num(dev, "memory_bytes", mem);
+  set_num(dev, "memory_bandwidth", bw);
+  snprintf(src, sizeof src, "mr_cpu_gemm one thread: %.1f GFLOP/s at 1024^3, %.1f at "
+           "2048x128x128; memcpy 128 MiB %.2f GB/s; physical memory / ranks",
+           big / 1e9, small / 1e9, bw / 1e9);
+  set_str(dev, "source", src);
+  cJSON *in = num_obj(spec, "intra_node");
+  set_num(in, "bus_bandwidth", beta);
+  set_num(in, "latency", alpha);
+  snprintf(src, sizeof src, "CPU comm backend AllReduce, %d ranks: 4 KiB in %.2f us, "
+           "16 MiB in %.2f ms", world, cr.small_s * 1e6, cr.large_s * 1e3);
+  set_str(in, "source", src);
+  cJSON *host = num_obj(spec, "host");
+  set_num(host, "link_bandwidth", bw);
+  set_num(host, "memory_bandwidth", bw);
+  cJSON_DeleteItemFromObjectCaseSensitive(host, "is_device");
+  cJSON_AddBoolToObject(host, "is_device", 1);
+  set_str(host, "source", "the host is the device: memcpy bandwidth; offload frees no memory");
+
+  struct mr_cluster parsed;
+  rc = mr_cluster_parse(spec, "calibrated spec", &parsed);
+  if (rc < 0) {
+    cJSON_Delete(spec);
+    return mr_error_set(MR_EIO, "calibrate: a measurement is out of range: %s",
+                        mr_error_message());
+  }
+  *text = cJSON_Print(spec);
+  cJSON_Delete(spec);
+  return *text != NULL ? 0 : mr_error_set(MR_ENOMEM, "calibrate: out of memory");
+}
+
+/* This CPU as the cache tells machines apart: what /proc/cpuinfo says of
+ * the model and its instruction sets (the same on every core, so the first
+ * block), the cores meshrun counts and the physical memory. */
+static uint64_t cpu_identity(void) {
+  static const char *const keys[] = {"vendor_id", "cpu family", "model", "model name",
+                                     "stepping", "flags", "CPU implementer",
+                                     "CPU architecture", "CPU variant", "CPU part",
+                                     "Features", NULL};
+  char id[8192];
+  size_t off = (size_t)snprintf(id, sizeof id, "v1 cores %d memory %llu", mr_cpu_cores(),
+                                (unsigned long long)mr_host_memory_bytes());
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  char line[4096];
+  while (f != NULL && fgets(line, sizeof line, f) != NULL && line[0] != '\n') {
+    size_t k = strcspn(line, "\t:");
+    for (int i = 0; keys[i] != NULL; i++)
+      if (strlen(keys[i]) == k && strncmp(line, keys[i], k) == 0 && off < sizeof id)
+        off += (size_t)snprintf(id + off, sizeof id - off, "|%s", line);
+  }
+  if (f != NULL)
+    fclose(f);
+  return mr_hash_str(id);
+}
+
+int mr_cpu_cluster_spec(char *path, size_t len) {
+  if (len > 0)
+    path[0] = '\0';
+  char dir[3072];
+  MR_TRY(mr_cli_cache_dir(dir, sizeof dir));
+  snprintf(path, len, "%s/cluster-cpu-%d-%016llx.json", dir, mr_cpu_cores(),
+           (unsigned long long)cpu_identity());
+  struct mr_cluster c;
+  if (access(path, R_OK) == 0) {
+    if (mr_cluster_load(path, &c) == 0)
+      return 0;
+    MR_WARN("launch", "%s; measuring this machine again", mr_error_message());
+  }
+  MR_INFO("launch", "measuring this machine's %d cores for the planner (cached in %s)",
+          mr_cpu_cores(), path);
+  char *text = NULL, tmp[4200];
+  snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
+  int rc = mr_calibrate_spec(mr_cpu_cores(), "cpu-local", 1, &text);
+  if (rc == 0) {
+    FILE *f = fopen(tmp, "w");
+    if (f == NULL || fprintf(f, "%s\n", text) < 0 || fclose(f) != 0)
+      rc = mr_error_set(MR_EIO, "cannot write %s: %s", tmp, strerror(errno));
+    else if (rename(tmp, path) != 0)
+      rc = mr_error_set(MR_EIO, "cannot rename %s: %s", tmp, strerror(errno));
+  }
+  free(text);
+  if (rc < 0) {
+    unlink(tmp);
+    path[0] = '\0';
+  }
+  return rc;
+}
+
 int mr_cmd_calibrate(int argc, char **argv) {
   static const struct option opts[] = {{"out", required_argument, NULL, 'o'},
                                        {"ranks", required_argument, NULL, 'r'},
@@ -255,125 +452,13 @@ int mr_cmd_calibrate(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  if (ranks < 1)
-    ranks = 1;
-  char base_path[4096];
-  if (mr_plan_cluster_path(base, base_path, sizeof base_path) < 0)
-    return 2;
-  cJSON *spec = NULL;
-  if (mr_json_load(base_path, &spec) < 0) {
-    fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
-    return 2;
-  }
-  struct mr_cluster check;
-  if (mr_cluster_parse(spec, base_path, &check) < 0) {
-    fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
-    cJSON_Delete(spec);
-    return 2;
-  }
-
-  fprintf(stderr, "meshrun calibrate: FMA peak, matmul, memcpy (one core)...\n");
-  double peak = 0;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) /* the kernels' own sgemm uses it */
-    peak = fma_peak_512();
-  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    peak = fma_peak();
-#endif
-  struct mr_pool *pool = NULL;
-  if (mr_pool_new(1, &pool) < 0) {
-    fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
-    cJSON_Delete(spec);
-    return 1;
-  }
-  double big = 0, small = 0;
-  int rc = gemm_rate(pool, 1024, 1024, 1024, &big);
-  if (rc == 0)
-    rc = gemm_rate(pool, 2048, 128, 128, &small);
-  mr_pool_free(pool);
+  char *text = NULL;
+  int rc = mr_calibrate_spec(ranks, base, 0, &text);
   if (rc < 0) {
     fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
-    cJSON_Delete(spec);
-    return 1;
+    /* a base spec that is missing or malformed is bad input */
+    return rc == MR_ENOENT || rc == MR_EFORMAT ? 2 : 1;
   }
-  if (!(peak > big))
-    peak = check.peak_flops[MR_AMP_FP32];
-  /* eff = e / (1 + g·S), S = 1/M + 1/N + 1/K, from the two shapes. */
-  double s_big = 3.0 / 1024, s_small = 1.0 / 2048 + 2.0 / 128;
-  double g = (big - small) / (small * s_small - big * s_big);
-  if (!(g > 0) || g > 1e5)
-    g = 0;
-  double e = big * (1 + g * s_big) / peak;
-  if (e > 1)
-    e = 1;
-  double bw = memcpy_bandwidth();
-  fprintf(stderr, "meshrun calibrate: AllReduce over %ld ranks (CPU comm backend)...\n",
-          ranks);
-  struct comm_result cr = {0, 0, 0};
-  int world = ranks < 2 ? 2 : (int)ranks;
-  if (measure_comm(world, &cr) < 0) {
-    fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
-    cJSON_Delete(spec);
-    return 1;
-  }
-  /* α–β: small ≈ 2(n−1)α; large = 2(n−1)α + 2(n−1)/n·S/β */
-  double n = world, S = 16.0 * 1048576;
-  double alpha = cr.small_s / (2 * (n - 1));
-  double beta = 2 * (n - 1) / n * S / (cr.large_s - 2 * (n - 1) * alpha);
-  if (!(beta > 0))
-    beta = 2 * (n - 1) / n * S / cr.large_s;
-  long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-  double mem = (double)pages * (double)psz / (double)ranks;
-
-  char when[64], src[4096 + 512];
-  time_t now = time(NULL);
-  strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", gmtime(&now));
-  set_str(spec, "name", "calibrated");
-  set_num(spec, "nodes", 1);
-  set_num(spec, "devices_per_node", (double)ranks);
-  snprintf(src, sizeof src, "measured by meshrun calibrate on %s, %ld ranks; inter_node "
-           "and reserved_bytes from %s", when, ranks, base_path);
-  set_str(spec, "source", src);
-  cJSON *dev = num_obj(spec, "device");
-  cJSON *pf = num_obj(dev, "peak_flops");
-  set_num(pf, "fp32", peak);
-  set_num(pf, "bf16", peak);
-  set_num(pf, "fp16", peak);
-  set_str(pf, "source", "FMA loop, 12 chains of 16-wide (AVX-512) or 8-wide (AVX2) fused multiply-adds, one core; "
-          "16-bit types compute in fp32");
-  set_num(dev, "matmul_efficiency", e);
-  set_num(dev, "gemm_half_dim", g);
-  set_num(dev, "memory_bytes", mem);
-  set_num(dev, "memory_bandwidth", bw);
-  snprintf(src, sizeof src, "mr_cpu_gemm one thread: %.1f GFLOP/s at 1024^3, %.1f at "
-           "2048x128x128; memcpy 128 MiB %.2f GB/s; physical memory / ranks",
-           big / 1e9, small / 1e9, bw / 1e9);
-  set_str(dev, "source", src);
-  cJSON *in = num_obj(spec, "intra_node");
-  set_num(in, "bus_bandwidth", beta);
-  set_num(in, "latency", alpha);
-  snprintf(src, sizeof src, "CPU comm backend AllReduce, %d ranks: 4 KiB in %.2f us, "
-           "16 MiB in %.2f ms", world, cr.small_s * 1e6, cr.large_s * 1e3);
-  set_str(in, "source", src);
-  cJSON *host = num_obj(spec, "host");
-  set_num(host, "link_bandwidth", bw);
-  set_num(host, "memory_bandwidth", bw);
-  cJSON_DeleteItemFromObjectCaseSensitive(host, "is_device");
-  cJSON_AddBoolToObject(host, "is_device", 1);
-  set_str(host, "source", "the host is the device: memcpy bandwidth; offload frees no memory");
-
-  struct mr_cluster parsed;
-  if (mr_cluster_parse(spec, "calibrated spec", &parsed) < 0) {
-    fprintf(stderr, "meshrun calibrate: a measurement is out of range: %s\n",
-            mr_error_message());
-    cJSON_Delete(spec);
-    return 1;
-  }
-  char *text = cJSON_Print(spec);
-  cJSON_Delete(spec);
-  if (text == NULL)
-    return 1;
   int status = 0;
   if (out_path == NULL) {
     printf("%s\n", text);

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/tunable.h"
 
 int mr_cli_int(const char *cmd, const char *flag, const char *value, long min, long max,
                long *out) {
@@ -84,6 +85,22 @@ int mr_cli_find_sibling(const char *name, const char *build_subdir, char *buf,
     path = colon ? colon + 1 : NULL;
   }
   return -1;
+}
+
+const char *mr_default_cluster(void) {
+  const char *name = mr_tunable_str(MR_TUNABLE_CLUSTER);
+  return name != NULL && name[0] != '\0' ? name : "cpu-local";
+}
+
+int mr_cli_cache_dir(char *buf, size_t len) {
+  const char *x = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+  if (x != NULL && x[0] == '/')
+    snprintf(buf, len, "%s/meshrun", x);
+  else if (home != NULL && home[0] != '\0')
+    snprintf(buf, len, "%s/.cache/meshrun", home);
+  else
+    return mr_error_set(MR_ENOENT, "the cache folder: neither XDG_CACHE_HOME nor HOME is set");
+  return mr_mkdir_p(buf);
 }
 
 int mr_mkdir_p(const char *path) {

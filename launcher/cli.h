@@ -4,6 +4,8 @@
 #ifndef MR_CLI_H
 #define MR_CLI_H
 
+#include <stddef.h>
+
 int mr_cmd_launch(int argc, char **argv);
 int mr_cmd_plan(int argc, char **argv);
 int mr_cmd_calibrate(int argc, char **argv);
@@ -36,7 +38,17 @@ int mr_cli_find_sibling(const char *name, const char *build_subdir, char *buf,
  * 0, or MR_ENOENT after printing why. */
 int mr_plan_cluster_path(const char *name, char *path, unsigned long n);
 
+/* The cluster spec a job that names none is planned for: $MESHRUN_CLUSTER,
+ * else "cpu-local".  (`meshrun launch` with MESHRUN_CLUSTER empty plans
+ * instead for this machine, measured: calibrate.h.) */
+const char *mr_default_cluster(void);
+
 /* mkdir -p.  Returns 0 or an MR_E code with a message. */
 int mr_mkdir_p(const char *path);
+
+/* meshrun's cache folder, $XDG_CACHE_HOME/meshrun or ~/.cache/meshrun,
+ * made if missing; written into buf.  Returns 0, MR_ENOENT when neither
+ * variable is set, or mkdir's error. */
+int mr_cli_cache_dir(char *buf, size_t len);
 
 #endif

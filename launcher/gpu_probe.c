@@ -30,18 +30,6 @@ static uint64_t fnv(uint64_t h, const char *s) {
   return h;
 }
 
-/* the cache folder: $XDG_CACHE_HOME/meshrun or ~/.cache/meshrun */
-static int cache_dir(char *buf, size_t len) {
-  const char *x = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
-  if (x != NULL && x[0] == '/')
-    snprintf(buf, len, "%s/meshrun", x);
-  else if (home != NULL && home[0] != '\0')
-    snprintf(buf, len, "%s/.cache/meshrun", home);
-  else
-    return mr_error_set(MR_ENOENT, "gpu probe: neither XDG_CACHE_HOME nor HOME is set");
-  return mr_mkdir_p(buf);
-}
-
 static int run_probe(const char *out) {
   char exe[4096];
   if (mr_cli_find_sibling("meshrun-gpu-probe", "launcher", exe, sizeof exe) < 0)
@@ -94,7 +82,7 @@ int mr_gpu_cluster_spec(const struct mr_devices *d, char *path, size_t len) {
           (*p >= '0' && *p <= '9') || *p == '-'))
       *p = '_';
   char dir[3072];
-  MR_TRY(cache_dir(dir, sizeof dir));
+  MR_TRY(mr_cli_cache_dir(dir, sizeof dir));
   snprintf(path, len, "%s/cluster-%s-%d-%016llx.json", dir, host, d->gpus,
            (unsigned long long)h);
   struct mr_cluster c;

@@ -13,6 +13,7 @@
 #include "common/log.h"
 #include "common/tunable.h"
 #include "launcher/agent.h"
+#include "launcher/calibrate.h"
 #include "launcher/cli.h"
 #include "launcher/coordinator.h"
 #include "launcher/slurm.h"
@@ -358,14 +359,15 @@ int mr_cmd_launch(int argc, char **argv) {
     goto done;
   }
   int plans = job_path != NULL && !selfcheck && node_rank == 0; /* node 0 plans */
-  if (plans && job.cluster == NULL && gpu_ranks) {
-    /* ranks on GPUs and no cluster spec given: measure this machine's
-     * GPUs (once; cached) */
+  if (plans && job.cluster == NULL && mr_tunable_str(MR_TUNABLE_CLUSTER)[0] == '\0') {
+    /* no cluster spec given: plan for this machine, measured (once;
+     * cached) — its GPUs where the ranks run on them, else its cores */
     char spec[4096];
-    int rc = mr_gpu_cluster_spec(&devices, spec, sizeof spec);
+    int rc = gpu_ranks ? mr_gpu_cluster_spec(&devices, spec, sizeof spec)
+                       : mr_cpu_cluster_spec(spec, sizeof spec);
     if (rc == 0) {
       job.cluster = strdup(spec);
-      printf("meshrun: measured GPUs: %s\n", spec);
+      printf("meshrun: measured %s: %s\n", gpu_ranks ? "GPUs" : "this machine", spec);
     } else if (rc < 0) {
       fprintf(stderr, "meshrun launch: warning: %s; planning with the shipped specs\n",
               mr_error_message());

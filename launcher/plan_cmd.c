@@ -31,7 +31,7 @@ static void usage(FILE *f) {
           "\n"
           "  --cluster SPEC   a spec file, a name in configs/clusters/, or NxNAME /\n"
           "                   Nx:NAME for N nodes of it (default: the job's cluster,\n"
-          "                   else cpu-local)\n"
+          "                   else $MESHRUN_CLUSTER, else cpu-local)\n"
           "  --nproc N        ranks to plan for (default: every device of the spec;\n"
           "                   nodes are added to hold N)\n"
           "  --top K          alternatives to show (default 5, at most %d)\n"
@@ -372,7 +372,7 @@ int mr_cmd_plan(int argc, char **argv) {
   struct mr_cluster cl;
   int rc = load_cluster(cluster_arg != NULL ? cluster_arg
                         : job.cluster != NULL ? job.cluster
-                                              : "cpu-local",
+                                              : mr_default_cluster(),
                         &cl);
   if (rc < 0) {
     mr_job_close(&job);

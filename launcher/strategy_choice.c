@@ -47,7 +47,7 @@ static void note_split(const struct mr_job *job, struct mr_strategy_choice *out)
 
 int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_choice *out) {
   memset(out, 0, sizeof *out);
-  const char *name = job->cluster != NULL ? job->cluster : "cpu-local";
+  const char *name = job->cluster != NULL ? job->cluster : mr_default_cluster();
   if (mr_plan_cluster_path(name, out->cluster_path, sizeof out->cluster_path) < 0)
     return mr_error_set(MR_ENOENT, "cluster \"%s\": no such spec", name);
   struct mr_cluster cluster;
@@ -55,12 +55,14 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
   out->program_digests = calloc((size_t)(world > 0 ? world : 1), sizeof *out->program_digests);
   if (out->program_digests == NULL)
     return MR_ENOMEM;
-  /* More CPU ranks than the spec's cores: ranks share the cores, each
-   * getting its fraction of their compute and memory bandwidth — the
-   * host's too, which is the same memory (else offloading the optimizer
-   * would look faster than running it in place). */
+  /* A spec of one CPU host (its memory is the device's: cpu-local, or this
+   * machine measured) describes the host the ranks run on.  More ranks than
+   * its cores share them, each getting its fraction of their compute and
+   * memory bandwidth — the host's too, which is the same memory (else
+   * offloading the optimizer would look faster than running it in place). */
+  int host_spec = cluster.nodes == 1 && cluster.host_is_device;
   int devices = cluster.nodes * cluster.devices_per_node;
-  if (job->cluster == NULL && world > devices && cluster.nodes == 1) {
+  if (host_spec && world > devices) {
     double share = (double)devices / (double)world;
     for (int i = 0; i < 3; i++)
       cluster.peak_flops[i] *= share;
@@ -70,9 +72,9 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
     cluster.memory_bytes *= share;
     cluster.devices_per_node = world;
   }
-  /* the default spec's ranks are this host's: they share the memory this
-   * process may use (RAM, or a container's limit) */
-  if (job->cluster == NULL && cluster.nodes == 1 && world > 0)
+  /* and they share the memory this process may use (RAM, or a
+   * container's limit) */
+  if (host_spec && world > 0)
     cluster.memory_bytes = fmin(cluster.memory_bytes, (double)mr_host_memory_bytes() / world);
   struct mr_plan_request req = {.model = &job->model, .train = &job->train,
                                 .hint = &job->strategy, .cluster = &cluster,

@@ -16,6 +16,7 @@
 
 #include "check_main.h"
 #include "common/auth.h"
+#include "common/discovery.h"
 #include "common/error.h"
 #include "common/frame.h"
 #include "common/rpc.h"
@@ -572,6 +573,23 @@ static int cmp_double(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+/* The step time (ms) `meshrun plan JOB --nproc nproc --json` predicts, on
+ * the cluster spec file `spec` when not NULL. */
+static double plan_step_ms(const char *dir, const char *job, const char *nproc,
+                           const char *spec) {
+  char *argv[] = {(char *)mr_t_meshrun(), "plan", (char *)job, "--nproc", (char *)nproc,
+                  "--json", spec != NULL ? "--cluster" : NULL, (char *)spec, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 60), 0);
+  char *plan = mr_t_slurp(p.out_path);
+  const char *st = strstr(plan, "\"step_time_s\":");
+  ck_assert_msg(st != NULL, "%s", plan);
+  double ms = 1e3 * atof(st + strlen("\"step_time_s\":"));
+  free(plan);
+  return ms;
+}
+
 /* The closing summary sets the median step time measured (rank 0's steps
  * past the first two, as metrics.jsonl has them) beside the step time
  * `meshrun plan` predicts for the same job and ranks. */
@@ -609,14 +627,7 @@ START_TEST(test_launch_summary_measured_beside_predicted) {
   ck_assert_msg(fabs(median - steps[5]) <= 1e-3 * steps[5], "median %g, metrics say %g", median,
                 steps[5]);
 
-  char *pargv[] = {(char *)mr_t_meshrun(), "plan", path, "--nproc", "2", "--json", NULL};
-  mr_t_spawn(&p, dir, pargv, NULL);
-  ck_assert_int_eq(mr_t_wait(&p, 60), 0);
-  char *plan = mr_t_slurp(p.out_path);
-  const char *st = strstr(plan, "\"step_time_s\":");
-  ck_assert_msg(st != NULL, "%s", plan);
-  double want = 1e3 * atof(st + strlen("\"step_time_s\":"));
-  free(plan);
+  double want = plan_step_ms(dir, path, "2", NULL);
   ck_assert_msg(fabs(predicted - want) <= 1e-3 * want, "predicted %g ms, plan says %g", predicted,
                 want);
   /* both printed to 4 digits, the ratio to 2 decimals */
@@ -678,6 +689,88 @@ START_TEST(test_launch_oversubscribed_cpu_ranks_plan_at_their_share) {
 }
 END_TEST
 
+/* Launches the tiny job on nproc ranks with MESHRUN_CLUSTER cleared and
+ * the cache under dir/cache: returns the spec the launcher says it planned
+ * for (path into spec) and the step time it predicted (ms); its stdout and
+ * stderr into *out and *err (the caller frees them). */
+static double launch_measured(const char *dir, const char *job, const char *nproc, char *spec,
+                              size_t n, char **out, char **err) {
+  static char cache_env[200], cluster_env[] = "MESHRUN_CLUSTER=";
+  char logdir[300];
+  snprintf(cache_env, sizeof cache_env, "XDG_CACHE_HOME=%s/cache", dir);
+  snprintf(logdir, sizeof logdir, "%s/logs", dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", (char *)nproc, "--log-dir",
+                  logdir, (char *)job, NULL};
+  char *env[] = {cache_env, cluster_env, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, env);
+  int code = mr_t_wait(&p, 60);
+  *out = mr_t_slurp(p.out_path);
+  *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "exit %d:\n%s\n%s", code, *out, *err);
+  const char *at = strstr(*out, "meshrun: measured this machine: ");
+  ck_assert_msg(at != NULL, "%s", *out);
+  at += strlen("meshrun: measured this machine: ");
+  snprintf(spec, n, "%.*s", (int)strcspn(at, "\n"), at);
+  const char *line = strstr(*out, "meshrun: step time: median ");
+  ck_assert_msg(line != NULL, "%s", *out);
+  double median, predicted;
+  int steps;
+  ck_assert_int_eq(sscanf(line, "meshrun: step time: median %lf ms over %d steps, predicted "
+                                "%lf ms", &median, &steps, &predicted), 3);
+  return predicted;
+}
+
+/* A job that names no cluster spec is planned for this machine, measured
+ * the first time (as `meshrun calibrate` measures it: one rank a core) and
+ * cached under $XDG_CACHE_HOME/meshrun: the spec describes this host's
+ * cores and memory, and the step the launcher predicts is the one `meshrun
+ * plan --cluster` predicts on that file.  A second launch reads the cache
+ * (the file as it was: measuring again would write other numbers and
+ * another time); a cache file that does not load is measured again. */
+START_TEST(test_launch_plans_for_this_machine_measured_once) {
+  char dir[64], job[300], spec[600], again[600];
+  mr_t_tmpdir(dir, sizeof dir);
+  tiny_job(dir, 6, job, sizeof job);
+  const char *nproc = mr_cpu_cores() >= 2 ? "2" : "1";
+  char *out, *err;
+  double predicted = launch_measured(dir, job, nproc, spec, sizeof spec, &out, &err);
+  char prefix[200];
+  snprintf(prefix, sizeof prefix, "%s/cache/meshrun/cluster-cpu-", dir);
+  ck_assert_msg(strncmp(spec, prefix, strlen(prefix)) == 0, "%s", spec);
+  ck_assert_msg(strstr(err, "measuring this machine's") != NULL, "%s", err);
+  free(out), free(err);
+  struct mr_cluster c;
+  ck_assert_msg(mr_cluster_load(spec, &c) == 0, "%s", mr_error_message());
+  ck_assert_int_eq(c.nodes, 1);
+  ck_assert_int_eq(c.devices_per_node, mr_cpu_cores());
+  ck_assert(c.host_is_device);
+  ck_assert(c.peak_flops[MR_AMP_FP32] > 1e8);
+  ck_assert(c.memory_bytes <= (double)mr_host_memory_bytes() / c.devices_per_node * 1.0001);
+  double want = plan_step_ms(dir, job, nproc, spec);
+  ck_assert_msg(fabs(predicted - want) <= 1e-3 * want, "predicted %g ms, plan on %s says %g",
+                predicted, spec, want);
+
+  char *before = mr_t_slurp(spec);
+  launch_measured(dir, job, nproc, again, sizeof again, &out, &err);
+  ck_assert_str_eq(again, spec);
+  ck_assert_msg(strstr(err, "measuring this machine's") == NULL, "measured again:\n%s", err);
+  char *after = mr_t_slurp(spec);
+  ck_assert_str_eq(after, before);
+  free(out), free(err), free(after), free(before);
+
+  FILE *f = fopen(spec, "w");
+  fputs("{\"name\": ", f);
+  fclose(f);
+  launch_measured(dir, job, nproc, again, sizeof again, &out, &err);
+  ck_assert_str_eq(again, spec);
+  ck_assert_msg(strstr(err, spec) != NULL && strstr(err, "measuring this machine again") != NULL,
+                "%s", err);
+  free(out), free(err);
+  ck_assert_msg(mr_cluster_load(spec, &c) == 0, "%s", mr_error_message());
+}
+END_TEST
+
 static Suite *launch_suite(void) {
   Suite *s = suite_create("launch");
   TCase *tc = mr_t_tcase("e2e");
@@ -696,6 +789,7 @@ static Suite *launch_suite(void) {
   tcase_add_test(tc, test_launch_persistently_slow_rank_named);
   tcase_add_test(tc, test_launch_summary_measured_beside_predicted);
   tcase_add_test(tc, test_launch_oversubscribed_cpu_ranks_plan_at_their_share);
+  tcase_add_test(tc, test_launch_plans_for_this_machine_measured_once);
   suite_add_tcase(s, tc);
   return s;
 }

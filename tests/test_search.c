@@ -397,11 +397,49 @@ START_TEST(test_search_choose_manual_is_the_job_strategy) {
 }
 END_TEST
 
+/* Where the shapes cost the GEMMs nothing (a flat efficiency curve, as a
+ * CPU core can measure), every micro-batch size predicts the same step;
+ * the search then ranks fewer, larger micro-batches first (each pays fixed
+ * costs the model does not count).  One device (no gradient sync for the
+ * last micro-batch's backward to hide), 4 sequences: micro-batches of 4, 2
+ * and 1, found tied by hand, ranked 1, 2, 4 micro-batches — against the
+ * order enumerated, smallest first. */
+START_TEST(test_search_equal_steps_prefer_fewer_micro_batches) {
+  struct mr_cluster c = a100();
+  c.gemm_half_dim = 0;
+  struct mr_model_config m = gpt(1024, 16, 4);
+  struct mr_train_config tr = {.global_batch = 4, .seq_len = 512};
+  struct mr_strategy_hint h = open_hint();
+  h.auto_mode = MR_AUTO_SEMI;
+  h.dp = 1, h.tp = 1, h.pp = 1;
+  h.sequence_parallel = 0, h.zero_stage = 0, h.offload = 0, h.recompute = 0, h.mapping = 0;
+  c.nodes = 1, c.devices_per_node = 1;
+  struct mr_plan_request req = {&m, &tr, &h, &c, 1, 8};
+  struct mr_plan_result *r = calloc(1, sizeof *r);
+  ck_assert_int_eq(mr_plan_search(&req, r), 0);
+  ck_assert_int_eq(r->n_top, 3);
+  struct mr_workload w = {.model = &m, .global_batch = 4, .seq_len = 512};
+  double t[3];
+  for (int i = 0; i < 3; i++) {
+    struct mr_strategy s = r->top[i].strategy;
+    ck_assert_int_eq(s.micro_batches, 1 << i);
+    ck_assert_int_eq(s.micro_batch_size, 4 >> i);
+    struct mr_cost k;
+    mr_cost_evaluate(&w, &c, &s, &k);
+    t[i] = k.step_time_s;
+  }
+  ck_assert_msg(fabs(t[1] - t[0]) <= 1e-9 * t[0] && fabs(t[2] - t[0]) <= 1e-9 * t[0],
+                "not tied: %.12g %.12g %.12g", t[0], t[1], t[2]);
+  free(r);
+}
+END_TEST
+
 static Suite *search_suite(void) {
   Suite *s = suite_create("search");
   TCase *tc = tcase_create("search");
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, test_search_finds_what_enumeration_finds);
+  tcase_add_test(tc, test_search_equal_steps_prefer_fewer_micro_batches);
   tcase_add_test(tc, test_search_keeps_what_the_hint_fixes);
   tcase_add_test(tc, test_search_bad_hints_name_the_field);
   tcase_add_test(tc, test_search_does_not_fit_says_what_would);

@@ -21,6 +21,19 @@ struct search {
   int have_least;
 };
 
+/* Whether a strategy predicted at t (s) ranks before one at u (r).  Equal
+ * predictions go to fewer, larger micro-batches: each micro-batch pays
+ * fixed costs the model does not count (every op issued once more, the
+ * gradients accumulated once more), so the tie is not a tie in practice
+ * (where small shapes cost the GEMMs nothing, a shapes-only model ties
+ * every micro-batch size).  Otherwise the order enumerated stands. */
+static int ranks_before(double t, const struct mr_strategy *s, double u,
+                        const struct mr_strategy *r) {
+  if (fabs(t - u) > 1e-9 * fmax(t, u))
+    return t < u;
+  return s->micro_batches < r->micro_batches;
+}
+
 static void consider(struct search *se, const struct mr_strategy *s,
                      const struct mr_cost_prep *prep) {
   struct mr_plan_result *out = se->out;
@@ -43,10 +56,12 @@ static void consider(struct search *se, const struct mr_strategy *s,
   mr_cost_evaluate_prepared(&se->w, se->req->cluster, s, prep, &cost);
   double t = cost.step_time_s;
   int n = out->n_top;
-  if (n == se->top_k && t >= out->top[n - 1].cost.step_time_s)
+  if (n == se->top_k && !ranks_before(t, s, out->top[n - 1].cost.step_time_s,
+                                      &out->top[n - 1].strategy))
     return;
   int i = n < se->top_k ? n : n - 1;
-  while (i > 0 && out->top[i - 1].cost.step_time_s > t) {
+  while (i > 0 && ranks_before(t, s, out->top[i - 1].cost.step_time_s,
+                               &out->top[i - 1].strategy)) {
     out->top[i] = out->top[i - 1];
     i--;
   }
