@@ -26,6 +26,7 @@
 #ifndef MR_SAFETENSORS_H
 #define MR_SAFETENSORS_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -130,6 +131,13 @@ struct mr_st_writer; /* opaque */
  *                       mr_st_writer_checksum).
  * *out is freed by mr_st_writer_free. */
 int mr_st_writer_new(const char *path, int flags, struct mr_st_writer **out);
+
+/* Counts into *count (may be NULL) each byte of the file as it goes to the
+ * disk, for a watcher in another thread, and writes no faster than
+ * bytes_per_s (0: no limit; a limit writes through the page cache, in parts
+ * of at most a tenth of a second's bytes: a slow disk, for tests).  Call
+ * before finish; *count must outlive the writer's finish. */
+void mr_st_writer_meter(struct mr_st_writer *w, _Atomic uint64_t *count, double bytes_per_s);
 
 /* Adds a tensor whose data (numel * size(dtype) bytes, row-major) is stored
  * as is.  name and shape are copied; data is borrowed until finish.  A

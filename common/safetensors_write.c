@@ -9,12 +9,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/error.h"
 #include "common/safetensors.h"
 #include "common/safetensors_internal.h"
 #include "common/checksum.h"
+#include "common/clock.h"
 
 /* Writes of at least this much go straight from the caller's memory; smaller
  * pieces are gathered in a staging buffer of the same size, so every write
@@ -60,6 +62,9 @@ struct mr_st_writer {
   size_t staged;    /* bytes */
   struct mr__st_direct *dio; /* MR_ST_WRITE_DIRECT where the filesystem allows */
   uint64_t written; /* bytes of the file written so far */
+  _Atomic uint64_t *count;  /* mr_st_writer_meter: bytes written, for a watcher */
+  double limit_bps;         /* and the slowest disk to pretend to be (0: none) */
+  int64_t limit_start_ns;
   int behind;       /* written behind (MR_ST_WRITE_FSYNC; see write_behind) */
   uint64_t started; /* [0, started) handed to the disk */
   uint64_t settled; /* [0, settled) on the disk and out of the page cache */
@@ -307,9 +312,37 @@ fail:
   return mr_error_set(MR_EIO, "%s: write-back: %s", w->path, strerror(errno));
 }
 
+void mr_st_writer_meter(struct mr_st_writer *w, _Atomic uint64_t *count, double bytes_per_s) {
+  w->count = count;
+  w->limit_bps = bytes_per_s > 0 ? bytes_per_s : 0;
+  if (w->limit_bps > 0 && (w->flags & MR_ST_WRITE_DIRECT)) /* parts through write(2) */
+    w->flags = (w->flags & ~MR_ST_WRITE_DIRECT) | MR_ST_WRITE_FSYNC;
+}
+
+/* n more bytes of the file are on their way to the disk: counted, and under
+ * a limit, not before their time. */
+static void count_written(struct mr_st_writer *w, size_t n) {
+  w->written += n;
+  if (w->limit_bps > 0) {
+    if (w->limit_start_ns == 0)
+      w->limit_start_ns = mr_clock_ns();
+    int64_t due = w->limit_start_ns + (int64_t)((double)w->written / w->limit_bps * 1e9);
+    int64_t wait = due - mr_clock_ns();
+    if (wait > 0) {
+      struct timespec ts = {wait / 1000000000, wait % 1000000000};
+      nanosleep(&ts, NULL);
+    }
+  }
+  if (w->count != NULL)
+    atomic_fetch_add(w->count, n);
+}
+
 static int write_all(struct mr_st_writer *w, const uint8_t *p, size_t n) {
+  size_t most = WRITE_BYTES;
+  if (w->limit_bps > 0 && w->limit_bps / 10 < most)
+    most = w->limit_bps / 10 > 1 ? (size_t)(w->limit_bps / 10) : 1;
   while (n > 0) {
-    size_t part = n < WRITE_BYTES ? n : WRITE_BYTES;
+    size_t part = n < most ? n : most;
     if (w->flags & MR_ST_WRITE_CHECKSUM)
       mr_checksum_update(&w->sum, p, part);
     for (size_t done = 0; done < part;) {
@@ -323,7 +356,7 @@ static int write_all(struct mr_st_writer *w, const uint8_t *p, size_t n) {
     }
     p += part;
     n -= part;
-    w->written += part;
+    count_written(w, part);
     if (w->behind)
       MR_TRY(write_behind(w));
   }
@@ -338,7 +371,7 @@ static int flush_stage(struct mr_st_writer *w, int last) {
       return 0;
     size_t n = w->staged;
     w->staged = 0;
-    w->written += n;
+    count_written(w, n);
     return mr__st_direct_submit(w->dio, n, &w->stage);
   }
   int rc = write_all(w, w->stage, w->staged);

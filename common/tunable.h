@@ -47,6 +47,8 @@
      "1: gradient all-reduces run behind the backward; 0: each waited at once") \
   XX(TEST_CKPT_DELAY_MS, "MESHRUN_TEST_CKPT_DELAY_MS", "0",                  \
      "test hook: pause a checkpoint write half way, ms")                     \
+  XX(TEST_CKPT_BYTES_PER_S, "MESHRUN_TEST_CKPT_BYTES_PER_S", "0",            \
+     "test hook: write checkpoints no faster than this (a slow disk; 0: no limit)") \
   XX(TEST_STALL, "MESHRUN_TEST_STALL", "",                                  \
      "test hook: \"RANK:STEP\" stalls that rank at that step")             \
   XX(TEST_EXIT, "MESHRUN_TEST_EXIT", "",                                    \

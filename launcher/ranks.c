@@ -319,8 +319,14 @@ int mr_ranks_all_closed(const struct mr_ranks *s) {
 
 void mr_ranks_heartbeat(struct mr_ranks *s, int rank, const Meshrun__Heartbeat *hb) {
   struct mr_rank *r = &s->r[rank];
-  if (hb->step != r->step || hb->last_done != r->last_done)
+  /* a checkpoint being written is progress: a save slower than the steps
+   * between two makes the next wait for it, and a large one on a slow disk
+   * can take longer than the hang timeout */
+  if (hb->step != r->step || hb->last_done != r->last_done ||
+      hb->checkpoint_bytes != r->checkpoint_bytes)
     r->progress_ms = mr_clock_ms();
+  r->checkpoint_bytes = hb->checkpoint_bytes;
+  r->checkpoint_waiting = hb->state == MESHRUN__HEARTBEAT__STATE__CHECKPOINTING;
   r->step = hb->step;
   r->last_done = hb->last_done;
   r->waiting_on = hb->waiting_on;
@@ -339,6 +345,12 @@ void mr_ranks_describe_positions(const struct mr_ranks *s, char *buf, size_t n) 
     if (r->exited)
       w = snprintf(buf + used, n - used, "\n  rank %d: %s", r->rank,
                    r->remote ? "gone" : "exited");
+    else if (r->checkpoint_waiting)
+      w = snprintf(buf + used, n - used,
+                   "\n  rank %d: step %lld, completed #%lld, waits on its own checkpoint write "
+                   "(%.1f MiB written by this rank's writer so far)", r->rank,
+                   (long long)r->step, (long long)r->last_done,
+                   (double)r->checkpoint_bytes / 1048576.0);
     else if (r->waiting_on >= 0)
       w = snprintf(buf + used, n - used,
                    "\n  rank %d: step %lld, completed #%lld, waits on #%lld: %s", r->rank,

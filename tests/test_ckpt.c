@@ -396,7 +396,10 @@ START_TEST(test_ckpt_sigterm_during_a_save_keeps_the_newer_steps) {
   setup(dir, sizeof dir);
   write_job(dir, "long.json", 100000, 4, "ck");
   static char delay[] = "MESHRUN_TEST_CKPT_DELAY_MS=1500";
-  char *env[] = {delay, NULL};
+  /* two slowed saves back to back take 3 s of the default 4 s grace; on a
+   * busy machine that is not enough, and which save counts is the point */
+  static char grace[] = "MESHRUN_PREEMPT_GRACE_MS=30000";
+  char *env[] = {delay, grace, NULL};
   struct mr_tproc p;
   start(&p, dir, "long.json", "run", 2, 0, env);
   char metrics[200];
@@ -587,22 +590,70 @@ START_TEST(test_ckpt_gpt2_fused_weight_across_layouts) {
 }
 END_TEST
 
-/* Launches job dir/name on 2 ranks with a 1 s hang timeout and the test
- * hook MESHRUN_TEST_STALL=stall (RANK:STEP); returns the launcher's stderr
+/* Launches job dir/name on 2 ranks with a hang timeout of `timeout` s and
+ * the test hook `hook` ("NAME=VALUE"); returns the launcher's stderr
  * (malloc'd) and its exit code. */
-static char *launch_stalled(const char *dir, const char *name, const char *stall, int *code) {
-  static char env_stall[64], jobp[200], logdir[200];
-  snprintf(env_stall, sizeof env_stall, "MESHRUN_TEST_STALL=%s", stall);
-  char *env[] = {env_stall, NULL};
+static char *launch_watched(const char *dir, const char *name, const char *hook,
+                            const char *timeout, int *code) {
+  static char env_hook[96], jobp[200], logdir[200];
+  snprintf(env_hook, sizeof env_hook, "%s", hook);
+  char *env[] = {env_hook, NULL};
   snprintf(jobp, sizeof jobp, "%s/%s", dir, name);
   snprintf(logdir, sizeof logdir, "%s/%s.log", dir, name);
-  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--hang-timeout", "1",
-                  "--log-dir", logdir, jobp, NULL};
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "2", "--hang-timeout",
+                  (char *)timeout, "--log-dir", logdir, jobp, NULL};
   struct mr_tproc p;
   mr_t_spawn(&p, dir, argv, env);
-  *code = mr_t_wait(&p, 60);
+  *code = mr_t_wait(&p, 120);
   return mr_t_slurp(p.err_path);
 }
+
+/* The same with a 1 s hang timeout and MESHRUN_TEST_STALL=stall (RANK:STEP). */
+static char *launch_stalled(const char *dir, const char *name, const char *stall, int *code) {
+  char hook[64];
+  snprintf(hook, sizeof hook, "MESHRUN_TEST_STALL=%s", stall);
+  return launch_watched(dir, name, hook, "1", code);
+}
+
+/* A checkpoint write slower than the hang timeout (a slow disk: the test
+ * hook writes 200 kB a second, over 3 s a rank's file) makes the next save
+ * wait for it with no step done: the bytes the writer moves are progress,
+ * so the job finishes, saving every 2 steps, with no hang called. */
+START_TEST(test_ckpt_slow_checkpoint_write_is_not_a_hang) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "slow.json", 6, 2, "ck");
+  int code;
+  char *err = launch_watched(dir, "slow.json", "MESHRUN_TEST_CKPT_BYTES_PER_S=200000", "2",
+                             &code);
+  ck_assert_msg(code == 0, "exit %d:\n%s", code, err);
+  ck_assert_msg(strstr(err, "hang") == NULL, "%s", err);
+  ck_assert_msg(strstr(err, "checkpoint of step 6 complete") != NULL, "%s", err);
+  free(err);
+  char path[300];
+  snprintf(path, sizeof path, "%s/ck/step-00000006/rank-0.safetensors", dir);
+  struct stat st;
+  ck_assert_int_eq(stat(path, &st), 0);
+  ck_assert_msg((double)st.st_size / 200000 > 3.0, "a %lld-byte file is written in under 3 s",
+                (long long)st.st_size);
+}
+END_TEST
+
+/* A write that stops moving bytes is still a hang, and says so: the rank
+ * waits on its own checkpoint write. */
+START_TEST(test_ckpt_stalled_checkpoint_write_diagnosed) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "stuck.json", 6, 2, "ck");
+  int code;
+  char *err = launch_watched(dir, "stuck.json", "MESHRUN_TEST_CKPT_DELAY_MS=8000", "2", &code);
+  ck_assert_msg(code == 1, "exit %d:\n%s", code, err);
+  ck_assert_msg(strstr(err, "hang: no rank made progress") != NULL &&
+                    strstr(err, "waits on its own checkpoint write") != NULL,
+                "%s", err);
+  free(err);
+}
+END_TEST
 
 START_TEST(test_ckpt_hang_in_collective_diagnosed) {
   char dir[64];
@@ -690,6 +741,8 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_gpt2_fused_weight_across_layouts);
   tcase_add_test(tc, test_ckpt_sigterm_during_a_save_keeps_the_newer_steps);
   tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed);
+  tcase_add_test(tc, test_ckpt_slow_checkpoint_write_is_not_a_hang);
+  tcase_add_test(tc, test_ckpt_stalled_checkpoint_write_diagnosed);
   tcase_add_test(tc, test_ckpt_hang_in_pipeline_receive_diagnosed);
   tcase_add_test(tc, test_ckpt_rank_exiting_early_is_a_failure);
   tcase_add_test(tc, test_ckpt_worker_lowering_another_program_stops);

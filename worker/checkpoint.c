@@ -199,6 +199,9 @@ static void *write_main(void *arg) {
     cJSON *pieces = cJSON_CreateObject();
     rc = pieces ? mr_st_writer_new(path, MR_ST_WRITE_DIRECT | MR_ST_WRITE_CHECKSUM, &w)
                 : MR_ENOMEM;
+    if (rc == 0) /* its bytes, for the heartbeat (and a slow disk, for tests) */
+      mr_st_writer_meter(w, s->reporter.checkpoint_bytes,
+                         (double)mr_tunable_int(MR_TUNABLE_TEST_CKPT_BYTES_PER_S));
     for (int i = 0; rc == 0 && i < s->n; i++) {
       const struct snapshot_piece *p = &s->pieces[i];
       rc = mr_st_writer_add(w, p->name, MR_F32, 1, &p->count, p->data);
@@ -252,7 +255,14 @@ static void *write_main(void *arg) {
 int mr_ckpt_saver_wait(struct mr_ckpt_saver *s) {
   if (!s->in_flight)
     return 0;
+  /* the heartbeat says so: a long write is watched by its bytes, not
+   * taken for a rank stuck in its own work */
+  int tell = !atomic_load(&s->written) && s->reporter.checkpoint_wait != NULL;
+  if (tell)
+    s->reporter.checkpoint_wait(s->reporter.ctx, 1);
   pthread_join(s->thread, NULL);
+  if (tell)
+    s->reporter.checkpoint_wait(s->reporter.ctx, 0);
   s->in_flight = 0;
   if (s->result < 0)
     return mr_error_set(s->result, "checkpoint of step %lld: %s", (long long)s->step, s->error);

@@ -137,6 +137,7 @@ static void send_heartbeat(struct mr_client *c) {
   hb.last_done = c->last_done;
   hb.waiting_on = c->waiting_on;
   hb.state = c->state;
+  hb.checkpoint_bytes = atomic_load(&c->checkpoint_bytes);
   memcpy(detail, c->waiting_detail, sizeof detail);
   pthread_mutex_unlock(&c->pos_lock);
   char comm[160] = "", buf[160];
@@ -413,6 +414,11 @@ static void reporter_progress(void *ctx, int64_t step, int64_t last_done,
   mr_client_set_position(ctx, step, last_done, waiting_on, detail);
 }
 
+static void reporter_checkpoint_wait(void *ctx, int waiting) {
+  mr_client_set_state(ctx, waiting ? MESHRUN__HEARTBEAT__STATE__CHECKPOINTING
+                                   : MESHRUN__HEARTBEAT__STATE__RUNNING);
+}
+
 static int reporter_stop(void *ctx) {
   struct mr_client *c = ctx;
   return atomic_load(&c->stop_requested);
@@ -448,6 +454,8 @@ void mr_client_reporter(struct mr_client *c, struct mr_reporter *out) {
   out->stop_requested = reporter_stop;
   out->checkpoint_requested = reporter_checkpoint;
   out->checkpoint_written = reporter_checkpoint_written;
+  out->checkpoint_bytes = &c->checkpoint_bytes;
+  out->checkpoint_wait = reporter_checkpoint_wait;
 }
 
 void mr_client_close(struct mr_client *c) {

@@ -7,6 +7,7 @@
 #ifndef MR_REPORTER_H
 #define MR_REPORTER_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 
 struct mr_step_report {
@@ -45,6 +46,13 @@ struct mr_reporter {
    * (common/checksum.h). */
   void (*checkpoint_written)(void *ctx, int64_t step, const char *const *files,
                              const char *const *checksum, int n);
+  /* Where the checkpoint writer counts the bytes it writes (all saves; may
+   * be NULL): the heartbeat reports them, so a long write is progress, not
+   * a hang. */
+  _Atomic uint64_t *checkpoint_bytes;
+  /* The training waits (1) or no longer waits (0) for its own checkpoint
+   * write to finish; may be NULL. */
+  void (*checkpoint_wait)(void *ctx, int waiting);
 };
 
 /* Where a job runs: given to the job by the worker runtime. */
