@@ -4,7 +4,7 @@
 # parent and fails the test.
 set -euo pipefail
 fuzzer=$(realpath "$1") seeder=$(realpath "$2") name=$3
-secs=${MESHRUN_FUZZ_SECONDS:-60}
+secs=${MESHRUN_FUZZ_SECONDS:-40}
 work=$(mktemp -d "${TMPDIR:-/tmp}/mr-fuzz-$name-XXXXXX")
 mkdir -p "$work/corpus"
 "$seeder" "$work/corpus"
