@@ -33,7 +33,8 @@ static void usage(FILE *f) {
           "                   Nx:NAME for N nodes of it (default: the job's cluster,\n"
           "                   else $MESHRUN_CLUSTER, else cpu-local)\n"
           "  --nproc N        ranks to plan for (default: every device of the spec;\n"
-          "                   nodes are added to hold N)\n"
+          "                   nodes are added to hold N, or on a CPU host's spec\n"
+          "                   the ranks share its cores, as launch runs them)\n"
           "  --top K          alternatives to show (default 5, at most %d)\n"
           "  --json           machine-readable output\n"
           "  --mesh SPEC      a fixed mesh instead of the search over meshes, e.g.\n"
@@ -378,7 +379,9 @@ int mr_cmd_plan(int argc, char **argv) {
     mr_job_close(&job);
     return 2;
   }
-  if (nproc > 0 && nproc > mr_cluster_devices(&cl))
+  /* more ranks than the spec's devices: a CPU host's share its cores, as
+   * `meshrun launch` runs them; other specs grow by nodes */
+  if (nproc > 0 && nproc > mr_cluster_devices(&cl) && !mr_cluster_share_host(&cl, (int)nproc))
     cl.nodes = (int)((nproc + cl.devices_per_node - 1) / cl.devices_per_node);
   struct mr_plan_request req = {&job.model, &job.train, &job.strategy, &cl, (int)nproc,
                                 (int)top};

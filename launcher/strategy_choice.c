@@ -55,25 +55,11 @@ int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_c
   out->program_digests = calloc((size_t)(world > 0 ? world : 1), sizeof *out->program_digests);
   if (out->program_digests == NULL)
     return MR_ENOMEM;
-  /* A spec of one CPU host (its memory is the device's: cpu-local, or this
-   * machine measured) describes the host the ranks run on.  More ranks than
-   * its cores share them, each getting its fraction of their compute and
-   * memory bandwidth — the host's too, which is the same memory (else
-   * offloading the optimizer would look faster than running it in place). */
-  int host_spec = cluster.nodes == 1 && cluster.host_is_device;
-  int devices = cluster.nodes * cluster.devices_per_node;
-  if (host_spec && world > devices) {
-    double share = (double)devices / (double)world;
-    for (int i = 0; i < 3; i++)
-      cluster.peak_flops[i] *= share;
-    cluster.memory_bandwidth *= share;
-    cluster.host_memory_bandwidth *= share;
-    cluster.host_link_bandwidth *= share;
-    cluster.memory_bytes *= share;
-    cluster.devices_per_node = world;
-  }
-  /* and they share the memory this process may use (RAM, or a
-   * container's limit) */
+  /* A spec of one CPU host (cpu-local, or this machine measured) describes
+   * the host the ranks run on: more ranks than its cores share them, and
+   * they share the memory this process may use (RAM, or a container's
+   * limit). */
+  int host_spec = mr_cluster_share_host(&cluster, world);
   if (host_spec && world > 0)
     cluster.memory_bytes = fmin(cluster.memory_bytes, (double)mr_host_memory_bytes() / world);
   struct mr_plan_request req = {.model = &job->model, .train = &job->train,

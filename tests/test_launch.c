@@ -686,6 +686,14 @@ START_TEST(test_launch_oversubscribed_cpu_ranks_plan_at_their_share) {
   ck_assert_msg(fabs(offloaded.cost.optimizer_s - want) <= 1e-6 * want, "%g s, by hand %g s",
                 offloaded.cost.optimizer_s, want);
   ck_assert_int_eq(open.strategy.offload, 0);
+  /* and `meshrun plan --nproc` plans those ranks the same way (not as a
+   * second node of the spec) */
+  char job[300], nproc[16];
+  snprintf(job, sizeof job, "%s/plan.json", dir);
+  snprintf(nproc, sizeof nproc, "%d", world);
+  double plan_ms = plan_step_ms(dir, job, nproc, NULL);
+  ck_assert_msg(fabs(plan_ms - 1e3 * open.cost.step_time_s) <= 1e-3 * plan_ms,
+                "plan %g ms, launch %g ms", plan_ms, 1e3 * open.cost.step_time_s);
 }
 END_TEST
 

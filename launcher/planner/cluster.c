@@ -117,6 +117,22 @@ int mr_cluster_load(const char *path, struct mr_cluster *out) {
   return rc;
 }
 
+int mr_cluster_share_host(struct mr_cluster *c, int world) {
+  if (c->nodes != 1 || !c->host_is_device)
+    return 0;
+  if (world > c->devices_per_node) {
+    double share = (double)c->devices_per_node / (double)world;
+    for (int i = 0; i < 3; i++)
+      c->peak_flops[i] *= share;
+    c->memory_bandwidth *= share;
+    c->host_memory_bandwidth *= share;
+    c->host_link_bandwidth *= share;
+    c->memory_bytes *= share;
+    c->devices_per_node = world;
+  }
+  return 1;
+}
+
 int64_t mr_cluster_devices(const struct mr_cluster *c) {
   return (int64_t)c->nodes * c->devices_per_node;
 }

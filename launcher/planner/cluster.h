@@ -47,4 +47,13 @@ int mr_cluster_load(const char *path, struct mr_cluster *out);
 /* Total devices. */
 int64_t mr_cluster_devices(const struct mr_cluster *c);
 
+/* A spec of one CPU host (one node, host.is_device: cpu-local, or a
+ * machine measured) run with more ranks than its cores (world): the ranks
+ * share the cores, each getting its fraction of their compute, of the
+ * memory and of the memory bandwidth — the host's too, which is the same
+ * memory (else offloading the optimizer would look faster than running it
+ * in place); devices_per_node becomes world.  Returns 1 when c is such a
+ * host spec (shared or not), else 0 and c unchanged. */
+int mr_cluster_share_host(struct mr_cluster *c, int world);
+
 #endif
