@@ -202,9 +202,10 @@ START_TEST(test_plan_cli_text_explains_and_times_itself) {
   const char *in = strstr(t, ") in ");
   ck_assert_ptr_nonnull(in);
   /* the requirement is the optimized build's; a sanitized debug build is
-   * some ten times slower */
+   * some ten times slower, and shares 2 cores with the other suites (10 s
+   * was seen exceeded), so there the bound only catches a runaway search */
 #ifdef __SANITIZE_ADDRESS__
-  const double limit = 10.0;
+  const double limit = 60.0;
 #else
   const double limit = 1.0;
 #endif
