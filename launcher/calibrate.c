@@ -233,20 +233,30 @@ static void set_str(cJSON *o, const char *key, const char *v) {
   cJSON_AddStringToObject(o, key, v);
 }
 
-/* "AMD EPYC core": /proc/cpuinfo's model name (else "CPU") and "core". */
-static void cpu_model(char *buf, size_t len) {
-  char line[512], name[256] = "CPU";
+/* The first processor's block of /proc/cpuinfo (every core's reads the
+ * same model) into buf; "" where there is none. */
+static void cpuinfo_block(char *buf, size_t n) {
+  size_t used = 0;
+  buf[0] = '\0';
   FILE *f = fopen("/proc/cpuinfo", "r");
-  while (f != NULL && fgets(line, sizeof line, f) != NULL)
-    if (strncmp(line, "model name", 10) == 0 && strchr(line, ':') != NULL) {
-      const char *v = strchr(line, ':') + 1;
-      v += strspn(v, " \t");
-      snprintf(name, sizeof name, "%.*s", (int)strcspn(v, "\n"), v);
-      break;
-    }
+  char line[4096];
+  while (f != NULL && fgets(line, sizeof line, f) != NULL && line[0] != '\n' && used < n)
+    used += (size_t)snprintf(buf + used, n - used, "%s", line);
   if (f != NULL)
     fclose(f);
-  snprintf(buf, len, "%s core", name);
+}
+
+/* The value of `key` in a cpuinfo block ("key<blanks>: value"); "" if absent. */
+static void cpuinfo_value(const char *block, const char *key, char *out, size_t n) {
+  size_t k = strlen(key);
+  out[0] = '\0';
+  for (const char *l = block; *l != '\0'; l += strcspn(l, "\n") + (l[strcspn(l, "\n")] != '\0'))
+    if (strncmp(l, key, k) == 0 && l[k + strspn(l + k, " \t")] == ':') {
+      const char *v = l + k + strspn(l + k, " \t") + 1;
+      v += strspn(v, " \t");
+      snprintf(out, n, "%.*s", (int)strcspn(v, "\n"), v);
+      return;
+    }
 }
 
 int mr_calibrate_spec(long ranks, const char *base, int quiet, char **text) {
@@ -327,8 +337,10 @@ int mr_calibrate_spec(long ranks, const char *base, int quiet, char **text) {
            "and reserved_bytes from %s", when, ranks, base_path);
   set_str(spec, "source", src);
   cJSON *dev = num_obj(spec, "device");
-  char cpu[256];
-  cpu_model(cpu, sizeof cpu);
+  char block[16384], model[240], cpu[256];
+  cpuinfo_block(block, sizeof block);
+  cpuinfo_value(block, "model name", model, sizeof model);
+  snprintf(cpu, sizeof cpu, "%s core", model[0] ? model : "CPU"); /* "AMD EPYC core" */
   set_str(dev, "name", cpu);
   cJSON *pf = num_obj(dev, "peak_flops");
   set_num(pf, "fp32", peak);
@@ -370,26 +382,21 @@ int mr_calibrate_spec(long ranks, const char *base, int quiet, char **text) {
 }
 
 /* This CPU as the cache tells machines apart: what /proc/cpuinfo says of
- * the model and its instruction sets (the same on every core, so the first
- * block), the cores meshrun counts and the physical memory. */
+ * the model and its instruction sets, the cores meshrun counts and the
+ * physical memory. */
 static uint64_t cpu_identity(void) {
   static const char *const keys[] = {"vendor_id", "cpu family", "model", "model name",
                                      "stepping", "flags", "CPU implementer",
                                      "CPU architecture", "CPU variant", "CPU part",
                                      "Features", NULL};
-  char id[8192];
+  char block[16384], value[4096], id[8192];
+  cpuinfo_block(block, sizeof block);
   size_t off = (size_t)snprintf(id, sizeof id, "v1 cores %d memory %llu", mr_cpu_cores(),
                                 (unsigned long long)mr_host_memory_bytes());
-  FILE *f = fopen("/proc/cpuinfo", "r");
-  char line[4096];
-  while (f != NULL && fgets(line, sizeof line, f) != NULL && line[0] != '\n') {
-    size_t k = strcspn(line, "\t:");
-    for (int i = 0; keys[i] != NULL; i++)
-      if (strlen(keys[i]) == k && strncmp(line, keys[i], k) == 0 && off < sizeof id)
-        off += (size_t)snprintf(id + off, sizeof id - off, "|%s", line);
+  for (int i = 0; keys[i] != NULL && off < sizeof id; i++) {
+    cpuinfo_value(block, keys[i], value, sizeof value);
+    off += (size_t)snprintf(id + off, sizeof id - off, "|%s=%s", keys[i], value);
   }
-  if (f != NULL)
-    fclose(f);
   return mr_hash_str(id);
 }
 
