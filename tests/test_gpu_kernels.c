@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/graph.h"
 #include "common/ops.h"
+#include "common/tunable.h"
 #include "worker/backend/backend.h"
 #include "worker/device.h"
 #include "worker/exec_extra.h"
@@ -367,7 +368,9 @@ END_TEST
 
 /* ---- attention ---- */
 
-static void attention_case(int b, int t, int h, int kh, int d, int amp) {
+/* tol: the largest difference from the CPU backend allowed, relative to
+ * the output's largest value */
+static void attention_case_tol(int b, int t, int h, int kh, int d, int amp, double tol) {
   struct mr_graph g;
   mr_graph_init(&g);
   int64_t rows = (int64_t)b * t;
@@ -380,9 +383,8 @@ static void attention_case(int b, int t, int h, int kh, int d, int amp) {
   void *in[3] = {randf(rows * h * d, 2), randf(rows * kh * d, 2), randf(rows * kh * d, 1)};
   void *out[2] = {0};
   char what[128];
-  snprintf(what, sizeof what, "attention B=%d T=%d H=%d KH=%d D=%d amp=%d", b, t, h, kh,
-           d, amp);
-  double tol = amp ? AMP_TOL : FP32_TOL;
+  snprintf(what, sizeof what, "attention B=%d T=%d H=%d KH=%d D=%d amp=%d (%s)", b, t, h,
+           kh, d, amp, mr_tunable_str(MR_TUNABLE_CUDA_ATTENTION));
   check_op(&g, fwd, in, amp, tol, what, out);
   if (t == 1) { /* a single key: every gradient but dv is rounding noise */
     for (int i = 0; i < 3; i++)
@@ -396,8 +398,8 @@ static void attention_case(int b, int t, int h, int kh, int d, int amp) {
   int bins[6] = {dout, q, k, v, g.ops[fwd].out[0], g.ops[fwd].out[1]};
   int bwd = op(&g, MR_OP_ATTENTION_BWD, bins, 6, attr);
   void *bin[6] = {randf(rows * h * d, 1), in[0], in[1], in[2], out[0], out[1]};
-  snprintf(what, sizeof what, "attention_bwd B=%d T=%d H=%d KH=%d D=%d amp=%d", b, t, h,
-           kh, d, amp);
+  snprintf(what, sizeof what, "attention_bwd B=%d T=%d H=%d KH=%d D=%d amp=%d (%s)", b, t,
+           h, kh, d, amp, mr_tunable_str(MR_TUNABLE_CUDA_ATTENTION));
   check_op(&g, bwd, bin, amp, tol, what, NULL);
   for (int i = 0; i < 3; i++)
     free(in[i]);
@@ -405,6 +407,10 @@ static void attention_case(int b, int t, int h, int kh, int d, int amp) {
   free(out[1]);
   free(bin[0]);
   mr_graph_close(&g);
+}
+
+static void attention_case(int b, int t, int h, int kh, int d, int amp) {
+  attention_case_tol(b, t, h, kh, d, amp, amp ? AMP_TOL : FP32_TOL);
 }
 
 START_TEST(test_gpu_attention_fp32_gqa_odd_lengths) {
@@ -418,8 +424,59 @@ START_TEST(test_gpu_attention_fp32_gqa_odd_lengths) {
 END_TEST
 
 START_TEST(test_gpu_attention_bf16_and_fp16) {
+  mr_tunable_override(MR_TUNABLE_CUDA_ATTENTION, "cores");
   attention_case(2, 37, 4, 2, 16, 1);
+  attention_case(1, 130, 8, 2, 64, 1);
   attention_case(1, 70, 4, 4, 64, 2);
+  mr_tunable_override(MR_TUNABLE_CUDA_ATTENTION, "auto");
+}
+END_TEST
+
+/* bf16 on the tensor cores (kernels_attn_tc.cu): q, k, v and dout are exact
+ * in bf16 and P and dS enter as hi + lo parts, so the results stay within
+ * 1e-3 of the CPU's fp32 arithmetic on the rounded operands (P rounded to
+ * bf16 once would be off by up to 2^-9 of each weight).  Head dims 16 to
+ * 128, grouped and plain heads, lengths that end inside a 64-row tile and
+ * span several. */
+START_TEST(test_gpu_attention_bf16_tensor_cores) {
+  mr_tunable_override(MR_TUNABLE_CUDA_ATTENTION, "auto");
+  attention_case_tol(2, 37, 4, 2, 16, 1, 1e-3);
+  attention_case_tol(1, 130, 8, 2, 64, 1, 1e-3);
+  attention_case_tol(2, 100, 4, 4, 128, 1, 1e-3);
+  attention_case_tol(1, 70, 6, 3, 48, 1, 1e-3);
+  attention_case_tol(1, 256, 2, 1, 32, 1, 1e-3);
+  attention_case_tol(1, 1, 2, 1, 64, 1, 1e-3);
+}
+END_TEST
+
+START_TEST(test_gpu_attention_kernel_choice_is_checked) {
+  struct mr_graph g;
+  mr_graph_init(&g);
+  int q = input(&g, "q", MR_F32, 2, 8, 64);
+  int k = input(&g, "k", MR_F32, 2, 8, 64);
+  int v = input(&g, "v", MR_F32, 2, 8, 64);
+  double attr[MR_OP_MAX_ATTR] = {8, 1, 1};
+  int qkv[3] = {q, k, v};
+  int fwd = op(&g, MR_OP_ATTENTION, qkv, 3, attr);
+  mr_tunable_override(MR_TUNABLE_CUDA_ATTENTION, "fast");
+  struct mr_backend *be = NULL;
+  ck_assert_int_eq(mr_device_open("cuda", 0, 0, 1, &be), 0);
+  void *buf[5] = {0};
+  for (int i = 0; i < 5; i++) {
+    int t = i < 3 ? qkv[i] : g.ops[fwd].out[i - 3];
+    ck_assert_int_eq(be->ops->alloc(be, tbytes(&g, t), &buf[i]), 0);
+  }
+  mr_kernel_fn kg = mr_op_kernel(MR_OP_ATTENTION, MR_BACKEND_CUDA);
+  ck_assert(kg != NULL);
+  int rc = kg(be->ops->kernel_ctx(be), &g, &g.ops[fwd], buf);
+  mr_tunable_override(MR_TUNABLE_CUDA_ATTENTION, "auto");
+  ck_assert_int_lt(rc, 0);
+  ck_assert_msg(strstr(mr_error_message(), "MESHRUN_CUDA_ATTENTION=fast") != NULL, "%s",
+                mr_error_message());
+  for (int i = 0; i < 5; i++)
+    be->ops->free(be, buf[i]);
+  mr_backend_free(be);
+  mr_graph_close(&g);
 }
 END_TEST
 
@@ -594,6 +651,8 @@ static Suite *gpu_kernels_suite(void) {
   tcase_add_test(tc, test_gpu_rope_forward_and_inverse);
   tcase_add_test(tc, test_gpu_attention_fp32_gqa_odd_lengths);
   tcase_add_test(tc, test_gpu_attention_bf16_and_fp16);
+  tcase_add_test(tc, test_gpu_attention_bf16_tensor_cores);
+  tcase_add_test(tc, test_gpu_attention_kernel_choice_is_checked);
   tcase_add_test(tc, test_gpu_split3_concat3);
   tcase_add_test(tc, test_gpu_cross_entropy_mean_and_ignored_rows);
   tcase_add_test(tc, test_gpu_cross_entropy_over_a_vocabulary_shard);

@@ -61,9 +61,12 @@ static void to_host(struct rank_env *e, void *host, const void *dev, size_t byte
     rank_fail(e->rank, "download: %s", mr_error_message());
 }
 
-static int run(struct rank_env *e, const char *what, int rc, struct mr_comm_req *req) {
+/* req is read only after the operation's call has filled it: C leaves the
+ * order in which a call's arguments are evaluated open, so passing the
+ * request itself beside the call that sets it could pass the old value */
+static int run(struct rank_env *e, const char *what, int rc, struct mr_comm_req **req) {
   if (rc == 0)
-    rc = e->ops->wait(req);
+    rc = e->ops->wait(*req);
   if (rc < 0)
     rank_fail(e->rank, "%s: %s", what, mr_error_message());
   return rc;
@@ -81,7 +84,7 @@ static void collectives(struct rank_env *e) {
   const enum mr_red_op reds[] = {MR_RED_SUM, MR_RED_MAX, MR_RED_AVG};
   for (size_t k = 0; k < 3; k++) {
     float *d = dev_from(e, x, n * 4);
-    if (run(e, "AllReduce", mr_comm_all_reduce(e->g, d, d, n, MR_F32, reds[k], &req), req) == 0) {
+    if (run(e, "AllReduce", mr_comm_all_reduce(e->g, d, d, n, MR_F32, reds[k], &req), &req) == 0) {
       to_host(e, y, d, n * 4);
       for (size_t i = 0; i < n; i++) {
         double want = reds[k] == MR_RED_MAX ? -1e30 : 0;
@@ -100,7 +103,7 @@ static void collectives(struct rank_env *e) {
     for (size_t i = 0; i < n; i++)
       hb[i] = mr_f32_to_bf16(value(me, i));
     void *d = dev_from(e, hb, n * 2);
-    if (run(e, "AllReduce bf16", mr_comm_all_reduce(e->g, d, d, n, MR_BF16, MR_RED_SUM, &req), req) == 0) {
+    if (run(e, "AllReduce bf16", mr_comm_all_reduce(e->g, d, d, n, MR_BF16, MR_RED_SUM, &req), &req) == 0) {
       to_host(e, hb, d, n * 2);
       for (size_t i = 0; i < n; i++) {
         float want = 0;
@@ -118,7 +121,7 @@ static void collectives(struct rank_env *e) {
     for (size_t i = 0; i < n; i++)
       hi[i] = (int32_t)value(me, i) * 10 + me;
     void *d = dev_from(e, hi, n * 4);
-    if (run(e, "AllReduce int avg", mr_comm_all_reduce(e->g, d, d, n, MR_I32, MR_RED_AVG, &req), req) == 0) {
+    if (run(e, "AllReduce int avg", mr_comm_all_reduce(e->g, d, d, n, MR_I32, MR_RED_AVG, &req), &req) == 0) {
       to_host(e, hi, d, n * 4);
       for (size_t i = 0; i < n; i++) {
         int32_t s = 0;
@@ -135,7 +138,7 @@ static void collectives(struct rank_env *e) {
   {
     float *ds = dev_from(e, x, n * w * 4), *dr = NULL;
     e->be->ops->alloc(e->be, n * 4, (void **)&dr);
-    if (run(e, "ReduceScatter", mr_comm_reduce_scatter(e->g, ds, dr, n, MR_F32, MR_RED_SUM, &req), req) == 0) {
+    if (run(e, "ReduceScatter", mr_comm_reduce_scatter(e->g, ds, dr, n, MR_F32, MR_RED_SUM, &req), &req) == 0) {
       to_host(e, y, dr, n * 4);
       for (size_t i = 0; i < n; i++) {
         float want = 0;
@@ -161,7 +164,7 @@ static void collectives(struct rank_env *e) {
     float *ds = dev_from(e, x, counts[me] * 4), *dr = NULL;
     e->be->ops->alloc(e->be, total * 4, (void **)&dr);
     int rc = mr_comm_all_gather(e->g, ds, dr, counts[me], uneq ? counts : NULL, MR_F32, &req);
-    if (run(e, uneq ? "AllGather (unequal)" : "AllGather", rc, req) == 0) {
+    if (run(e, uneq ? "AllGather (unequal)" : "AllGather", rc, &req) == 0) {
       float *all = malloc(total * 4);
       to_host(e, all, dr, total * 4);
       size_t off = 0;
@@ -179,7 +182,7 @@ static void collectives(struct rank_env *e) {
   /* Broadcast from the last rank */
   {
     float *d = dev_from(e, x, n * 4);
-    if (run(e, "Broadcast", mr_comm_broadcast(e->g, d, n, MR_F32, w - 1, &req), req) == 0) {
+    if (run(e, "Broadcast", mr_comm_broadcast(e->g, d, n, MR_F32, w - 1, &req), &req) == 0) {
       to_host(e, y, d, n * 4);
       for (size_t i = 0; i < n; i++)
         CHECK(me, y[i] == value(w - 1, i), "Broadcast [%zu]: %g", i, (double)y[i]);
@@ -191,7 +194,7 @@ static void collectives(struct rank_env *e) {
   {
     float *ds = dev_from(e, x, n * w * 4), *dr = NULL;
     e->be->ops->alloc(e->be, n * w * 4, (void **)&dr);
-    if (run(e, "AllToAll", mr_comm_all_to_all(e->g, ds, dr, n, MR_F32, &req), req) == 0) {
+    if (run(e, "AllToAll", mr_comm_all_to_all(e->g, ds, dr, n, MR_F32, &req), &req) == 0) {
       to_host(e, y, dr, n * w * 4);
       for (int r = 0; r < w; r++)
         for (size_t i = 0; i < n; i++)
@@ -269,7 +272,7 @@ static void collectives(struct rank_env *e) {
     for (int spin = 0; spin < 2000000 && !done; spin++)
       e->ops->test(req, &done);
     CHECK(me, done, "Barrier never completed");
-    run(e, "Barrier", 0, req);
+    run(e, "Barrier", 0, &req);
   } else {
     rank_fail(me, "Barrier: %s", mr_error_message());
   }

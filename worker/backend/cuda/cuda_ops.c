@@ -9,6 +9,7 @@
 
 #include "common/error.h"
 #include "common/ops.h"
+#include "common/tunable.h"
 #include "worker/backend/cuda/cuda_internal.h"
 
 #define TT(g, id) (&(g)->tensors[(id)])
@@ -285,14 +286,27 @@ static int attn_shape(const struct mr_graph *g, const struct mr_op *op, int q,
   return 0;
 }
 
+/* Whether this attention runs on the tensor cores (MESHRUN_CUDA_ATTENTION
+ * auto) or on the CUDA cores (cores). */
+static int attn_tensor(const struct mr__cuda_ctx *c, const struct attn_shape *s, int *tc) {
+  const char *mode = mr_tunable_str(MR_TUNABLE_CUDA_ATTENTION);
+  if (strcmp(mode, "auto") != 0 && strcmp(mode, "cores") != 0)
+    return mr_error_set(MR_EINVAL, "MESHRUN_CUDA_ATTENTION=%s: expected auto or cores",
+                        mode);
+  *tc = strcmp(mode, "auto") == 0 && mr__k_attn_tensor_ok(c->amp, s->D);
+  return 0;
+}
+
 static int k_attention(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                        void *const *b) {
   struct mr__cuda_ctx *c = CTX(ctx);
   MR_TRY(enter(c));
   struct attn_shape s;
   MR_TRY(attn_shape(g, op, op->in[0], &s));
+  int tc = 0;
+  MR_TRY(attn_tensor(c, &s, &tc));
   LAUNCH("attention", mr__k_attn_fwd(STREAM(c), b[3], b[4], b[0], b[1], b[2], s.B,
-                                     s.T, s.H, s.KH, s.D, c->amp));
+                                     s.T, s.H, s.KH, s.D, c->amp, tc));
   return 0;
 }
 
@@ -302,11 +316,14 @@ static int k_attention_bwd(void *ctx, const struct mr_graph *g,
   MR_TRY(enter(c));
   struct attn_shape s;
   MR_TRY(attn_shape(g, op, op->in[1], &s));
-  float *di = NULL;
-  MR_TRY(mr__cuda_scratch(c, (size_t)s.B * s.H * s.T * sizeof(float), (void **)&di));
+  int tc = 0;
+  MR_TRY(attn_tensor(c, &s, &tc));
+  float *scratch = NULL;
+  size_t floats = (size_t)mr__k_attn_bwd_scratch(s.B, s.T, s.H, s.KH, s.D, tc);
+  MR_TRY(mr__cuda_scratch(c, floats * sizeof(float), (void **)&scratch));
   LAUNCH("attention_bwd", mr__k_attn_bwd(STREAM(c), b[6], b[7], b[8], b[0], b[1], b[2],
                                          b[3], b[4], b[5], s.B, s.T, s.H, s.KH, s.D,
-                                         c->amp, di));
+                                         c->amp, tc, scratch));
   return 0;
 }
 

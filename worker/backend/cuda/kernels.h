@@ -134,15 +134,33 @@ cudaError_t mr__k_xv_finish_bwd(cudaStream_t s, float *ds, float *dtl, const flo
 
 /* Causal attention, flash style: q [B*T, H*D], k and v [B*T, KH*D], o like
  * q, lse [B, H, T].  amp rounds q, k, v (and dout) to bf16 / fp16 as they
- * are read.  D <= 256. */
+ * are read.  D <= 256.  tc: on the tensor cores (kernels_attn_tc.cu),
+ * where mr__k_attn_tensor_ok(amp, D); else on the CUDA cores in fp32. */
 cudaError_t mr__k_attn_fwd(cudaStream_t s, float *o, float *lse, const float *q,
                            const float *k, const float *v, int B, int T, int H,
-                           int KH, int D, int amp);
-/* dq, dk, dv overwritten; di: scratch of B*H*T floats. */
+                           int KH, int D, int amp, int tc);
+/* dq, dk, dv overwritten; scratch: mr__k_attn_bwd_scratch(...) floats. */
 cudaError_t mr__k_attn_bwd(cudaStream_t s, float *dq, float *dk, float *dv,
                            const float *dout, const float *q, const float *k,
                            const float *v, const float *o, const float *lse,
-                           int B, int T, int H, int KH, int D, int amp, float *di);
+                           int B, int T, int H, int KH, int D, int amp, int tc,
+                           float *scratch);
+int64_t mr__k_attn_bwd_scratch(int B, int T, int H, int KH, int D, int tc);
+/* Whether the tensor-core kernels take attention of head dim D under amp:
+ * bf16, D a multiple of 16 up to 128. */
+int mr__k_attn_tensor_ok(int amp, int D);
+
+/* kernels_attn_tc.cu's entries (through mr__k_attn_fwd / _bwd): di holds
+ * Di; parts, mr__k_attn_tc_parts floats (each group head's dK and dV
+ * before they are summed; 0 without grouped heads). */
+cudaError_t mr__k_attn_fwd_tc(cudaStream_t s, float *o, float *lse, const float *q,
+                              const float *k, const float *v, int B, int T, int H,
+                              int KH, int D);
+cudaError_t mr__k_attn_bwd_tc(cudaStream_t s, float *dq, float *dk, float *dv,
+                              const float *dout, const float *q, const float *k,
+                              const float *v, const float *lse, const float *di,
+                              int B, int T, int H, int KH, int D, float *parts);
+int64_t mr__k_attn_tc_parts(int B, int T, int H, int KH, int D);
 
 /* The runtime's entries. */
 cudaError_t mr__k_axpby(cudaStream_t s, float *y, const float *x, float a, float b,

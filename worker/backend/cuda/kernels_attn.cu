@@ -323,6 +323,11 @@ static cudaError_t launch_big(K kernel, unsigned blocks, size_t smem, cudaStream
   return cudaGetLastError();
 }
 
+/* The tensor-core kernels read rows as float4 */
+static bool rows_align(const float *a, const float *b, const float *c, const float *d) {
+  return (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d) & 15) == 0;
+}
+
 static cudaError_t check_dims(int B, int T, int H, int KH, int D) {
   if (B < 0 || T < 0 || H <= 0 || KH <= 0 || H % KH != 0 || D <= 0 || D > 256)
     return cudaErrorInvalidValue;
@@ -334,10 +339,13 @@ static cudaError_t check_dims(int B, int T, int H, int KH, int D) {
 
 extern "C" cudaError_t mr__k_attn_fwd(cudaStream_t s, float *o, float *lse,
                                       const float *q, const float *k, const float *v,
-                                      int B, int T, int H, int KH, int D, int amp) {
+                                      int B, int T, int H, int KH, int D, int amp,
+                                      int tc) {
   cudaError_t e = check_dims(B, T, H, KH, D);
   if (e != cudaSuccess || B == 0 || T == 0)
     return e;
+  if (tc && mr__k_attn_tensor_ok(amp, D) && rows_align(q, k, v, v))
+    return mr__k_attn_fwd_tc(s, o, lse, q, k, v, B, T, H, KH, D);
   attn_dims a = make_dims(B, T, H, KH, D, amp);
   unsigned blocks = (unsigned)((int64_t)B * H * a.ntiles);
   size_t smem = sizeof(float) * ((size_t)(TQ + 2 * TK) * (D + 1) + TQ * (TK + 1));
@@ -352,15 +360,19 @@ extern "C" cudaError_t mr__k_attn_bwd(cudaStream_t s, float *dq, float *dk, floa
                                       const float *dout, const float *q,
                                       const float *k, const float *v, const float *o,
                                       const float *lse, int B, int T, int H, int KH,
-                                      int D, int amp, float *di) {
+                                      int D, int amp, int tc, float *scratch) {
   cudaError_t e = check_dims(B, T, H, KH, D);
   if (e != cudaSuccess || B == 0 || T == 0)
     return e;
   attn_dims a = make_dims(B, T, H, KH, D, amp);
   int64_t rows = (int64_t)B * T * H;
+  float *di = scratch;
   attn_di_k<<<(unsigned)((rows * 32 + 255) / 256), 256, 0, s>>>(di, dout, o, a);
   if ((e = cudaGetLastError()) != cudaSuccess)
     return e;
+  if (tc && mr__k_attn_tensor_ok(amp, D) && rows_align(q, k, v, dout))
+    return mr__k_attn_bwd_tc(s, dq, dk, dv, dout, q, k, v, lse, di, B, T, H, KH, D,
+                             scratch + rows);
   unsigned kv_blocks = (unsigned)((int64_t)B * KH * a.ntiles);
   unsigned q_blocks = (unsigned)((int64_t)B * H * a.ntiles);
   size_t tiles = sizeof(float) * ((size_t)(2 * TQ + 2 * TK) * (D + 1));
@@ -380,4 +392,9 @@ extern "C" cudaError_t mr__k_attn_bwd(cudaStream_t s, float *dq, float *dk, floa
       e = launch_big(attn_dq_k<256>, q_blocks, smem_q, s, dq, dout, q, k, v, lse, di, a);
   }
   return e;
+}
+
+extern "C" int64_t mr__k_attn_bwd_scratch(int B, int T, int H, int KH, int D, int tc) {
+  int64_t di = (int64_t)B * H * T;
+  return tc ? di + mr__k_attn_tc_parts(B, T, H, KH, D) : di;
 }
