@@ -56,4 +56,10 @@ double mr_rng_normal(uint64_t seed, uint64_t stream, uint64_t index);
 void mr_rng_normal_fill(uint64_t seed, uint64_t stream, uint64_t first,
                         size_t n, float mean, float std, float *out);
 
+/* mr_rng_normal_fill split over up to `threads` threads (the caller one of
+ * them), in chunks of 2^20 elements: the same values, faster for the
+ * first weights of a large model. */
+void mr_rng_normal_fill_threads(int threads, uint64_t seed, uint64_t stream, uint64_t first,
+                                int64_t n, float mean, float std, float *out);
+
 #endif

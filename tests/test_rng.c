@@ -145,6 +145,24 @@ START_TEST(test_rng_normal_range_independent) {
 }
 END_TEST
 
+/* A rank draws its first weights over several threads when a tensor is
+ * large: the values are still, element by element, the seeded normal of
+ * its index (an odd start, uneven last task). */
+START_TEST(test_rng_normal_fill_threads_draws_the_serial_values) {
+  int64_t n = 5 * ((int64_t)1 << 20) + 7;
+  uint64_t first = 3, stream = mr_hash_str("model.layers.0.mlp.up_proj.weight");
+  float *w = malloc((size_t)n * sizeof *w);
+  ck_assert_ptr_nonnull(w);
+  mr_rng_normal_fill_threads(3, 11, stream, first, n, 0.5f, 0.02f, w);
+  int64_t bad = -1;
+  for (int64_t i = 0; i < n && bad < 0; i++)
+    if (w[i] != (float)((double)0.5f + (double)0.02f * mr_rng_normal(11, stream, first + i)))
+      bad = i;
+  ck_assert_msg(bad < 0, "element %lld differs from the serial draw", (long long)bad);
+  free(w);
+}
+END_TEST
+
 START_TEST(test_rng_streams_and_seeds_differ) {
   uint64_t a = mr_hash_str("a.weight"), b = mr_hash_str("b.weight");
   int same_stream = 0, same_seed = 0;
@@ -167,6 +185,7 @@ static Suite *rng_suite(void) {
   tcase_add_test(tc, test_rng_normal_formula);
   tcase_add_test(tc, test_rng_normal_statistics);
   tcase_add_test(tc, test_rng_normal_range_independent);
+  tcase_add_test(tc, test_rng_normal_fill_threads_draws_the_serial_values);
   tcase_add_test(tc, test_rng_streams_and_seeds_differ);
   suite_add_tcase(s, tc);
   return s;

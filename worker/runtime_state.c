@@ -7,10 +7,12 @@
 
 #include <cjson/cJSON.h>
 
+#include "common/discovery.h"
 #include "common/error.h"
 #include "common/ops.h"
 #include "common/rng.h"
 #include "common/safetensors.h"
+#include "common/tunable.h"
 #include "worker/runtime_internal.h"
 #include "worker/weights.h"
 
@@ -20,25 +22,58 @@ struct init_run {
   const struct mr_runtime *rt;
   const struct mr_tensor *t;
   float *dst;
+  int threads;
 };
 
 static void init_run(void *ctx, int64_t at, int64_t in_box, int64_t n) {
   const struct init_run *x = ctx;
   const struct mr_tensor *t = x->t;
   if (t->init == MR_INIT_NORMAL)
-    mr_rng_normal_fill(x->rt->job->train.seed, mr_hash_str(t->name), (uint64_t)at, (size_t)n,
-                       0.0f, (float)x->rt->job->model.initializer_range, x->dst + in_box);
+    mr_rng_normal_fill_threads(x->threads, x->rt->job->train.seed, mr_hash_str(t->name),
+                               (uint64_t)at, n, 0.0f, (float)x->rt->job->model.initializer_range,
+                               x->dst + in_box);
   else
     for (int64_t c = 0; c < n; c++)
       x->dst[in_box + c] = t->init == MR_INIT_ONES ? 1.0f : 0.0f;
 }
 
+/* Threads that draw the first weights: the host's cores shared among its
+ * ranks (LOCAL_WORLD_SIZE, as the launcher and torchrun set it), at least
+ * the rank's compute threads.  A GPU rank's host cores are otherwise idle
+ * while it starts; drawn serially, a 1.1B model took 38 s. */
+static int init_threads(void) {
+  const char *lw = getenv("LOCAL_WORLD_SIZE");
+  int local = lw != NULL ? atoi(lw) : 1;
+  int n = mr_cpu_cores() / (local > 0 ? local : 1);
+  int t = (int)mr_tunable_int(MR_TUNABLE_THREADS);
+  if (n < t)
+    n = t;
+  return n < 1 ? 1 : n > 64 ? 64 : n;
+}
+
 /* Fills the local shard of parameter i from the seeded initializer: element
  * by element the same global values whatever the sharding. */
-static void init_param(struct mr_runtime *rt, const struct mr_param_plan *pp, float *dst) {
+static void init_param(struct mr_runtime *rt, const struct mr_param_plan *pp, float *dst,
+                       int threads) {
   const struct mr_tensor *t = &rt->L->model.graph.tensors[pp->tensor];
-  struct init_run x = {.rt = rt, .t = t, .dst = dst};
-  mr_box_runs(t->ndim, t->shape, pp->goff, pp->glen, init_run, &x);
+  struct init_run x = {.rt = rt, .t = t, .dst = dst, .threads = threads};
+  /* a shard of whole rows (or the whole tensor) is one run: drawn over the
+   * threads at once rather than row by row */
+  int64_t rows_from = 1, n = 1;
+  for (int d = 0; d < t->ndim; d++) {
+    n *= pp->glen[d];
+    if (d > 0) {
+      rows_from *= t->shape[d];
+      if (pp->glen[d] != t->shape[d] || pp->goff[d] != 0)
+        rows_from = -1;
+    }
+    if (rows_from < 0)
+      break;
+  }
+  if (t->ndim > 0 && rows_from > 0)
+    init_run(&x, pp->goff[0] * rows_from, 0, n);
+  else
+    mr_box_runs(t->ndim, t->shape, pp->goff, pp->glen, init_run, &x);
 }
 
 static int load_param(struct mr_runtime *rt, struct mr_st_file *f, const struct mr_param_plan *pp,
@@ -72,6 +107,7 @@ int mr__rt_init_params(struct mr_runtime *rt) {
     }
   }
   int rc = 0;
+  int threads = init_threads();
   const struct mr_layout *lay = &rt->L->lay;
   for (int i = 0; i < rt->p.n_params && rc == 0; i++) {
     const struct mr_param_plan *pp = &rt->p.params[i];
@@ -85,7 +121,7 @@ int mr__rt_init_params(struct mr_runtime *rt) {
     if (f != NULL)
       rc = load_param(rt, f, pp, host);
     else
-      init_param(rt, pp, host);
+      init_param(rt, pp, host, threads);
     if (rc == 0) {
       char *dst = rt->param + pp->store_offset;
       if (lay->zero >= 3) /* only this rank's block */
