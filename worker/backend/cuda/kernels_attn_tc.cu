@@ -69,6 +69,15 @@ __device__ __forceinline__ void tc_load(bf16 *tile, const float *x, int64_t stri
   }
 }
 
+/* Rows [k0, k0 + 64) of kv head kvh of k and v into their tiles. */
+template <int D>
+__device__ __forceinline__ void tc_load_keys(bf16 *Ks, bf16 *Vs, const float *k,
+                                             const float *v, int k0, const tc_dims &a, int b,
+                                             int kvh) {
+  tc_load<D>(Ks, k, a.ks, (int64_t)kvh * D, k0, a.T, b);
+  tc_load<D>(Vs, v, a.ks, (int64_t)kvh * D, k0, a.T, b);
+}
+
 /* x as hi + lo, both bf16 */
 __device__ __forceinline__ void split_bf16(float x, bf16 *hi, bf16 *lo) {
   bf16 h = __float2bfloat16_rn(x);
@@ -167,8 +176,7 @@ __global__ void __launch_bounds__(TC_THREADS)
   for (int kt = 0; kt <= qt; kt++) {
     int k0 = kt * TB;
     __syncthreads();
-    tc_load<D>(Ks, k, a.ks, (int64_t)kvh * D, k0, a.T, b);
-    tc_load<D>(Vs, v, a.ks, (int64_t)kvh * D, k0, a.T, b);
+    tc_load_keys<D>(Ks, Vs, k, v, k0, a, b, kvh);
     __syncthreads();
     rows_times_tile_t<NF>(Sw, Qs + warp * 16 * LDH, Ks);
     __syncwarp();
@@ -253,8 +261,7 @@ __global__ void __launch_bounds__(TC_THREADS)
   int b = bh / a.H, h = bh % a.H, kvh = h / a.rep;
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int k0 = kt * TB;
-  tc_load<D>(Ks, k, a.ks, (int64_t)kvh * D, k0, a.T, b);
-  tc_load<D>(Vs, v, a.ks, (int64_t)kvh * D, k0, a.T, b);
+  tc_load_keys<D>(Ks, Vs, k, v, k0, a, b, kvh);
   frag_c dK[NF], dV[NF];
 #pragma unroll
   for (int n = 0; n < NF; n++) {
@@ -323,8 +330,7 @@ __global__ void __launch_bounds__(TC_THREADS)
   for (int kt = 0; kt <= qt; kt++) {
     int k0 = kt * TB;
     __syncthreads();
-    tc_load<D>(Ks, k, a.ks, (int64_t)kvh * D, k0, a.T, b);
-    tc_load<D>(Vs, v, a.ks, (int64_t)kvh * D, k0, a.T, b);
+    tc_load_keys<D>(Ks, Vs, k, v, k0, a, b, kvh);
     __syncthreads();
     rows_times_tile_t<NF>(Sw, Qs + warp * 16 * LDH, Ks);
     rows_times_tile_t<NF>(dPw, dOs + warp * 16 * LDH, Vs);
