@@ -52,6 +52,9 @@
      "test hook: pause a checkpoint write half way, ms")                     \
   XX(TEST_CKPT_BYTES_PER_S, "MESHRUN_TEST_CKPT_BYTES_PER_S", "0",            \
      "test hook: write checkpoints no faster than this (a slow disk; 0: no limit)") \
+  XX(TEST_COMM_WAIT_MS, "MESHRUN_TEST_COMM_WAIT_MS", "0",                   \
+     "test hook: each wait on a communication operation first sleeps this "  \
+     "many ms (a slow network whose operations still complete)")            \
   XX(TEST_STALL, "MESHRUN_TEST_STALL", "",                                  \
      "test hook: \"RANK:STEP\" stalls that rank at that step")             \
   XX(TEST_EXIT, "MESHRUN_TEST_EXIT", "",                                    \

@@ -321,11 +321,13 @@ void mr_ranks_heartbeat(struct mr_ranks *s, int rank, const Meshrun__Heartbeat *
   struct mr_rank *r = &s->r[rank];
   /* a checkpoint being written is progress: a save slower than the steps
    * between two makes the next wait for it, and a large one on a slow disk
-   * can take longer than the hang timeout */
+   * can take longer than the hang timeout.  So are collectives completing:
+   * a step's gradient sync is one instruction that waits on all of them */
   if (hb->step != r->step || hb->last_done != r->last_done ||
-      hb->checkpoint_bytes != r->checkpoint_bytes)
+      hb->checkpoint_bytes != r->checkpoint_bytes || hb->comm_done != r->comm_done)
     r->progress_ms = mr_clock_ms();
   r->checkpoint_bytes = hb->checkpoint_bytes;
+  r->comm_done = hb->comm_done;
   r->checkpoint_waiting = hb->state == MESHRUN__HEARTBEAT__STATE__CHECKPOINTING;
   r->step = hb->step;
   r->last_done = hb->last_done;

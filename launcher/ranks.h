@@ -52,8 +52,10 @@ struct mr_rank {
   int tail_n, tail_pos;
   int64_t last_done, waiting_on; // from heartbeats: instruction ids
   char waiting_detail[160];
-  int64_t progress_ms;     // when step, last_done or checkpoint_bytes last changed
+  int64_t progress_ms;     // when step, last_done, checkpoint_bytes or comm_done
+                           // last changed
   uint64_t checkpoint_bytes; // from heartbeats: its checkpoint writer's bytes so far
+  uint64_t comm_done;      // from heartbeats: communication operations seen to end
   int checkpoint_waiting;  // the training waits for its own checkpoint write
   int stage;               // its pipeline stage, from its metrics
   double busy_s;           // its work per step (step time less the time it

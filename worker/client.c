@@ -138,6 +138,7 @@ static void send_heartbeat(struct mr_client *c) {
   hb.waiting_on = c->waiting_on;
   hb.state = c->state;
   hb.checkpoint_bytes = atomic_load(&c->checkpoint_bytes);
+  hb.comm_done = atomic_load(&c->comm_done);
   memcpy(detail, c->waiting_detail, sizeof detail);
   pthread_mutex_unlock(&c->pos_lock);
   char comm[160] = "", buf[160];
@@ -455,6 +456,7 @@ void mr_client_reporter(struct mr_client *c, struct mr_reporter *out) {
   out->checkpoint_requested = reporter_checkpoint;
   out->checkpoint_written = reporter_checkpoint_written;
   out->checkpoint_bytes = &c->checkpoint_bytes;
+  out->comm_done = &c->comm_done;
   out->checkpoint_wait = reporter_checkpoint_wait;
 }
 

@@ -37,6 +37,7 @@ struct mr_client {
   char waiting_detail[160];
   Meshrun__Heartbeat__State state;
   _Atomic uint64_t checkpoint_bytes; // what the checkpoint writer has written
+  _Atomic uint64_t comm_done;        // communication operations seen to end
   /* what the job is blocked on, asked at each heartbeat (e.g. the comm
    * backend's blocked()); NULL: only the published position.  probe_lock
    * is held across each call, so a probe removed is no longer running */

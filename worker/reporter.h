@@ -50,6 +50,10 @@ struct mr_reporter {
    * be NULL): the heartbeat reports them, so a long write is progress, not
    * a hang. */
   _Atomic uint64_t *checkpoint_bytes;
+  /* Where the runtime counts the communication operations it has waited
+   * for and seen end (may be NULL): the heartbeat reports them, so a long
+   * gradient sync whose collectives keep completing is progress too. */
+  _Atomic uint64_t *comm_done;
   /* The training waits (1) or no longer waits (0) for its own checkpoint
    * write to finish; may be NULL. */
   void (*checkpoint_wait)(void *ctx, int waiting);

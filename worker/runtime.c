@@ -92,8 +92,12 @@ void mr__rt_done(struct mr_runtime *rt, int idx) {
 
 int mr__rt_wait_req(struct mr_runtime *rt, struct mr_comm_req *req) {
   double t0 = mr_clock_s();
+  if (rt->test_comm_wait_ms > 0) /* test hook: a slow network */
+    usleep((useconds_t)rt->test_comm_wait_ms * 1000u);
   int rc = mr_comm_wait(req);
   rt->comm_wait_s += mr_clock_s() - t0;
+  if (rc == 0 && rt->rep != NULL && rt->rep->comm_done != NULL)
+    atomic_fetch_add(rt->rep->comm_done, 1);
   return rc;
 }
 
@@ -253,6 +257,7 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
   rt->adamw = mr_adamw_of_job(&job->train);
   mr_loss_scaler_of_job(&rt->scaler, job, L->lay.amp == MR_AMP_FP16);
   rt->inject_step = mr_tunable_int(MR_TUNABLE_INJECT_OVERFLOW_STEP);
+  rt->test_comm_wait_ms = (int)mr_tunable_int(MR_TUNABLE_TEST_COMM_WAIT_MS);
   /* test hook: "RANK:MS" or "RANK:xF", a comma-separated list of them */
   for (const char *slow = mr_tunable_str(MR_TUNABLE_TEST_SLOW); slow != NULL && *slow != '\0';
        slow = strchr(slow, ',') != NULL ? strchr(slow, ',') + 1 : NULL) {

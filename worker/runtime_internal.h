@@ -52,6 +52,7 @@ struct mr_runtime {
   struct mr_adamw adamw;
   int64_t inject_step;
   int slow_ms;                   // test hook: sleep this long every step
+  int test_comm_wait_ms;         // test hook: sleep this long before each comm wait
   double slow_factor;            // test hook: every kernel takes this many times as long
   double slow_debt;              //   the time owed, s
   int overlap;                  // MESHRUN_GRAD_SYNC_OVERLAP
