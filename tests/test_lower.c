@@ -387,6 +387,48 @@ START_TEST(test_lower_uneven_micro_batches) {
 }
 END_TEST
 
+/* The loss is made whole once a step, not each micro-batch: no rank's
+ * step program reshards the loss edge, and the last stage adds each
+ * micro-batch's partial loss to the step's sum (the edge's all-reduces and
+ * scalings then run once on it, mr__rt_step_loss; the distributed training
+ * tests compare the reported losses with a single rank's). */
+START_TEST(test_lower_loss_made_whole_once_a_step) {
+  static const struct {
+    const char *s;
+    int world;
+  } cases[] = {
+      {"\"data_parallel\": {\"degree\": 2}, \"gradient_accumulation_steps\": 4", 2},
+      {"\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
+       "\"sequence_parallel\": {\"enable\": true}, \"gradient_accumulation_steps\": 2", 4},
+      {"\"data_parallel\": {\"degree\": 2}, \"pipeline_parallel\": {\"degree\": 2, "
+       "\"micro_batches\": 4}", 4},
+  };
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    struct mr_job job;
+    job_for(&job, cases[k].s, 4, 0);
+    struct mr_lowered L;
+    ck_assert_msg(mr_lower_graph(&job, cases[k].world, &L) == 0, "%s", mr_error_message());
+    int le = mr_lowered_loss_edge(&L);
+    ck_assert_msg(le >= 0 && mr_lowered_loss_deferred(&L), "%s", cases[k].s);
+    for (int r = 0; r < cases[k].world; r++) {
+      struct mr_rank_program p;
+      ck_assert_msg(mr_rank_program_build(&L, r, &p) == 0, "%s", mr_error_message());
+      int loss_reshards = 0, losses = 0;
+      for (int i = 0; i < p.n_step; i++) {
+        loss_reshards += p.step[i].kind == MR_INS_RESHARD && p.step[i].edge == le;
+        losses += p.step[i].kind == MR_INS_LOSS;
+      }
+      ck_assert_msg(loss_reshards == 0, "%s rank %d: %d reshards of the loss", cases[k].s, r,
+                    loss_reshards);
+      ck_assert_int_eq(losses, p.pipe == L.lay.pp - 1 ? p.n_micro : 0);
+      mr_rank_program_close(&p);
+    }
+    mr_lowered_close(&L);
+    mr_job_close(&job);
+  }
+}
+END_TEST
+
 /* Tied embeddings across pipeline stages: the last stage holds a copy the
  * first stage's update refreshes (a check that passes); under ZeRO-3 they
  * are refused naming the parameter. */
@@ -561,6 +603,7 @@ static Suite *lower_suite(void) {
   tcase_add_test(tc, test_lower_1f1b_in_flight);
   tcase_add_test(tc, test_lower_fixed_layer_split);
   tcase_add_test(tc, test_lower_uneven_micro_batches);
+  tcase_add_test(tc, test_lower_loss_made_whole_once_a_step);
   tcase_add_test(tc, test_lower_tied_embeddings_across_stages);
   tcase_add_test(tc, test_lower_check_names_the_first_mismatch);
   tcase_add_test(tc, test_lower_gpt2_attention_split_by_heads);

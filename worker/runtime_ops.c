@@ -420,14 +420,15 @@ int mr__rt_param_sync(struct mr_runtime *rt) {
   return rc < 0 ? rc : r2;
 }
 
-/* Micro-batches set per data rank: the loss of a step (or an evaluation
- * batch: lay.n_micro micro-batches on every rank) from the sum of this
- * rank's partial losses, the loss edge's steps run once on it (all-reduces
- * over its mesh dims, scalings), over the batch's micro-batches.
- * Elsewhere (and on stages without the loss) *loss is left as it is. */
+/* The loss made whole once a step (mr_lowered_loss_deferred): the loss of
+ * a step (or an evaluation batch: lay.n_micro micro-batches on every rank)
+ * from the sum of this rank's partial losses, the loss edge's steps run
+ * once on it (all-reduces over its mesh dims, scalings), over the batch's
+ * micro-batches.  Elsewhere (a loss made whole each micro-batch, and on
+ * stages without the loss) *loss is left as it is. */
 int mr__rt_step_loss(struct mr_runtime *rt, double partial_sum, float *loss) {
   const struct mr_lowered *L = rt->L;
-  if (L->dp_micro == NULL || rt->p.pipe != L->lay.pp - 1)
+  if (!mr_lowered_loss_deferred(L) || rt->p.pipe != L->lay.pp - 1)
     return 0;
   int le = mr_lowered_loss_edge(L);
   float v = (float)partial_sum;

@@ -122,6 +122,12 @@ void mr_lowered_format(const struct mr_lowered *L, char *buf, size_t n);
 
 /* The edge making the loss whole (partial to replicated), or -1. */
 int mr_lowered_loss_edge(const struct mr_lowered *L);
+/* Whether the loss is made whole once a step rather than each micro-batch:
+ * its edge's steps are linear (all-reduces, scalings), so they run once on
+ * the sum of the step's partial losses at its end (one small collective a
+ * step instead of one a micro-batch, which would also pace the data ranks
+ * micro-batch by micro-batch). */
+int mr_lowered_loss_deferred(const struct mr_lowered *L);
 
 /* Rank of mesh coordinates (pipe, data, model) and back. */
 int mr_lower_rank(const struct mr_layout *lay, int pipe, int data, int model);

@@ -93,7 +93,8 @@ static void edge_events(struct build *b, struct mr_ins *in, int e, int only,
 
 void mr__lower_loss_events(struct build *b, struct mr_ins *in) {
   const struct mr_lowered *L = b->L;
-  int le = L->dp_micro != NULL && b->p->pipe == L->lay.pp - 1 ? mr_lowered_loss_edge(L) : -1;
+  int le = mr_lowered_loss_deferred(L) && b->p->pipe == L->lay.pp - 1 ? mr_lowered_loss_edge(L)
+                                                                       : -1;
   if (le >= 0)
     edge_events(b, in, le, -1, NULL);
 }

@@ -265,12 +265,24 @@ int mr_lowered_loss_edge(const struct mr_lowered *L) {
   return -1;
 }
 
+int mr_lowered_loss_deferred(const struct mr_lowered *L) {
+  int le = mr_lowered_loss_edge(L);
+  if (le < 0)
+    return 0;
+  for (int s = 0; s < L->dg.edges[le].plan.n_steps; s++) {
+    enum mr_reshard_kind k = L->dg.edges[le].plan.steps[s].kind;
+    if (k != MR_RS_ALL_REDUCE && k != MR_RS_SCALE)
+      return 0;
+  }
+  return 1;
+}
+
 /* This rank's micro-batches and the first slice of the step's batch it
- * reads.  With micro-batches set per data rank, the loss is not made whole
- * each micro-batch (that is a collective across the data ranks, which now
- * run different counts): its partial values are summed over the step and
- * the loss edge's steps run once on the sum at the step's end, so they
- * must be linear (all-reduces, scalings). */
+ * reads.  With micro-batches set per data rank the loss cannot be made
+ * whole each micro-batch (that is a collective across the data ranks,
+ * which now run different counts), so the loss edge's steps must be linear
+ * (all-reduces, scalings): they run once on the step's sum
+ * (mr_lowered_loss_deferred). */
 static int micro_share(struct mr_rank_program *p, const struct mr_lowered *L) {
   p->n_slots = p->n_micro = L->lay.n_micro;
   p->first_slice = 0;
@@ -453,7 +465,7 @@ static int build_pass(struct build *b, int c, int dir) {
     in.tensor = L->seed;
     emit_tmpl(b, in);
   }
-  int any_grad = 0, le = L->dp_micro == NULL ? mr_lowered_loss_edge(L) : -1;
+  int any_grad = 0, le = mr_lowered_loss_deferred(L) ? -1 : mr_lowered_loss_edge(L);
   for (int k = 0; k < g->n_ops; k++) {
     if (L->op_chunk[k] != c || g->ops[k].backward != dir)
       continue;
