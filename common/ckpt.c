@@ -13,21 +13,13 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/file.h"
 #include "common/jsonv.h"
 #include "common/log.h"
 #include "common/checksum.h"
 
 void mr_ckpt_step_dir(const char *root, int64_t step, char *buf, size_t n) {
   snprintf(buf, n, "%s/step-%08" PRId64, root, step);
-}
-
-static int fsync_path(const char *path, int flags) {
-  int fd = open(path, flags | O_CLOEXEC);
-  if (fd < 0)
-    return mr_error_set(MR_EIO, "%s: %s", path, strerror(errno));
-  int rc = fsync(fd);
-  close(fd);
-  return rc == 0 ? 0 : mr_error_set(MR_EIO, "fsync %s: %s", path, strerror(errno));
 }
 
 int mr_ckpt_write_marker(const char *dir, int64_t step, const char *const *files,
@@ -46,24 +38,10 @@ int mr_ckpt_write_marker(const char *dir, int64_t step, const char *const *files
   cJSON_Delete(o);
   if (text == NULL)
     return MR_ENOMEM;
-  char tmp[4200], final[4200];
-  snprintf(tmp, sizeof tmp, "%s/.%s.tmp", dir, MR_CKPT_MARKER);
+  char final[4200];
   snprintf(final, sizeof final, "%s/%s", dir, MR_CKPT_MARKER);
-  FILE *f = fopen(tmp, "w");
-  int rc = 0;
-  if (f == NULL) {
-    rc = mr_error_set(MR_EIO, "%s: %s", tmp, strerror(errno));
-  } else {
-    size_t len = strlen(text);
-    if (fwrite(text, 1, len, f) != len || fflush(f) != 0 || fsync(fileno(f)) != 0)
-      rc = mr_error_set(MR_EIO, "%s: %s", tmp, strerror(errno));
-    fclose(f);
-  }
+  int rc = mr_file_write_text(final, text, MR_FILE_ATOMIC | MR_FILE_DURABLE);
   free(text);
-  if (rc == 0 && rename(tmp, final) != 0)
-    rc = mr_error_set(MR_EIO, "rename %s: %s", final, strerror(errno));
-  if (rc == 0)
-    rc = fsync_path(dir, O_RDONLY | O_DIRECTORY);
   return rc;
 }
 

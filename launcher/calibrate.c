@@ -22,6 +22,7 @@
 #include "common/clock.h"
 #include "common/discovery.h"
 #include "common/error.h"
+#include "common/file.h"
 #include "common/jsonv.h"
 #include "common/log.h"
 #include "common/rng.h"
@@ -415,21 +416,13 @@ int mr_cpu_cluster_spec(char *path, size_t len) {
   }
   MR_INFO("launch", "measuring this machine's %d cores for the planner (cached in %s)",
           mr_cpu_cores(), path);
-  char *text = NULL, tmp[4200];
-  snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
+  char *text = NULL;
   int rc = mr_calibrate_spec(mr_cpu_cores(), "cpu-local", 1, &text);
-  if (rc == 0) {
-    FILE *f = fopen(tmp, "w");
-    if (f == NULL || fprintf(f, "%s\n", text) < 0 || fclose(f) != 0)
-      rc = mr_error_set(MR_EIO, "cannot write %s: %s", tmp, strerror(errno));
-    else if (rename(tmp, path) != 0)
-      rc = mr_error_set(MR_EIO, "cannot rename %s: %s", tmp, strerror(errno));
-  }
+  if (rc == 0)
+    rc = mr_file_write_text(path, text, MR_FILE_ATOMIC | MR_FILE_NEWLINE);
   free(text);
-  if (rc < 0) {
-    unlink(tmp);
+  if (rc < 0)
     path[0] = '\0';
-  }
   return rc;
 }
 
@@ -470,9 +463,8 @@ int mr_cmd_calibrate(int argc, char **argv) {
   if (out_path == NULL) {
     printf("%s\n", text);
   } else {
-    FILE *f = fopen(out_path, "w");
-    if (f == NULL || fprintf(f, "%s\n", text) < 0 || fclose(f) != 0) {
-      fprintf(stderr, "meshrun calibrate: cannot write %s\n", out_path);
+    if (mr_file_write_text(out_path, text, MR_FILE_ATOMIC | MR_FILE_NEWLINE) < 0) {
+      fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
       status = 1;
     } else {
       fprintf(stderr, "meshrun calibrate: wrote %s\n", out_path);

@@ -22,6 +22,7 @@
 #include "common/ckpt.h"
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/file.h"
 #include "common/log.h"
 #include "common/rpc.h"
 #include "common/tunable.h"
@@ -610,16 +611,14 @@ static int listen_all(struct coordinator *co) {
 static int write_coordinator_file(struct coordinator *co) {
   char path[1024];
   snprintf(path, sizeof path, "%s/coordinator.json", co->opts->log_dir);
-  FILE *f = fopen(path, "w");
-  if (f == NULL)
-    return mr_error_set(MR_EIO, "%s: %s", path, strerror(errno));
-  fprintf(f,
-          "{\"job_id\": \"%s\", \"pid\": %d, \"unix\": \"unix:%s\", "
-          "\"tcp\": \"tcp:%s:%d\", \"world_size\": %d, \"nodes\": %d}\n",
-          co->job_id, (int)getpid(), co->unix_path, co->master_addr, co->master_port,
-          co->opts->nproc, co->nnodes);
-  fclose(f);
-  return 0;
+  char text[2048];
+  snprintf(text, sizeof text,
+           "{\"job_id\": \"%s\", \"pid\": %d, \"unix\": \"unix:%s\", "
+           "\"tcp\": \"tcp:%s:%d\", \"world_size\": %d, \"nodes\": %d}\n",
+           co->job_id, (int)getpid(), co->unix_path, co->master_addr, co->master_port,
+           co->opts->nproc, co->nnodes);
+  /* read by tools and tests while the job runs: never seen half written */
+  return mr_file_write_text(path, text, MR_FILE_ATOMIC);
 }
 
 /* The job token: fresh, or the one in opts->token_file (which other

@@ -13,6 +13,7 @@
 #include "common/ckpt.h"
 #include "common/ckpt_read.h"
 #include "common/error.h"
+#include "common/file.h"
 #include "common/jsonv.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
@@ -155,9 +156,9 @@ int mr_cmd_export(int argc, char **argv) {
   }
   char *config = mr_model_config_to_json(&cfg);
   snprintf(path, sizeof path, "%s/config.json", out);
-  FILE *f = fopen(path, "w");
-  if (config == NULL || f == NULL || fputs(config, f) < 0 || fclose(f) != 0) {
-    fprintf(stderr, "meshrun export: %s: %s\n", path, strerror(errno));
+  if (config == NULL || mr_file_write_text(path, config, MR_FILE_NEWLINE) < 0) {
+    fprintf(stderr, "meshrun export: %s\n",
+            config == NULL ? "out of memory" : mr_error_message());
     code = 1;
   }
   free(config);

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/file.h"
 #include "common/log.h"
 #include "launcher/cli.h"
 #include "launcher/planner/cluster.h"
@@ -221,12 +222,7 @@ int mr_gpu_spec_write(const struct mr_gpu_probe *p, const char *out) {
   cJSON_Delete(root);
   if (json == NULL)
     return mr_error_set(MR_ENOMEM, "gpu probe: out of memory");
-  FILE *f = fopen(out, "w");
-  int rc = 0;
-  if (f == NULL || fputs(json, f) < 0 || fputc('\n', f) < 0)
-    rc = mr_error_set(MR_EIO, "%s: %s", out, strerror(errno));
-  if (f != NULL && fclose(f) != 0 && rc == 0)
-    rc = mr_error_set(MR_EIO, "%s: %s", out, strerror(errno));
+  int rc = mr_file_write_text(out, json, MR_FILE_NEWLINE);
   free(json);
   return rc;
 }

@@ -16,6 +16,7 @@
 #include "common/ckpt.h"
 #include "common/ckpt_read.h"
 #include "common/error.h"
+#include "common/file.h"
 #include "common/jsonv.h"
 #include "common/log.h"
 #include "common/safetensors.h"
@@ -168,16 +169,6 @@ static char *index_text(const struct mr_ckpt_saver *s, const struct mr_lowered *
   return text;
 }
 
-static int write_text(const char *path, const char *text) {
-  FILE *f = fopen(path, "w");
-  int rc = 0;
-  if (f == NULL || fputs(text, f) < 0 || fflush(f) != 0 || fsync(fileno(f)) != 0)
-    rc = mr_error_set(MR_EIO, "%s: %s", path, strerror(errno));
-  if (f != NULL)
-    fclose(f);
-  return rc;
-}
-
 /* The writer thread: the rank's file, fsync, checksums, then the report. */
 static void *write_main(void *arg) {
   struct mr_ckpt_saver *s = arg;
@@ -236,7 +227,7 @@ static void *write_main(void *arg) {
   if (rc == 0 && s->index != NULL) {
     char ip[4200];
     snprintf(ip, sizeof ip, "%s/%s", dir, MR_CKPT_INDEX);
-    rc = write_text(ip, s->index);
+    rc = mr_file_write_text(ip, s->index, MR_FILE_DURABLE);
     if (rc == 0) { /* hashed from its text */
       mr_checksum_bytes(s->index, strlen(s->index), shas[nfiles]);
       names[nfiles++] = MR_CKPT_INDEX;

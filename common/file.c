@@ -1,0 +1,68 @@
+/* file.c - small whole files written safely (see file.h). */
+#include "common/file.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/error.h"
+
+/* fsync of the folder holding path (a rename is durable once it is) */
+static int sync_folder(const char *path) {
+  char dir[4096];
+  const char *slash = strrchr(path, '/');
+  if (slash == NULL)
+    snprintf(dir, sizeof dir, ".");
+  else if (slash == path)
+    snprintf(dir, sizeof dir, "/");
+  else
+    snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0)
+    return mr_error_set(MR_EIO, "%s: %s", dir, strerror(errno));
+  int rc = fsync(fd);
+  close(fd);
+  return rc == 0 ? 0 : mr_error_set(MR_EIO, "fsync %s: %s", dir, strerror(errno));
+}
+
+int mr_file_write_text(const char *path, const char *text, int flags) {
+  char tmp[4200];
+  const char *target = path;
+  if (flags & MR_FILE_ATOMIC) {
+    const char *slash = strrchr(path, '/');
+    const char *name = slash != NULL ? slash + 1 : path;
+    int n = snprintf(tmp, sizeof tmp, "%.*s.%s.%d.tmp", (int)(name - path), path, name,
+                     (int)getpid());
+    if (n < 0 || (size_t)n >= sizeof tmp)
+      return mr_error_set(MR_EIO, "%s: the path is too long", path);
+    target = tmp;
+  }
+  FILE *f = fopen(target, "w");
+  if (f == NULL)
+    return mr_error_set(MR_EIO, "cannot write %s: %s", path, strerror(errno));
+  size_t len = strlen(text);
+  int bad = fwrite(text, 1, len, f) != len ||
+            ((flags & MR_FILE_NEWLINE) && (len == 0 || text[len - 1] != '\n') &&
+             fputc('\n', f) == EOF) ||
+            fflush(f) != 0 ||
+            ((flags & MR_FILE_DURABLE) && fsync(fileno(f)) != 0);
+  int err = errno;
+  if (fclose(f) != 0 && !bad) {
+    bad = 1;
+    err = errno;
+  }
+  if (!bad && target != path && rename(target, path) != 0) {
+    bad = 1;
+    err = errno;
+  }
+  if (bad) {
+    if (target != path)
+      unlink(target);
+    return mr_error_set(MR_EIO, "cannot write %s: %s", path, strerror(err));
+  }
+  if ((flags & MR_FILE_ATOMIC) && (flags & MR_FILE_DURABLE))
+    return sync_folder(path);
+  return 0;
+}
