@@ -333,7 +333,54 @@ out:
   return rc;
 }
 
+/* Whether this rank holds every parameter whole: one pipeline stage, no
+ * ZeRO-3, no parameter split over a mesh dim.  Every rank gets the same
+ * answer (a split leaves each rank a piece; stages each a subset). */
+static int holds_all_whole(const struct mr_runtime *rt) {
+  const struct mr_graph *g = &rt->L->model.graph;
+  if (rt->L->lay.zero >= 3)
+    return 0;
+  int n = 0;
+  for (int t = 0; t < g->n_tensors; t++)
+    n += g->tensors[t].role == MR_ROLE_PARAM;
+  if (rt->p.n_params != n)
+    return 0;
+  for (int i = 0; i < rt->p.n_params; i++) {
+    const struct mr_param_plan *pp = &rt->p.params[i];
+    if (pp->replica_of >= 0 || pp->numel != mr_tensor_numel(&g->tensors[pp->tensor]))
+      return 0;
+  }
+  return 1;
+}
+
+/* The final file straight from this rank's parameters (holds_all_whole). */
+static int write_whole(struct mr_runtime *rt, const char *path) {
+  const struct mr_graph *g = &rt->L->model.graph;
+  int64_t total = 0;
+  for (int i = 0; i < rt->p.n_params; i++)
+    total += rt->p.params[i].numel;
+  float *host = malloc((size_t)(total + 1) * sizeof *host);
+  float **data = calloc((size_t)g->n_tensors, sizeof *data);
+  int rc = host != NULL && data != NULL ? 0 : MR_ENOMEM;
+  float *at = host;
+  for (int i = 0; i < rt->p.n_params && rc == 0; i++) {
+    const struct mr_param_plan *pp = &rt->p.params[i];
+    rc = rt->be->ops->copy(rt->be, NULL, at, rt->param + pp->store_offset,
+                           (size_t)pp->numel * 4, MR_COPY_DEVICE_TO_HOST);
+    data[pp->tensor] = at;
+    at += pp->numel;
+  }
+  if (rc == 0)
+    rc = mr_weights_write(g, &rt->job->model, data, path);
+  free(data);
+  free(host);
+  return rc;
+}
+
 int mr_runtime_save_weights(struct mr_runtime *rt, const char *path) {
+  /* every rank holds the whole model: rank 0 writes it, no parts to merge */
+  if (holds_all_whole(rt))
+    return rt->p.rank == 0 ? write_whole(rt, path) : 0;
   char part[4200];
   part_path(path, rt->p.rank, part, sizeof part);
   int rc = write_part(rt, part);

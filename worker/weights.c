@@ -80,7 +80,7 @@ int mr_weights_load(const struct mr_model *m, struct mr_exec *x,
 int mr_weights_write(const struct mr_graph *g, const struct mr_model_config *cfg,
                      float *const *data, const char *path) {
   struct mr_st_writer *w;
-  MR_TRY(mr_st_writer_new(path, 0, &w));
+  MR_TRY(mr_st_writer_new(path, MR_ST_WRITE_DIRECT, &w));
   int rc = 0;
   for (int i = 0; i < g->n_tensors && rc == 0; i++) {
     const struct mr_tensor *t = &g->tensors[i];
