@@ -64,7 +64,18 @@ struct mr_op {
                                // builder emitted it (recomputation: the op
                                // it repeats); -1 for forward ops
   int stage;                   // pipeline stage, 0 until partitioned
+  unsigned accum_out;          // bit j: the kernel adds output j into what
+                               // its buffer holds instead of overwriting it
+                               // (only outputs its definition's accum_outs
+                               // allow).  0 in graphs; the runtime sets it on
+                               // a copy for a parameter gradient written into
+                               // its accumulator after the first micro-batch
 };
+
+/* Whether op's kernel adds output j into its buffer (see accum_out). */
+static inline int mr_op_accum(const struct mr_op *op, int j) {
+  return (int)((op->accum_out >> j) & 1u);
+}
 
 struct mr_graph {
   struct mr_tensor *tensors;

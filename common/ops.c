@@ -567,26 +567,29 @@ static double bytes_io(const struct mr_graph *g, const struct mr_op *op) {
 
 /* kind and name as MR_OP_LIST spells them (a test holds the two together) */
 #define ROW(kind, name, lo, hi, nout, inf, gr, fl)                           \
-  [MR_OP_##kind] = {#name, lo, hi, nout, inf, gr, fl, bytes_io, NULL}
+  [MR_OP_##kind] = {#name, lo, hi, nout, inf, gr, fl, bytes_io, NULL, 0}
+/* an op whose kernels can add into the outputs in mask (accum_outs) */
+#define ROW_ACC(kind, name, lo, hi, nout, inf, gr, fl, mask)                 \
+  [MR_OP_##kind] = {#name, lo, hi, nout, inf, gr, fl, bytes_io, NULL, mask}
 
 static const struct mr_op_def defs[MR_OP_COUNT] = {
     ROW(EMBEDDING, embedding, 2, 2, 1, infer_embedding, grad_embedding,
         flops_elem),
-    ROW(EMBEDDING_BWD, embedding_bwd, 2, 2, 1, infer_embedding_bwd,
-        NULL, flops_elem),
-    ROW(MATMUL, matmul, 2, 3, 1, infer_matmul, grad_matmul,
-        flops_matmul),
-    ROW(BIAS_GRAD, bias_grad, 1, 1, 1, infer_bias_grad, NULL,
-        flops_elem),
+    ROW_ACC(EMBEDDING_BWD, embedding_bwd, 2, 2, 1, infer_embedding_bwd,
+            NULL, flops_elem, 1u),
+    ROW_ACC(MATMUL, matmul, 2, 3, 1, infer_matmul, grad_matmul,
+            flops_matmul, 1u),
+    ROW_ACC(BIAS_GRAD, bias_grad, 1, 1, 1, infer_bias_grad, NULL,
+            flops_elem, 1u),
     ROW(ADD, add, 2, 2, 1, infer_same, grad_add, flops_elem),
     ROW(RMSNORM, rmsnorm, 2, 2, 2, infer_norm, grad_rmsnorm,
         flops_elem),
-    ROW(RMSNORM_BWD, rmsnorm_bwd, 4, 4, 2, infer_norm_bwd, NULL,
-        flops_elem),
+    ROW_ACC(RMSNORM_BWD, rmsnorm_bwd, 4, 4, 2, infer_norm_bwd, NULL,
+            flops_elem, 2u), /* dw */
     ROW(LAYERNORM, layernorm, 3, 3, 3, infer_norm, grad_layernorm,
         flops_elem),
-    ROW(LAYERNORM_BWD, layernorm_bwd, 5, 5, 3, infer_norm_bwd, NULL,
-        flops_elem),
+    ROW_ACC(LAYERNORM_BWD, layernorm_bwd, 5, 5, 3, infer_norm_bwd, NULL,
+            flops_elem, 6u), /* dw, db */
     ROW(ROPE, rope, 1, 1, 1, infer_rope, grad_rope, flops_elem),
     ROW(SWIGLU, swiglu, 2, 2, 1, infer_same, grad_swiglu, flops_elem),
     ROW(SWIGLU_BWD, swiglu_bwd, 3, 3, 2, infer_elem_bwd, NULL,

@@ -140,6 +140,12 @@ struct mr_op_def {
   double (*flops)(const struct mr_graph *g, const struct mr_op *op);
   double (*bytes)(const struct mr_graph *g, const struct mr_op *op);
   void *spmd_rule;             // sharding propagation, filled by the planner
+  /* Bit j: every backend's kernel honours mr_op.accum_out for output j
+   * (adds into it).  Set for the ops producing parameter gradients, whose
+   * gradient then accumulates over micro-batches in the op itself (a
+   * weight-gradient GEMM with beta 1) rather than through a buffer added
+   * afterwards.  0 (plugins): always overwritten. */
+  unsigned accum_outs;
 };
 
 /* The definition of kind, or NULL when out of range. */

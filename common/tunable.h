@@ -48,6 +48,11 @@
      "after SIGTERM, time to write a checkpoint before stopping anyway, ms") \
   XX(GRAD_SYNC_OVERLAP, "MESHRUN_GRAD_SYNC_OVERLAP", "1",                   \
      "1: gradient all-reduces run behind the backward; 0: each waited at once") \
+  XX(GRAD_ACCUM_IN_OP, "MESHRUN_GRAD_ACCUM_IN_OP", "1",                     \
+     "1: over micro-batches a parameter's gradient adds up in the op "      \
+     "producing it (the GEMM with beta 1); 0: in a buffer of its own, "     \
+     "added after each micro-batch (to measure against; launcher and "      \
+     "workers must agree)")                                                  \
   XX(TEST_CKPT_DELAY_MS, "MESHRUN_TEST_CKPT_DELAY_MS", "0",                  \
      "test hook: pause a checkpoint write half way, ms")                     \
   XX(TEST_CKPT_BYTES_PER_S, "MESHRUN_TEST_CKPT_BYTES_PER_S", "0",            \

@@ -70,11 +70,16 @@ static size_t tbytes(const struct mr_graph *g, int id) {
   return (size_t)mr_tensor_bytes(&g->tensors[id]);
 }
 
+/* Set: the ops checked add into every output their definition allows
+ * (accum_out), starting from the same garbage on both sides. */
+static int adding;
+
 /* Runs op op_id of g on the CPU (amp as given) and on the GPU from the
  * host inputs in[], and compares every float output.  When cpu_out is not
  * NULL the CPU's outputs are left there (malloc'd) for a later op. */
 static void check_op(struct mr_graph *g, int op_id, void *const *in, int amp,
                      double tol, const char *what, void **cpu_out) {
+  g->ops[op_id].accum_out = adding ? mr_op_def(g->ops[op_id].kind)->accum_outs : 0;
   const struct mr_op *o = &g->ops[op_id];
   int nb = o->n_in + o->n_out;
   void *hb[MR_OP_MAX_IN + MR_OP_MAX_OUT] = {0};
@@ -342,6 +347,23 @@ START_TEST(test_gpu_norms_and_bias_grad) {
   norm_case(37, 67);
   norm_case(300, 1030);
   norm_case(700, 33);
+}
+END_TEST
+
+/* A parameter's gradient over several micro-batches: the op adds into its
+ * accumulator (the GEMM with beta 1, the column sums, the embedding's rows)
+ * as the CPU's does. */
+START_TEST(test_gpu_parameter_gradients_add_into_their_buffers) {
+  adding = 1;
+  for (size_t s = 0; s < MR_ARRAY_LEN(mm_shapes); s++)
+    for (int t = 0; t < 4; t++)
+      matmul_case(mm_shapes[s][0], mm_shapes[s][1], mm_shapes[s][2], t & 1, t >> 1, 0,
+                  t == 1);
+  embedding_case(37, 101, 67, 0, 0);
+  embedding_case(77, 20, 33, 20, 60);
+  norm_case(37, 67);
+  norm_case(300, 1030);
+  adding = 0;
 }
 END_TEST
 
@@ -648,6 +670,7 @@ static Suite *gpu_kernels_suite(void) {
   tcase_add_test(tc, test_gpu_embedding_and_its_gradient);
   tcase_add_test(tc, test_gpu_elementwise_ops);
   tcase_add_test(tc, test_gpu_norms_and_bias_grad);
+  tcase_add_test(tc, test_gpu_parameter_gradients_add_into_their_buffers);
   tcase_add_test(tc, test_gpu_rope_forward_and_inverse);
   tcase_add_test(tc, test_gpu_attention_fp32_gqa_odd_lengths);
   tcase_add_test(tc, test_gpu_attention_bf16_and_fp16);

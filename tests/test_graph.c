@@ -412,6 +412,155 @@ START_TEST(test_graph_box_gather_and_scatter) {
 END_TEST
 
 Suite *graph_suite(void);
+/* ---- parameter gradients added into their buffers (accum_out) ---- */
+
+static float *filled(int64_t n, double scale) {
+  float *x = malloc((size_t)(n > 0 ? n : 1) * sizeof *x);
+  ck_assert_ptr_nonnull(x);
+  gc_fill(x, n, scale);
+  return x;
+}
+
+/* Runs op id of g on the CPU from inputs in[] twice: once overwriting its
+ * outputs (R, from garbage), once with accum_out set to every output its
+ * definition allows, from outputs holding O.  An output the op adds into
+ * must hold O + R, within rounding (the GEMM with beta 1 adds C inside its
+ * own sums, the embedding's rows add token by token); the others R,
+ * bitwise. */
+static void check_adds(struct mr_graph *g, int id, void *const *in, const char *what) {
+  struct mr_op *o = &g->ops[id];
+  unsigned mask = mr_op_def(o->kind)->accum_outs;
+  ck_assert_msg(mask != 0, "%s: adds into none of its outputs", what);
+  void *b[MR_OP_MAX_IN + MR_OP_MAX_OUT] = {0};
+  float *r[MR_OP_MAX_OUT] = {0}, *old[MR_OP_MAX_OUT] = {0};
+  for (int i = 0; i < o->n_in; i++)
+    b[i] = in[i];
+  struct mr_cpu_ctx cpu;
+  ck_assert_int_eq(mr_cpu_ctx_init(&cpu, 2, MR_AMP_NONE), 0);
+  mr_cpu_kernels_register();
+  mr_kernel_fn k = mr_op_kernel(o->kind, MR_BACKEND_CPU);
+  ck_assert(k != NULL);
+  for (int j = 0; j < o->n_out; j++)
+    b[o->n_in + j] = r[j] = filled(mr_tensor_numel(&g->tensors[o->out[j]]), 5.0);
+  o->accum_out = 0;
+  ck_assert_msg(k(&cpu, g, o, b) == 0, "%s: %s", what, mr_error_message());
+  for (int j = 0; j < o->n_out; j++) {
+    int64_t n = mr_tensor_numel(&g->tensors[o->out[j]]);
+    old[j] = filled(n, 2.0);
+    b[o->n_in + j] = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    memcpy(b[o->n_in + j], old[j], (size_t)n * sizeof(float));
+  }
+  o->accum_out = mask;
+  ck_assert_msg(k(&cpu, g, o, b) == 0, "%s: %s", what, mr_error_message());
+  o->accum_out = 0;
+  for (int j = 0; j < o->n_out; j++) {
+    int64_t n = mr_tensor_numel(&g->tensors[o->out[j]]);
+    const float *got = b[o->n_in + j];
+    for (int64_t i = 0; i < n; i++) {
+      if (!((mask >> j) & 1u)) {
+        ck_assert_msg(got[i] == r[j][i], "%s: output %d [%lld] overwritten: %.9g, alone %.9g",
+                      what, j, (long long)i, (double)got[i], (double)r[j][i]);
+        continue;
+      }
+      double want = (double)old[j][i] + (double)r[j][i];
+      double tol = 1e-6 * (fabs(old[j][i]) + fabs(r[j][i]) + 1.0);
+      ck_assert_msg(fabs((double)got[i] - (double)(float)want) <= tol,
+                    "%s: output %d [%lld]: %.9g, expected %.9g + %.9g", what, j,
+                    (long long)i, (double)got[i], (double)old[j][i], (double)r[j][i]);
+    }
+    free(b[o->n_in + j]);
+    free(r[j]);
+    free(old[j]);
+  }
+  mr_cpu_ctx_close(&cpu);
+}
+
+/* Runs op id of g overwriting outs[] (the forward values a backward reads). */
+static void run_cpu(struct mr_graph *g, int id, void **bufs) {
+  struct mr_cpu_ctx cpu;
+  ck_assert_int_eq(mr_cpu_ctx_init(&cpu, 1, MR_AMP_NONE), 0);
+  mr_cpu_kernels_register();
+  ck_assert_int_eq(mr_op_kernel(g->ops[id].kind, MR_BACKEND_CPU)(&cpu, g, &g->ops[id], bufs), 0);
+  mr_cpu_ctx_close(&cpu);
+}
+
+START_TEST(test_graph_parameter_gradients_add_into_their_buffers) {
+  int covered[MR_OP_COUNT] = {0};
+  struct mr_graph g;
+  mr_graph_init(&g);
+  /* the weight gradient of y = x W^T (dW = dy^T x) and the other transposes */
+  for (int t = 0; t < 4; t++) {
+    int ta = t & 1, tb = t >> 1;
+    int64_t m = 37, n = 29, k = 400; /* K past one 384-deep block */
+    int a = ta ? param(&g, "a", k, m) : param(&g, "a", m, k);
+    int b = tb ? param(&g, "b", n, k) : param(&g, "b", k, n);
+    int in[2] = {a, b};
+    double at[MR_OP_MAX_ATTR] = {ta, tb};
+    op1(&g, MR_OP_MATMUL, in, 2, at);
+    void *h[2] = {filled(m * k, 1), filled(k * n, 1)};
+    check_adds(&g, g.n_ops - 1, h, "matmul");
+    free(h[0]);
+    free(h[1]);
+  }
+  covered[MR_OP_MATMUL] = 1;
+  /* the embedding's gradient, whole and a vocabulary shard (rows [8, 20)
+   * of 24), ids repeated */
+  int64_t nt = 50, c = 33;
+  int id = ids(&g, "ids", nt), dout = param(&g, "dout", nt, c);
+  int32_t idv[50];
+  for (int i = 0; i < 50; i++)
+    idv[i] = (i * 7) % 24;
+  void *h[2] = {idv, filled(nt * c, 1)};
+  int eb[2] = {id, dout};
+  double whole[MR_OP_MAX_ATTR] = {24}, shard[MR_OP_MAX_ATTR] = {12, 8, 24};
+  op1(&g, MR_OP_EMBEDDING_BWD, eb, 2, whole);
+  check_adds(&g, g.n_ops - 1, h, "embedding_bwd");
+  op1(&g, MR_OP_EMBEDDING_BWD, eb, 2, shard);
+  check_adds(&g, g.n_ops - 1, h, "embedding_bwd (a vocabulary shard)");
+  covered[MR_OP_EMBEDDING_BWD] = 1;
+  free(h[1]);
+  /* the bias's and the norms' weights: column sums */
+  int64_t rows = 70;
+  int dy = param(&g, "dy", rows, c), x = param(&g, "x", rows, c), w = param(&g, "w", c, 0);
+  int bias = param(&g, "bias", c, 0);
+  float *hdy = filled(rows * c, 1), *hx = filled(rows * c, 2), *hw = filled(c, 1);
+  float *hb = filled(c, 1), *y = filled(rows * c, 1);
+  float *rstd = filled(rows, 1), *mean = filled(rows, 1), *lrstd = filled(rows, 1);
+  void *bin[1] = {hdy};
+  op1(&g, MR_OP_BIAS_GRAD, &dy, 1, NULL);
+  check_adds(&g, g.n_ops - 1, bin, "bias_grad");
+  covered[MR_OP_BIAS_GRAD] = 1;
+  double eps[MR_OP_MAX_ATTR] = {1e-5};
+  int xw[2] = {x, w}, rms[MR_OP_MAX_OUT];
+  ck_assert_int_ge(mr_graph_op(&g, MR_OP_RMSNORM, "rms", xw, 2, eps, rms), 0);
+  void *rf[4] = {hx, hw, y, rstd};
+  run_cpu(&g, g.n_ops - 1, rf);
+  int rbi[4] = {dy, x, w, rms[1]};
+  op1(&g, MR_OP_RMSNORM_BWD, rbi, 4, eps);
+  void *rbin[4] = {hdy, hx, hw, rstd};
+  check_adds(&g, g.n_ops - 1, rbin, "rmsnorm_bwd");
+  covered[MR_OP_RMSNORM_BWD] = 1;
+  int xwb[3] = {x, w, bias}, ln[MR_OP_MAX_OUT];
+  ck_assert_int_ge(mr_graph_op(&g, MR_OP_LAYERNORM, "ln", xwb, 3, eps, ln), 0);
+  void *lf[6] = {hx, hw, hb, y, mean, lrstd};
+  run_cpu(&g, g.n_ops - 1, lf);
+  int lbi[5] = {dy, x, w, ln[1], ln[2]};
+  op1(&g, MR_OP_LAYERNORM_BWD, lbi, 5, eps);
+  void *lbin[5] = {hdy, hx, hw, mean, lrstd};
+  check_adds(&g, g.n_ops - 1, lbin, "layernorm_bwd");
+  covered[MR_OP_LAYERNORM_BWD] = 1;
+  float *all[] = {hdy, hx, hw, hb, y, rstd, mean, lrstd};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+    free(all[i]);
+  mr_graph_close(&g);
+  /* every op that says it adds into an output is checked here */
+  for (int kind = 0; kind < MR_OP_COUNT; kind++)
+    ck_assert_msg(mr_op_def(kind)->accum_outs == 0 || covered[kind],
+                  "op %s adds into outputs %#x: not checked here", mr_op_def(kind)->name,
+                  mr_op_def(kind)->accum_outs);
+}
+END_TEST
+
 Suite *graph_suite(void) {
   Suite *s = suite_create("graph");
   TCase *tc = tcase_create("ops");
@@ -434,6 +583,7 @@ Suite *graph_suite(void) {
   tcase_add_test(tc, test_graph_plan_reuses_dead_buffers);
   tcase_add_test(tc, test_graph_amp_f16_rounding_matches_dtype);
   tcase_add_test(tc, test_graph_box_gather_and_scatter);
+  tcase_add_test(tc, test_graph_parameter_gradients_add_into_their_buffers);
   suite_add_tcase(s, tc);
   return s;
 }

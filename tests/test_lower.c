@@ -15,6 +15,7 @@
 #include "common/dtype.h"
 #include "common/job.h"
 #include "common/ops.h"
+#include "common/tunable.h"
 #include "launcher/spmd/lower.h"
 
 static void job_for(struct mr_job *job, const char *strategy, int layers, int tie) {
@@ -429,6 +430,63 @@ START_TEST(test_lower_loss_made_whole_once_a_step) {
 }
 END_TEST
 
+/* Several micro-batches: a parameter's gradient is written straight into
+ * its accumulator by the op producing it (which adds into it after the
+ * first micro-batch) wherever ZeRO < 2 and the gradient needs no reshard of
+ * its own off the data dimension; under ZeRO-2 it is reduce-scattered per
+ * micro-batch from a buffer of its own, as before. */
+START_TEST(test_lower_gradients_accumulate_in_place) {
+  static const struct {
+    const char *s;
+    int world, in_place;
+  } cases[] = {
+      {"\"data_parallel\": {\"degree\": 2}, \"gradient_accumulation_steps\": 4", 2, 1},
+      {"\"data_parallel\": {\"degree\": 2}, \"sharding\": {\"stage\": 1}, "
+       "\"gradient_accumulation_steps\": 4", 2, 1},
+      {"\"data_parallel\": {\"degree\": 2}, \"pipeline_parallel\": {\"degree\": 2, "
+       "\"micro_batches\": 4}", 4, 1},
+      {"\"data_parallel\": {\"degree\": 2}, \"tensor_parallel\": {\"degree\": 2}, "
+       "\"gradient_accumulation_steps\": 2", 4, 1},
+      {"\"data_parallel\": {\"degree\": 2}, \"sharding\": {\"stage\": 2}, "
+       "\"gradient_accumulation_steps\": 4", 2, 0},
+      /* the same as the first, measured against: MESHRUN_GRAD_ACCUM_IN_OP=0 */
+      {"\"data_parallel\": {\"degree\": 2}, \"gradient_accumulation_steps\": 4", 2, 0},
+  };
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    if (k == sizeof cases / sizeof cases[0] - 1)
+      mr_tunable_override(MR_TUNABLE_GRAD_ACCUM_IN_OP, "0");
+    struct mr_job job;
+    job_for(&job, cases[k].s, 4, 0);
+    struct mr_lowered L;
+    ck_assert_msg(mr_lower_graph(&job, cases[k].world, &L) == 0, "%s", mr_error_message());
+    ck_assert_int_gt(L.lay.n_micro, 1);
+    for (int r = 0; r < cases[k].world; r++) {
+      struct mr_rank_program p;
+      ck_assert_msg(mr_rank_program_build(&L, r, &p) == 0, "%s", mr_error_message());
+      int in_place = 0;
+      for (int i = 0; i < p.n_params; i++) {
+        const struct mr_param_plan *pp = &p.params[i];
+        const struct mr_lbuf *gb = &p.buf[p.local.tensors[pp->tensor].grad];
+        int expect = cases[k].in_place && !pp->off_data && pp->replica_of < 0;
+        ck_assert_msg((gb->region == MR_REG_ACC) == expect,
+                      "%s rank %d: %s's gradient in region %d", cases[k].s, r,
+                      p.local.tensors[pp->tensor].name, gb->region);
+        if (expect)
+          ck_assert_int_eq(gb->offset, pp->acc_offset);
+        in_place += expect;
+      }
+      /* the weights (not only the odd bias or norm) are among them */
+      ck_assert_msg(!cases[k].in_place || in_place >= p.n_params / 2,
+                    "%s rank %d: %d of %d in place", cases[k].s, r, in_place, p.n_params);
+      mr_rank_program_close(&p);
+    }
+    mr_lowered_close(&L);
+    mr_job_close(&job);
+  }
+  mr_tunable_override(MR_TUNABLE_GRAD_ACCUM_IN_OP, "1");
+}
+END_TEST
+
 /* Tied embeddings across pipeline stages: the last stage holds a copy the
  * first stage's update refreshes (a check that passes); under ZeRO-3 they
  * are refused naming the parameter. */
@@ -604,6 +662,7 @@ static Suite *lower_suite(void) {
   tcase_add_test(tc, test_lower_fixed_layer_split);
   tcase_add_test(tc, test_lower_uneven_micro_batches);
   tcase_add_test(tc, test_lower_loss_made_whole_once_a_step);
+  tcase_add_test(tc, test_lower_gradients_accumulate_in_place);
   tcase_add_test(tc, test_lower_tied_embeddings_across_stages);
   tcase_add_test(tc, test_lower_check_names_the_first_mismatch);
   tcase_add_test(tc, test_lower_gpt2_attention_split_by_heads);

@@ -96,7 +96,7 @@ static int k_matmul(void *ctx, const struct mr_graph *g, const struct mr_op *op,
   float *out = b[op->n_in];
   MR_TRY(round_inputs(ctx, g, op->in, src, 2));
   MR_TRY(mr_cpu_gemm(POOL(ctx), ta, tb, m, n, k, 1.0f, src[0], COLS(g, ai),
-                     src[1], COLS(g, bi), 0.0f, out, n));
+                     src[1], COLS(g, bi), mr_op_accum(op, 0) ? 1.0f : 0.0f, out, n));
   if (op->n_in > 2 && op->in[2] >= 0)
     MR_TRY(mr_cpu_bias_add(POOL(ctx), out, b[2], m, n));
   return 0;
@@ -134,7 +134,8 @@ static int embedding_shard_bwd(const struct mr_graph *g, const struct mr_op *op,
   float *dw = b[2];
   int64_t n = ROWS(g, op->in[0]), c = COLS(g, op->in[1]), v = ROWS(g, op->out[0]);
   int64_t lo = (int64_t)op->attr[1], all = (int64_t)op->attr[2];
-  memset(dw, 0, (size_t)(v * c) * sizeof *dw);
+  if (!mr_op_accum(op, 0))
+    memset(dw, 0, (size_t)(v * c) * sizeof *dw);
   for (int64_t i = 0; i < n; i++) {
     if (ids[i] < 0 || ids[i] >= all)
       return mr_error_set(MR_ERANGE, "embedding_bwd: id %d out of range", ids[i]);
@@ -159,14 +160,16 @@ static int k_embedding_bwd(void *ctx, const struct mr_graph *g,
                            const struct mr_op *op, void *const *b) {
   if (op->attr[2] > 0)
     return embedding_shard_bwd(g, op, b);
-  memset(b[2], 0, (size_t)NEL(g, op->out[0]) * sizeof(float));
+  if (!mr_op_accum(op, 0))
+    memset(b[2], 0, (size_t)NEL(g, op->out[0]) * sizeof(float));
   return mr_cpu_embedding_bwd(POOL(ctx), b[2], b[1], b[0], ROWS(g, op->in[0]),
                               ROWS(g, op->out[0]), COLS(g, op->in[1]));
 }
 
 static int k_bias_grad(void *ctx, const struct mr_graph *g,
                        const struct mr_op *op, void *const *b) {
-  memset(b[1], 0, (size_t)NEL(g, op->out[0]) * sizeof(float));
+  if (!mr_op_accum(op, 0))
+    memset(b[1], 0, (size_t)NEL(g, op->out[0]) * sizeof(float));
   return mr_cpu_bias_grad(POOL(ctx), b[1], b[0], ROWS(g, op->in[0]),
                           COLS(g, op->in[0]));
 }
@@ -184,7 +187,8 @@ static int k_rmsnorm(void *ctx, const struct mr_graph *g, const struct mr_op *op
 
 static int k_rmsnorm_bwd(void *ctx, const struct mr_graph *g,
                          const struct mr_op *op, void *const *b) {
-  memset(b[5], 0, (size_t)NEL(g, op->out[1]) * sizeof(float));
+  if (!mr_op_accum(op, 1))
+    memset(b[5], 0, (size_t)NEL(g, op->out[1]) * sizeof(float));
   return mr_cpu_rmsnorm_bwd(POOL(ctx), b[4], b[5], b[0], b[1], b[2], b[3],
                             ROWS(g, op->in[1]), COLS(g, op->in[1]), false);
 }
@@ -199,8 +203,10 @@ static int k_layernorm(void *ctx, const struct mr_graph *g,
 static int k_layernorm_bwd(void *ctx, const struct mr_graph *g,
                            const struct mr_op *op, void *const *b) {
   size_t c = (size_t)COLS(g, op->in[1]);
-  memset(b[6], 0, c * sizeof(float));
-  memset(b[7], 0, c * sizeof(float));
+  if (!mr_op_accum(op, 1))
+    memset(b[6], 0, c * sizeof(float));
+  if (!mr_op_accum(op, 2))
+    memset(b[7], 0, c * sizeof(float));
   return mr_cpu_layernorm_bwd(POOL(ctx), b[5], b[6], b[7], b[0], b[1], b[2],
                               b[3], b[4], ROWS(g, op->in[1]), (int)c, false);
 }

@@ -89,6 +89,20 @@ int mr__rt_kernel(struct mr_runtime *rt, const struct mr_ins *in, const struct m
     bufs[n++] = op->in[j] >= 0 ? mr__rt_buf(rt, op->in[j], ps, in->slot) : NULL;
   for (int j = 0; j < op->n_out; j++)
     bufs[n++] = mr__rt_buf(rt, op->out[j], ps, in->slot);
+  /* a parameter gradient written into its accumulator: the first
+   * micro-batch overwrites it, the later ones add into it */
+  struct mr_op adding;
+  if (in->micro > 0) {
+    unsigned bits = 0;
+    for (int j = 0; j < op->n_out; j++)
+      if (rt->p.buf[op->out[j]].region == MR_REG_ACC)
+        bits |= 1u << j;
+    if (bits != 0) {
+      adding = *op;
+      adding.accum_out = bits;
+      op = &adding;
+    }
+  }
   mr_kernel_fn fn = mr_op_kernel(op->kind, rt->be->ops->registry);
   if (fn == NULL)
     return mr_error_set(MR_ENOTSUP, "op %s has no %s kernel", mr_op_def(op->kind)->name,
@@ -185,6 +199,8 @@ int mr__rt_grad(struct mr_runtime *rt, const struct mr_ins *in, const struct mr_
   if (gr != acc) /* unless the op wrote the accumulator itself */
     MR_TRY(be->ops->axpby(be, acc, gr, in->micro == 0 ? 0.0f : scale, scale,
                           (size_t)pp->numel));
+  else if (last && lay->n_micro > 1) /* it added every micro-batch's: the mean */
+    MR_TRY(be->ops->axpby(be, acc, acc, 0.0f, scale, (size_t)pp->numel));
   if (!last || plan == NULL || rt->data_g == NULL)
     return 0;
   /* the data-parallel sum, left in flight (or waited at once, to measure

@@ -7,6 +7,7 @@
 #include "common/error.h"
 #include "common/fit.h"
 #include "common/ops.h"
+#include "common/tunable.h"
 #include "launcher/spmd/lower_internal.h"
 
 #define ALIGN 64
@@ -55,6 +56,15 @@ static void ins_access(const struct build *b, const struct mr_ins *in, int *rd, 
   }
 }
 
+/* Whether op `op` can add into its output t (mr_op_def.accum_outs). */
+static int accumulates_into(const struct mr_graph *g, int op, int t) {
+  const struct mr_op *o = &g->ops[op];
+  for (int j = 0; j < o->n_out; j++)
+    if (o->out[j] == t)
+      return (int)((mr_op_def(o->kind)->accum_outs >> j) & 1u);
+  return 0;
+}
+
 int mr__lower_plan_buffers(struct build *b) {
   struct mr_rank_program *p = b->p;
   const struct mr_lowered *L = b->L;
@@ -81,6 +91,7 @@ int mr__lower_plan_buffers(struct build *b) {
   }
   /* parameters: persistent (under ZeRO-3 only their block) */
   int64_t param = 0;
+  int in_op = mr_tunable_int(MR_TUNABLE_GRAD_ACCUM_IN_OP) != 0;
   for (int i = 0; i < p->n_params; i++) {
     const struct mr_param_plan *pp = &p->params[i];
     struct mr_lbuf *bf = &p->buf[pp->tensor];
@@ -103,9 +114,15 @@ int mr__lower_plan_buffers(struct build *b) {
     struct mr_lbuf *gb = &p->buf[g->tensors[pp->tensor].grad];
     if (lay->zero >= 2 && padded > gb->bytes)
       gb->bytes = padded;
-    /* one micro-batch: the op producing the gradient writes the accumulator
-     * itself, where its synchronisation then runs */
-    if (lay->n_micro == 1 && lay->zero < 2 && !pp->off_data && pp->replica_of < 0) {
+    /* the op producing the gradient writes the accumulator itself, where
+     * its synchronisation then runs: with one micro-batch, or with several
+     * where the op can add into it (the weight-gradient GEMM with beta 1,
+     * the norms' and the embedding's column sums): no buffer per
+     * micro-batch and no pass adding it to the accumulator */
+    int producer = g->tensors[g->tensors[pp->tensor].grad].producer;
+    int adds = in_op && producer >= 0 &&
+               accumulates_into(g, producer, g->tensors[pp->tensor].grad);
+    if ((lay->n_micro == 1 || adds) && lay->zero < 2 && !pp->off_data && pp->replica_of < 0) {
       gb->region = MR_REG_ACC;
       gb->offset = pp->acc_offset;
     }

@@ -160,6 +160,12 @@ AVX512 static void kernel_6x64(int kc, const float *a0, const float *a1,
   ACC_ROW(3);
   ACC_ROW(4);
   ACC_ROW(5);
+  /* C is read at the end (a later K block, or beta: a gradient added into
+   * its accumulator): fetched while the products run */
+  if (!first || beta != 0.0f)
+    for (int r = 0; r < mr; r++)
+      for (int q = 0; q < 4; q++)
+        _mm_prefetch((const char *)(c + (size_t)r * (size_t)ldc + 16 * q), _MM_HINT_T0);
   ptrdiff_t ka = 0;
   for (int k = 0; k < kc; k++, ka += as, b += NR) {
     __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16),

@@ -199,12 +199,12 @@ static struct lt_plan *plan_get(struct mr__cuda_lt *lt, int ta, int tb, int64_t 
 
 int mr__cuda_matmul(struct mr__cuda_ctx *c, int ta, int tb, int64_t M, int64_t N,
                     int64_t K, const void *A, int64_t lda, const void *B,
-                    int64_t ldb, float *C, int64_t ldc, int dtype) {
+                    int64_t ldb, float *C, int64_t ldc, int dtype, int accum) {
   cudaStream_t s = c->cur->s;
   if (M <= 0 || N <= 0)
     return 0;
   if (K <= 0) {
-    for (int64_t r = 0; r < M; r++)
+    for (int64_t r = 0; r < M && !accum; r++)
       MR_CUDA_TRY(cudaMemsetAsync(C + r * ldc, 0, (size_t)N * sizeof(float), s));
     return 0;
   }
@@ -217,8 +217,8 @@ int mr__cuda_matmul(struct mr__cuda_ctx *c, int ta, int tb, int64_t M, int64_t N
   if (p == NULL)
     return rc;
   if (p->have_algo) {
-    const float one = 1.0f, zero = 0.0f;
-    cublasStatus_t st = cublasLtMatmul(lt->h, p->desc, &one, B, p->la, A, p->lb, &zero,
+    const float one = 1.0f, beta = accum ? 1.0f : 0.0f;
+    cublasStatus_t st = cublasLtMatmul(lt->h, p->desc, &one, B, p->la, A, p->lb, &beta,
                                        C, p->lc, C, p->lc, &p->algo, lt->ws,
                                        lt->ws_bytes, s);
     if (st == CUBLAS_STATUS_SUCCESS)
@@ -231,6 +231,6 @@ int mr__cuda_matmul(struct mr__cuda_ctx *c, int ta, int tb, int64_t M, int64_t N
     }
     p->have_algo = 0;
   }
-  MR_CUDA_TRY(mr__k_gemm_fallback(s, ta, tb, M, N, K, A, lda, B, ldb, C, ldc, dtype));
+  MR_CUDA_TRY(mr__k_gemm_fallback(s, ta, tb, M, N, K, A, lda, B, ldb, C, ldc, dtype, accum));
   return 0;
 }

@@ -114,13 +114,13 @@ void mr__cuda_lt_free(struct mr__cuda_ctx *c, struct mr__cuda_lt *lt);
 
 /* Row-major C[M,N] = op(A) op(B) with op(X) = X or X^T (ta, tb); A, B of
  * dtype (0 f32, 1 bf16, 2 f16) with leading dimensions lda, ldb; C f32 with
- * ldc, overwritten.  fp32 operands compute in true fp32 (no TF32); 16-bit
+ * ldc, overwritten (accum: added to, beta 1).  fp32 operands compute in true fp32 (no TF32); 16-bit
  * operands accumulate in fp32.  Falls back to the module's own GEMM where
  * cuBLASLt offers no algorithm. */
 int mr__cuda_matmul(struct mr__cuda_ctx *c, int ta, int tb, int64_t M,
                     int64_t N, int64_t K, const void *A, int64_t lda,
                     const void *B, int64_t ldb, float *C, int64_t ldc,
-                    int dtype);
+                    int dtype, int accum);
 
 /* ---- the op registry's kernels (cuda_ops.c) ---- */
 

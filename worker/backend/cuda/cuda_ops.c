@@ -50,7 +50,7 @@ static int k_matmul(void *ctx, const struct mr_graph *g, const struct mr_op *op,
     dtype = c->amp;
   }
   MR_TRY(mr__cuda_matmul(c, ta, tb, m, n, k, A, COLS(g, ai), B, COLS(g, bi), out, n,
-                         dtype));
+                         dtype, mr_op_accum(op, 0)));
   if (op->n_in > 2 && op->in[2] >= 0)
     LAUNCH("matmul (bias)", mr__k_bias_add(STREAM(c), out, b[2], m, n));
   return 0;
@@ -82,7 +82,7 @@ static int k_embedding_bwd(void *ctx, const struct mr_graph *g,
     all = (int64_t)op->attr[2];
   }
   LAUNCH("embedding_bwd", mr__k_embedding_bwd(STREAM(c), b[2], b[1], b[0], n, v, cols,
-                                              lo, all, c->status));
+                                              lo, all, mr_op_accum(op, 0), c->status));
   return 0;
 }
 
@@ -100,7 +100,7 @@ static int k_bias_grad(void *ctx, const struct mr_graph *g, const struct mr_op *
   int64_t m = ROWS(g, op->in[0]), n = COLS(g, op->in[0]);
   float *part = NULL;
   MR_TRY(colred_scratch(c, m, n, 1, &part));
-  LAUNCH("bias_grad", mr__k_bias_grad(STREAM(c), b[1], b[0], m, n, part));
+  LAUNCH("bias_grad", mr__k_bias_grad(STREAM(c), b[1], b[0], m, n, mr_op_accum(op, 0), part));
   return 0;
 }
 
@@ -132,7 +132,7 @@ static int k_rmsnorm_bwd(void *ctx, const struct mr_graph *g, const struct mr_op
   LAUNCH("rmsnorm_bwd", mr__k_rmsnorm_bwd_dx(STREAM(c), b[4], b[0], b[1], b[2], b[3],
                                              n, cols));
   LAUNCH("rmsnorm_bwd (dw)", mr__k_norm_dwdb(STREAM(c), b[5], NULL, b[0], b[1], NULL,
-                                             b[3], n, cols, part));
+                                             b[3], n, cols, mr_op_accum(op, 1), part));
   return 0;
 }
 
@@ -155,8 +155,9 @@ static int k_layernorm_bwd(void *ctx, const struct mr_graph *g,
   MR_TRY(colred_scratch(c, n, cols, 2, &part));
   LAUNCH("layernorm_bwd", mr__k_layernorm_bwd_dx(STREAM(c), b[5], b[0], b[1], b[2],
                                                  b[3], b[4], n, cols));
-  LAUNCH("layernorm_bwd (dw, db)", mr__k_norm_dwdb(STREAM(c), b[6], b[7], b[0], b[1],
-                                                   b[3], b[4], n, cols, part));
+  LAUNCH("layernorm_bwd (dw, db)",
+         mr__k_norm_dwdb(STREAM(c), b[6], b[7], b[0], b[1], b[3], b[4], n, cols,
+                         mr_op_accum(op, 1) | mr_op_accum(op, 2) << 1, part));
   return 0;
 }
 

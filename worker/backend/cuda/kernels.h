@@ -43,10 +43,11 @@ cudaError_t mr__k_embedding_fwd(cudaStream_t s, float *out, const float *table,
                                 const int32_t *ids, int64_t N, int64_t V,
                                 int64_t C, int64_t lo, int64_t all,
                                 struct mr__cuda_status *st);
-/* dtable[V, C] = sum over tokens (in token order) of dout rows; overwrites. */
+/* dtable[V, C] = sum over tokens (in token order) of dout rows; overwrites,
+ * or with accum adds to what dtable holds. */
 cudaError_t mr__k_embedding_bwd(cudaStream_t s, float *dtable, const float *dout,
                                 const int32_t *ids, int64_t N, int64_t V,
-                                int64_t C, int64_t lo, int64_t all,
+                                int64_t C, int64_t lo, int64_t all, int accum,
                                 struct mr__cuda_status *st);
 
 cudaError_t mr__k_add(cudaStream_t s, float *out, const float *a, const float *b,
@@ -54,14 +55,16 @@ cudaError_t mr__k_add(cudaStream_t s, float *out, const float *a, const float *b
 /* y[M, N] += b[N] on every row. */
 cudaError_t mr__k_bias_add(cudaStream_t s, float *y, const float *b, int64_t M,
                            int64_t N);
-/* db[N] = column sums of dy[M, N]; part: scratch (see MR__COLRED_ROWS). */
+/* db[N] = column sums of dy[M, N] (accum: +=); part: scratch (see
+ * MR__COLRED_ROWS). */
 cudaError_t mr__k_bias_grad(cudaStream_t s, float *db, const float *dy,
-                            int64_t M, int64_t N, float *part);
+                            int64_t M, int64_t N, int accum, float *part);
 /* dw[C] = sum_r dy (x - mean) rstd (mean NULL: 0); db[C] = sum_r dy when
- * db is not NULL; part: scratch for two outputs. */
+ * db is not NULL; accum bit 0: dw +=, bit 1: db +=; part: scratch for two
+ * outputs. */
 cudaError_t mr__k_norm_dwdb(cudaStream_t s, float *dw, float *db, const float *dy,
                             const float *x, const float *mean, const float *rstd,
-                            int64_t N, int64_t C, float *part);
+                            int64_t N, int64_t C, int accum, float *part);
 
 cudaError_t mr__k_rmsnorm_fwd(cudaStream_t s, float *y, float *rstd, const float *x,
                               const float *w, int64_t N, int64_t C, float eps);
@@ -174,11 +177,12 @@ cudaError_t mr__k_adamw(cudaStream_t s, float *p, const float *g, float *m,
                         float step_size, float bc2_sqrt, float eps, float gs);
 
 /* The GEMM used where cuBLASLt offers no algorithm: row-major C[M,N] =
- * op(A) op(B), A and B of dtype (0 f32, 1 bf16, 2 fp16), fp32 math. */
+ * op(A) op(B) (accum: C +=), A and B of dtype (0 f32, 1 bf16, 2 fp16), fp32
+ * math. */
 cudaError_t mr__k_gemm_fallback(cudaStream_t s, int ta, int tb, int64_t M,
                                 int64_t N, int64_t K, const void *A, int64_t lda,
                                 const void *B, int64_t ldb, float *C, int64_t ldc,
-                                int dtype);
+                                int dtype, int accum);
 
 /* x[i] /= divisor for int32 (dtype 3) or int64 (dtype 4), truncating: the
  * NCCL backend's integer average. */

@@ -93,9 +93,10 @@ extern "C" cudaError_t mr__k_embedding_fwd(cudaStream_t s, float *out,
 extern "C" cudaError_t mr__k_embedding_bwd(cudaStream_t s, float *dtable,
                                            const float *dout, const int32_t *ids,
                                            int64_t N, int64_t V, int64_t C,
-                                           int64_t lo, int64_t all,
+                                           int64_t lo, int64_t all, int accum,
                                            struct mr__cuda_status *st) {
-  cudaError_t e = cudaMemsetAsync(dtable, 0, (size_t)(V * C) * sizeof(float), s);
+  cudaError_t e =
+      accum ? cudaSuccess : cudaMemsetAsync(dtable, 0, (size_t)(V * C) * sizeof(float), s);
   if (e != cudaSuccess || N == 0 || C == 0)
     return e;
   unsigned blocks = (unsigned)((C + 127) / 128);
@@ -262,18 +263,20 @@ __global__ void colred_part_k(float *part_w, float *part_b, const float *dy,
   }
 }
 
-__global__ void colred_final_k(float *out, const float *part, int64_t R, int64_t C) {
+__global__ void colred_final_k(float *out, const float *part, int64_t R, int64_t C,
+                               int accum) {
   MR_GRID_STRIDE(c, C) {
     float s = 0.0f;
     for (int64_t r = 0; r < R; r++)
       s += part[r * C + c];
-    out[c] = s;
+    out[c] = accum ? out[c] + s : s;
   }
 }
 
 static cudaError_t colred(cudaStream_t s, int mode, float *dw, float *db,
                           const float *dy, const float *x, const float *mean,
-                          const float *rstd, int64_t N, int64_t C, float *part) {
+                          const float *rstd, int64_t N, int64_t C, int accum,
+                          float *part) {
   if (C <= 0)
     return cudaGetLastError();
   int64_t R = (N + MR__COLRED_ROWS - 1) / MR__COLRED_ROWS;
@@ -287,22 +290,22 @@ static cudaError_t colred(cudaStream_t s, int mode, float *dw, float *db,
     else
       colred_part_k<1><<<grid, block, 0, s>>>(pw, pb, dy, x, mean, rstd, N, C);
   }
-  colred_final_k<<<mr_blocks(C), MR_THREADS, 0, s>>>(dw, pw, R, C);
+  colred_final_k<<<mr_blocks(C), MR_THREADS, 0, s>>>(dw, pw, R, C, accum & 1);
   if (db != nullptr)
-    colred_final_k<<<mr_blocks(C), MR_THREADS, 0, s>>>(db, pb, R, C);
+    colred_final_k<<<mr_blocks(C), MR_THREADS, 0, s>>>(db, pb, R, C, (accum >> 1) & 1);
   return cudaGetLastError();
 }
 
 extern "C" cudaError_t mr__k_bias_grad(cudaStream_t s, float *db, const float *dy,
-                                       int64_t M, int64_t N, float *part) {
-  return colred(s, 0, db, nullptr, dy, nullptr, nullptr, nullptr, M, N, part);
+                                       int64_t M, int64_t N, int accum, float *part) {
+  return colred(s, 0, db, nullptr, dy, nullptr, nullptr, nullptr, M, N, accum, part);
 }
 
 extern "C" cudaError_t mr__k_norm_dwdb(cudaStream_t s, float *dw, float *db,
                                        const float *dy, const float *x,
                                        const float *mean, const float *rstd,
-                                       int64_t N, int64_t C, float *part) {
-  return colred(s, 1, dw, db, dy, x, mean, rstd, N, C, part);
+                                       int64_t N, int64_t C, int accum, float *part) {
+  return colred(s, 1, dw, db, dy, x, mean, rstd, N, C, accum, part);
 }
 
 /* ---- RMSNorm and LayerNorm: one block per row ---- */

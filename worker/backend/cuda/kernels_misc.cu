@@ -233,7 +233,8 @@ __device__ __forceinline__ float mr_load_f<__half>(const __half *p, int64_t i) {
 
 template <typename T>
 __global__ void gemm_k(int ta, int tb, int64_t M, int64_t N, int64_t K, const T *A,
-                       int64_t lda, const T *B, int64_t ldb, float *C, int64_t ldc) {
+                       int64_t lda, const T *B, int64_t ldb, float *C, int64_t ldc,
+                       int accum) {
   __shared__ float As[32][33], Bs[32][33];
   int tx = threadIdx.x & 31, ty = threadIdx.x >> 5; /* ty 0..7 */
   int64_t m0 = (int64_t)blockIdx.y * 32, n0 = (int64_t)blockIdx.x * 32;
@@ -265,7 +266,7 @@ __global__ void gemm_k(int ta, int tb, int64_t M, int64_t N, int64_t K, const T 
   for (int j = 0; j < 4; j++) {
     int64_t m = m0 + ty + 8 * j, n = n0 + tx;
     if (m < M && n < N)
-      C[m * ldc + n] = acc[j];
+      C[m * ldc + n] = accum ? C[m * ldc + n] + acc[j] : acc[j];
   }
 }
 
@@ -273,7 +274,7 @@ extern "C" cudaError_t mr__k_gemm_fallback(cudaStream_t s, int ta, int tb,
                                            int64_t M, int64_t N, int64_t K,
                                            const void *A, int64_t lda,
                                            const void *B, int64_t ldb, float *C,
-                                           int64_t ldc, int dtype) {
+                                           int64_t ldc, int dtype, int accum) {
   if (M <= 0 || N <= 0)
     return cudaGetLastError();
   if ((M + 31) / 32 > 65535)
@@ -282,12 +283,13 @@ extern "C" cudaError_t mr__k_gemm_fallback(cudaStream_t s, int ta, int tb,
   if (dtype == 1)
     gemm_k<__nv_bfloat16><<<grid, 256, 0, s>>>(ta, tb, M, N, K,
                                               (const __nv_bfloat16 *)A, lda,
-                                              (const __nv_bfloat16 *)B, ldb, C, ldc);
+                                              (const __nv_bfloat16 *)B, ldb, C, ldc,
+                                              accum);
   else if (dtype == 2)
     gemm_k<__half><<<grid, 256, 0, s>>>(ta, tb, M, N, K, (const __half *)A, lda,
-                                       (const __half *)B, ldb, C, ldc);
+                                       (const __half *)B, ldb, C, ldc, accum);
   else
     gemm_k<float><<<grid, 256, 0, s>>>(ta, tb, M, N, K, (const float *)A, lda,
-                                      (const float *)B, ldb, C, ldc);
+                                      (const float *)B, ldb, C, ldc, accum);
   return cudaGetLastError();
 }

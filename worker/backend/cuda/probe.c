@@ -66,7 +66,7 @@ struct mm_arg {
 static int do_matmul(void *arg, cudaStream_t s) {
   struct mm_arg *m = arg;
   return mr__cuda_matmul(m->ctx, 0, 0, m->m, m->n, m->k, m->a, m->k, m->b, m->n, m->c,
-                         m->n, m->dtype);
+                         m->n, m->dtype, 0);
 }
 
 int mr__cuda_matmul_rate(int device, int m, int n, int k, int dtype, int iters,
