@@ -116,6 +116,21 @@ static void *fill_main(void *arg) {
   return NULL;
 }
 
+/* Runs up to `threads` copies of fn over jobs[0..threads), the caller one
+ * of them; threads that fail to start are run here. */
+static void run_threads(int threads, void *(*fn)(void *), void *jobs, size_t job_size) {
+  pthread_t tid[64];
+  int started = 1;
+  for (int i = 1; i < threads; i++, started++)
+    if (pthread_create(&tid[i], NULL, fn, (char *)jobs + (size_t)i * job_size) != 0)
+      break;
+  fn(jobs);
+  for (int i = 1; i < started; i++)
+    pthread_join(tid[i], NULL);
+  for (int i = started; i < threads; i++)
+    fn((char *)jobs + (size_t)i * job_size);
+}
+
 void mr_rng_normal_fill_threads(int threads, uint64_t seed, uint64_t stream, uint64_t first,
                                 int64_t n, float mean, float std, float *out) {
   int64_t chunks = (n + FILL_CHUNK - 1) / FILL_CHUNK;
@@ -126,17 +141,73 @@ void mr_rng_normal_fill_threads(int threads, uint64_t seed, uint64_t stream, uin
   if (threads < 1)
     threads = 1;
   struct fill_job jobs[64];
-  pthread_t tid[64];
-  int started = 1;
   for (int i = 0; i < threads; i++)
     jobs[i] = (struct fill_job){seed, stream, first, n, mean, std, out, threads, i};
-  /* threads that fail to start leave their chunks to this one */
-  for (int i = 1; i < threads; i++, started++)
-    if (pthread_create(&tid[i], NULL, fill_main, &jobs[i]) != 0)
-      break;
-  fill_main(&jobs[0]);
-  for (int i = 1; i < started; i++)
-    pthread_join(tid[i], NULL);
-  for (int i = started; i < threads; i++)
-    fill_main(&jobs[i]);
+  run_threads(threads, fill_main, jobs, sizeof jobs[0]);
+}
+
+struct box_job {
+  uint64_t seed, stream;
+  int ndim;
+  const int64_t *shape, *off, *len;
+  float mean, std;
+  float *out;
+  int64_t r0, r1; /* its runs (rows of the last dimension) */
+};
+
+/* Runs [r0, r1): run r starts at box element r * len[last], and in the
+ * whole tensor at the index its coordinates give. */
+static void *box_main(void *arg) {
+  const struct box_job *j = arg;
+  int last = j->ndim - 1;
+  for (int64_t r = j->r0; r < j->r1; r++) {
+    uint64_t at = (uint64_t)j->off[last], stride = (uint64_t)j->shape[last];
+    for (int64_t d = last - 1, q = r; d >= 0; d--) {
+      at += (uint64_t)(j->off[d] + q % j->len[d]) * stride;
+      q /= j->len[d];
+      stride *= (uint64_t)j->shape[d];
+    }
+    mr_rng_normal_fill(j->seed, j->stream, at, (size_t)j->len[last], j->mean, j->std,
+                       j->out + r * j->len[last]);
+  }
+  return NULL;
+}
+
+void mr_rng_normal_fill_box(int threads, uint64_t seed, uint64_t stream, int ndim,
+                            const int64_t *shape, const int64_t *off, const int64_t *len,
+                            float mean, float std, float *out) {
+  if (ndim <= 0) { /* a scalar */
+    mr_rng_normal_fill(seed, stream, 0, 1, mean, std, out);
+    return;
+  }
+  int64_t n = 1, runs = 1, row = 1;
+  int whole_rows = 1;
+  for (int d = 0; d < ndim; d++) {
+    if (len[d] <= 0)
+      return;
+    n *= len[d];
+    if (d < ndim - 1)
+      runs *= len[d];
+    if (d > 0) {
+      row *= shape[d];
+      whole_rows = whole_rows && off[d] == 0 && len[d] == shape[d];
+    }
+  }
+  if (whole_rows) {
+    mr_rng_normal_fill_threads(threads, seed, stream, (uint64_t)(off[0] * row), n, mean, std,
+                               out);
+    return;
+  }
+  /* at least a chunk of elements a thread */
+  int64_t most = (n + FILL_CHUNK - 1) / FILL_CHUNK;
+  if (threads > most)
+    threads = (int)most;
+  if (threads > runs)
+    threads = (int)runs;
+  threads = threads > 64 ? 64 : threads < 1 ? 1 : threads;
+  struct box_job jobs[64];
+  for (int i = 0; i < threads; i++)
+    jobs[i] = (struct box_job){seed, stream, ndim, shape, off, len, mean, std, out,
+                               runs * i / threads, runs * (i + 1) / threads};
+  run_threads(threads, box_main, jobs, sizeof jobs[0]);
 }

@@ -62,4 +62,14 @@ void mr_rng_normal_fill(uint64_t seed, uint64_t stream, uint64_t first,
 void mr_rng_normal_fill_threads(int threads, uint64_t seed, uint64_t stream, uint64_t first,
                                 int64_t n, float mean, float std, float *out);
 
+/* The same for a box of a row-major tensor of `shape` (ndim >= 1): the
+ * elements off[d] <= i[d] < off[d] + len[d], written to out in the box's
+ * own row-major order, each the value mr_rng_normal_fill gives at its index
+ * in the whole tensor.  A box of whole rows is one run drawn as above; any
+ * other (a shard of columns) is dealt to the threads by runs of its last
+ * dimension. */
+void mr_rng_normal_fill_box(int threads, uint64_t seed, uint64_t stream, int ndim,
+                            const int64_t *shape, const int64_t *off, const int64_t *len,
+                            float mean, float std, float *out);
+
 #endif

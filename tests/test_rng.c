@@ -163,6 +163,41 @@ START_TEST(test_rng_normal_fill_threads_draws_the_serial_values) {
 }
 END_TEST
 
+/* A shard of columns (tensor parallelism's column split) and a box of a
+ * 3-D tensor: element by element the seeded normal of the index in the
+ * whole tensor, the columns dealt to three threads. */
+static void check_box(int ndim, const int64_t *shape, const int64_t *off, const int64_t *len) {
+  uint64_t stream = mr_hash_str("model.layers.0.self_attn.q_proj.weight");
+  int64_t n = 1;
+  for (int d = 0; d < ndim; d++)
+    n *= len[d];
+  float *w = malloc((size_t)n * sizeof *w);
+  ck_assert_ptr_nonnull(w);
+  mr_rng_normal_fill_box(3, 11, stream, ndim, shape, off, len, 0.0f, 0.02f, w);
+  int64_t idx[3] = {0, 0, 0};
+  for (int64_t k = 0; k < n; k++) {
+    uint64_t at = 0;
+    for (int d = 0; d < ndim; d++)
+      at = at * (uint64_t)shape[d] + (uint64_t)(off[d] + idx[d]);
+    float want = (float)((double)0.02f * mr_rng_normal(11, stream, at));
+    ck_assert_msg(w[k] == want, "box element %lld (index %llu): %.9g, the whole draws %.9g",
+                  (long long)k, (unsigned long long)at, (double)w[k], (double)want);
+    for (int d = ndim - 1; d >= 0 && ++idx[d] == len[d]; d--)
+      idx[d] = 0;
+  }
+  free(w);
+}
+
+START_TEST(test_rng_normal_fill_box_draws_the_whole_tensors_values) {
+  int64_t shape2[2] = {2048, 4096}, off2[2] = {0, 1001}, len2[2] = {2048, 1536};
+  check_box(2, shape2, off2, len2);
+  int64_t rows_off[2] = {7, 0}, rows_len[2] = {3, 4096}; /* whole rows: one run */
+  check_box(2, shape2, rows_off, rows_len);
+  int64_t shape3[3] = {5, 6, 7}, off3[3] = {1, 2, 3}, len3[3] = {3, 4, 2};
+  check_box(3, shape3, off3, len3);
+}
+END_TEST
+
 START_TEST(test_rng_streams_and_seeds_differ) {
   uint64_t a = mr_hash_str("a.weight"), b = mr_hash_str("b.weight");
   int same_stream = 0, same_seed = 0;
@@ -186,6 +221,7 @@ static Suite *rng_suite(void) {
   tcase_add_test(tc, test_rng_normal_statistics);
   tcase_add_test(tc, test_rng_normal_range_independent);
   tcase_add_test(tc, test_rng_normal_fill_threads_draws_the_serial_values);
+  tcase_add_test(tc, test_rng_normal_fill_box_draws_the_whole_tensors_values);
   tcase_add_test(tc, test_rng_streams_and_seeds_differ);
   suite_add_tcase(s, tc);
   return s;

@@ -18,25 +18,6 @@
 
 /* ---- initialization ---- */
 
-struct init_run {
-  const struct mr_runtime *rt;
-  const struct mr_tensor *t;
-  float *dst;
-  int threads;
-};
-
-static void init_run(void *ctx, int64_t at, int64_t in_box, int64_t n) {
-  const struct init_run *x = ctx;
-  const struct mr_tensor *t = x->t;
-  if (t->init == MR_INIT_NORMAL)
-    mr_rng_normal_fill_threads(x->threads, x->rt->job->train.seed, mr_hash_str(t->name),
-                               (uint64_t)at, n, 0.0f, (float)x->rt->job->model.initializer_range,
-                               x->dst + in_box);
-  else
-    for (int64_t c = 0; c < n; c++)
-      x->dst[in_box + c] = t->init == MR_INIT_ONES ? 1.0f : 0.0f;
-}
-
 /* Threads that draw the first weights: the host's cores shared among its
  * ranks (LOCAL_WORLD_SIZE, as the launcher and torchrun set it), at least
  * the rank's compute threads.  A GPU rank's host cores are otherwise idle
@@ -52,28 +33,22 @@ static int init_threads(void) {
 }
 
 /* Fills the local shard of parameter i from the seeded initializer: element
- * by element the same global values whatever the sharding. */
+ * by element the same global values whatever the sharding, drawn over the
+ * threads (a shard of columns too). */
 static void init_param(struct mr_runtime *rt, const struct mr_param_plan *pp, float *dst,
                        int threads) {
   const struct mr_tensor *t = &rt->L->model.graph.tensors[pp->tensor];
-  struct init_run x = {.rt = rt, .t = t, .dst = dst, .threads = threads};
-  /* a shard of whole rows (or the whole tensor) is one run: drawn over the
-   * threads at once rather than row by row */
-  int64_t rows_from = 1, n = 1;
-  for (int d = 0; d < t->ndim; d++) {
-    n *= pp->glen[d];
-    if (d > 0) {
-      rows_from *= t->shape[d];
-      if (pp->glen[d] != t->shape[d] || pp->goff[d] != 0)
-        rows_from = -1;
-    }
-    if (rows_from < 0)
-      break;
+  if (t->init == MR_INIT_NORMAL) {
+    mr_rng_normal_fill_box(threads, rt->job->train.seed, mr_hash_str(t->name), t->ndim,
+                           t->shape, pp->goff, pp->glen, 0.0f,
+                           (float)rt->job->model.initializer_range, dst);
+    return;
   }
-  if (t->ndim > 0 && rows_from > 0)
-    init_run(&x, pp->goff[0] * rows_from, 0, n);
-  else
-    mr_box_runs(t->ndim, t->shape, pp->goff, pp->glen, init_run, &x);
+  int64_t n = 1;
+  for (int d = 0; d < t->ndim; d++)
+    n *= pp->glen[d];
+  for (int64_t c = 0; c < n; c++)
+    dst[c] = t->init == MR_INIT_ONES ? 1.0f : 0.0f;
 }
 
 static int load_param(struct mr_runtime *rt, struct mr_st_file *f, const struct mr_param_plan *pp,
