@@ -97,6 +97,9 @@ int mr__rt_kernel(struct mr_runtime *rt, const struct mr_ins *in, const struct m
     for (int j = 0; j < op->n_out; j++)
       if (rt->p.buf[op->out[j]].region == MR_REG_ACC)
         bits |= 1u << j;
+    if ((bits & ~mr_op_def(op->kind)->accum_outs) != 0) /* the lowering's promise */
+      return mr_error_set(MR_EINVAL, "op %d (%s) cannot add into its output %s", in->op,
+                          mr_op_def(op->kind)->name, lg->tensors[op->out[0]].name);
     if (bits != 0) {
       adding = *op;
       adding.accum_out = bits;
