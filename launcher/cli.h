@@ -35,7 +35,8 @@ int mr_cli_find_sibling(const char *name, const char *build_subdir, char *buf,
 /* The file a cluster NAME names: NAME itself when it has a '/' or ends in
  * .json, else configs/clusters/NAME.json ($MESHRUN_CONFIGS_DIR, or configs/
  * beside the binary or above its build folder).  Writes into path; returns
- * 0, or MR_ENOENT after printing why. */
+ * 0, or MR_ENOENT after printing why (for a NAME that is not there, with
+ * the names that are). */
 int mr_plan_cluster_path(const char *name, char *path, unsigned long n);
 
 /* The cluster spec a job that names none is planned for: $MESHRUN_CLUSTER,

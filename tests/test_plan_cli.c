@@ -278,7 +278,9 @@ START_TEST(test_plan_cli_bad_input_exits_2_naming_it) {
   /* an unknown cluster name */
   const char *a4[] = {job, "--cluster", "no-such-cluster", NULL};
   ck_assert_int_eq(run_plan(a4, &out, &err), 2);
-  ck_assert_ptr_nonnull(strstr(err, "no-such-cluster.json"));
+  ck_assert_msg(strstr(err, "no-such-cluster.json") != NULL &&
+                    strstr(err, "the specs there: a100-80g-node, cpu-local, h100-sxm-node") != NULL,
+                "%s", err);
   free(out), free(err);
 }
 END_TEST
