@@ -4,6 +4,8 @@
 #include <math.h>
 #include <pthread.h>
 
+#include "common/graph.h"
+
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
 #define PHILOX_W0 0x9E3779B9u /* golden ratio */
@@ -152,24 +154,29 @@ struct box_job {
   const int64_t *shape, *off, *len;
   float mean, std;
   float *out;
-  int64_t r0, r1; /* its runs (rows of the last dimension) */
+  int64_t r0, r1; /* its part: rows [r0, r1) of the box's first dimension */
 };
 
-/* Runs [r0, r1): run r starts at box element r * len[last], and in the
- * whole tensor at the index its coordinates give. */
+static void box_run(void *ctx, int64_t at, int64_t in_box, int64_t n) {
+  const struct box_job *j = ctx;
+  mr_rng_normal_fill(j->seed, j->stream, (uint64_t)at, (size_t)n, j->mean, j->std,
+                     j->out + in_box);
+}
+
+/* The job's part of the box, run by run (mr_box_runs). */
 static void *box_main(void *arg) {
   const struct box_job *j = arg;
-  int last = j->ndim - 1;
-  for (int64_t r = j->r0; r < j->r1; r++) {
-    uint64_t at = (uint64_t)j->off[last], stride = (uint64_t)j->shape[last];
-    for (int64_t d = last - 1, q = r; d >= 0; d--) {
-      at += (uint64_t)(j->off[d] + q % j->len[d]) * stride;
-      q /= j->len[d];
-      stride *= (uint64_t)j->shape[d];
-    }
-    mr_rng_normal_fill(j->seed, j->stream, at, (size_t)j->len[last], j->mean, j->std,
-                       j->out + r * j->len[last]);
+  int64_t off[MR_MAX_DIMS], len[MR_MAX_DIMS], row = 1;
+  for (int d = 0; d < j->ndim; d++) {
+    off[d] = j->off[d];
+    len[d] = j->len[d];
+    row *= d > 0 ? len[d] : 1;
   }
+  off[0] += j->r0;
+  len[0] = j->r1 - j->r0;
+  struct box_job part = *j;
+  part.out = j->out + j->r0 * row;
+  mr_box_runs(j->ndim, j->shape, off, len, box_run, &part);
   return NULL;
 }
 
@@ -180,14 +187,12 @@ void mr_rng_normal_fill_box(int threads, uint64_t seed, uint64_t stream, int ndi
     mr_rng_normal_fill(seed, stream, 0, 1, mean, std, out);
     return;
   }
-  int64_t n = 1, runs = 1, row = 1;
+  int64_t n = 1, row = 1;
   int whole_rows = 1;
   for (int d = 0; d < ndim; d++) {
     if (len[d] <= 0)
       return;
     n *= len[d];
-    if (d < ndim - 1)
-      runs *= len[d];
     if (d > 0) {
       row *= shape[d];
       whole_rows = whole_rows && off[d] == 0 && len[d] == shape[d];
@@ -202,12 +207,12 @@ void mr_rng_normal_fill_box(int threads, uint64_t seed, uint64_t stream, int ndi
   int64_t most = (n + FILL_CHUNK - 1) / FILL_CHUNK;
   if (threads > most)
     threads = (int)most;
-  if (threads > runs)
-    threads = (int)runs;
+  if (threads > len[0])
+    threads = (int)len[0];
   threads = threads > 64 ? 64 : threads < 1 ? 1 : threads;
   struct box_job jobs[64];
   for (int i = 0; i < threads; i++)
     jobs[i] = (struct box_job){seed, stream, ndim, shape, off, len, mean, std, out,
-                               runs * i / threads, runs * (i + 1) / threads};
+                               len[0] * i / threads, len[0] * (i + 1) / threads};
   run_threads(threads, box_main, jobs, sizeof jobs[0]);
 }

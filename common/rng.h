@@ -66,8 +66,8 @@ void mr_rng_normal_fill_threads(int threads, uint64_t seed, uint64_t stream, uin
  * elements off[d] <= i[d] < off[d] + len[d], written to out in the box's
  * own row-major order, each the value mr_rng_normal_fill gives at its index
  * in the whole tensor.  A box of whole rows is one run drawn as above; any
- * other (a shard of columns) is dealt to the threads by runs of its last
- * dimension. */
+ * other (a shard of columns) is dealt to the threads by rows of its first
+ * dimension, each part walked run by run (graph.h's mr_box_runs). */
 void mr_rng_normal_fill_box(int threads, uint64_t seed, uint64_t stream, int ndim,
                             const int64_t *shape, const int64_t *off, const int64_t *len,
                             float mean, float std, float *out);

@@ -90,7 +90,11 @@ static int find_configs(char *buf, size_t n) {
   return -1;
 }
 
-static int by_name(const void *a, const void *b) { return strcmp(a, b); }
+/* NAME.json, not hidden */
+static int is_spec(const struct dirent *e) {
+  size_t n = strlen(e->d_name);
+  return e->d_name[0] != '.' && n > 5 && strcmp(e->d_name + n - 5, ".json") == 0;
+}
 
 int mr_plan_cluster_path(const char *name, char *path, unsigned long n) {
   if (strchr(name, '/') != NULL || strstr(name, ".json") != NULL) {
@@ -107,22 +111,16 @@ int mr_plan_cluster_path(const char *name, char *path, unsigned long n) {
   if (access(path, F_OK) == 0)
     return 0;
   /* a name that is not there: say which are, sorted */
-  char list[1024] = "", names[32][64];
-  int count = 0;
-  char folder[PATH_MAX + 16];
+  char list[1024] = "", folder[PATH_MAX + 16];
   snprintf(folder, sizeof folder, "%s/clusters", dir);
-  DIR *d = opendir(folder);
-  for (struct dirent *e; d != NULL && count < 32 && (e = readdir(d)) != NULL;) {
-    size_t len = strlen(e->d_name);
-    if (len > 5 && len < 64 + 5 && strcmp(e->d_name + len - 5, ".json") == 0 &&
-        e->d_name[0] != '.')
-      snprintf(names[count++], sizeof names[0], "%.*s", (int)(len - 5), e->d_name);
+  struct dirent **specs = NULL;
+  int count = scandir(folder, &specs, is_spec, alphasort);
+  for (int i = 0; i < count; i++) {
+    snprintf(list + strlen(list), sizeof list - strlen(list), "%s%.*s", i ? ", " : "",
+             (int)strlen(specs[i]->d_name) - 5, specs[i]->d_name);
+    free(specs[i]);
   }
-  if (d != NULL)
-    closedir(d);
-  qsort(names, (size_t)count, sizeof names[0], by_name);
-  for (int i = 0; i < count; i++)
-    snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? ", " : "", names[i]);
+  free(specs);
   fprintf(stderr, "meshrun: cluster %s: no spec %s; the specs there: %s (or give a spec "
           "file's path)\n", name, path, count > 0 ? list : "none");
   return MR_ENOENT;
