@@ -444,3 +444,29 @@ int mr_devices_select(struct mr_devices *d, const int *idx, int n, char *env,
   d->n = d->gpus = n;
   return 0;
 }
+
+/* The first processor's block of /proc/cpuinfo (every core's reads the
+ * same model) into buf; "" where there is none. */
+void mr_cpuinfo_block(char *buf, size_t n) {
+  size_t used = 0;
+  buf[0] = '\0';
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  char line[4096];
+  while (f != NULL && fgets(line, sizeof line, f) != NULL && line[0] != '\n' && used < n)
+    used += (size_t)snprintf(buf + used, n - used, "%s", line);
+  if (f != NULL)
+    fclose(f);
+}
+
+/* The value of `key` in a cpuinfo block ("key<blanks>: value"); "" if absent. */
+void mr_cpuinfo_value(const char *block, const char *key, char *out, size_t n) {
+  size_t k = strlen(key);
+  out[0] = '\0';
+  for (const char *l = block; *l != '\0'; l += strcspn(l, "\n") + (l[strcspn(l, "\n")] != '\0'))
+    if (strncmp(l, key, k) == 0 && l[k + strspn(l + k, " \t")] == ':') {
+      const char *v = l + k + strspn(l + k, " \t") + 1;
+      v += strspn(v, " \t");
+      snprintf(out, n, "%.*s", (int)strcspn(v, "\n"), v);
+      return;
+    }
+}

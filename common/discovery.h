@@ -97,4 +97,12 @@ int mr_devices_parse_list(const char *flag, const char *spec, int gpus, int *idx
 int mr_devices_select(struct mr_devices *d, const int *idx, int n, char *env,
                       size_t len);
 
+/* The first processor's block of /proc/cpuinfo (every core's reads the
+ * same model) into buf (n bytes); "" where there is none. */
+void mr_cpuinfo_block(char *buf, size_t n);
+
+/* The value of key in a cpuinfo block ("key<blanks>: value") into out (n
+ * bytes); "" where absent. */
+void mr_cpuinfo_value(const char *block, const char *key, char *out, size_t n);
+
 #endif

@@ -202,7 +202,7 @@ static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_
   static const char *const keys[] = {
       "auto_mode", "data_parallel", "tensor_parallel", "pipeline_parallel",
       "sequence_parallel", "sharding", "recompute", "amp",
-      "gradient_accumulation_steps", "mesh_mapping", NULL};
+      "gradient_accumulation_steps", "gradient_accumulation_in_op", "mesh_mapping", NULL};
   static const char *const modes[] = {"full", "semi", "manual", NULL};
   static const char *const pp_keys[] = {"schedule", "micro_batches", "virtual_stages", "layers",
                                        NULL};
@@ -287,6 +287,7 @@ static void parse_strategy(struct mr_jv *jv, const cJSON *s, struct mr_strategy_
   int64_t ga;
   if (mr_jv_int(jv, s, "strategy", "gradient_accumulation_steps", 1, 1 << 20, &ga) == 1)
     h->grad_accum_steps = (int)ga;
+  mr_jv_bool(jv, s, "strategy", "gradient_accumulation_in_op", &h->grad_accum_in_op);
   int map = 0;
   if (mr_jv_enum(jv, s, "strategy", "mesh_mapping", mappings, &map) == 1)
     h->mapping = map;
@@ -458,6 +459,7 @@ static void set_defaults(struct mr_job *job) {
   s->offload = -1;
   s->recompute = -1;
   s->mapping = -1;
+  s->grad_accum_in_op = -1;
   s->recompute_granularity = MR_RECOMPUTE_FULL;
   s->amp_dtype = MR_AMP_FP32;
   s->init_loss_scaling = 1024;

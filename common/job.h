@@ -63,6 +63,8 @@ struct mr_strategy_hint {
   enum mr_amp_dtype amp_dtype;
   double init_loss_scaling;
   int grad_accum_steps;         // 0: not fixed
+  int grad_accum_in_op;         // -1 not set (in the op), 0: a buffer per
+                                // gradient, 1: the op producing it adds in
   int mapping;                  // -1 not fixed, enum mr_mesh_mapping
 };
 

@@ -4,7 +4,7 @@
 #include <math.h>
 #include <pthread.h>
 
-#include "common/graph.h"
+#include "common/box.h"
 
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u

@@ -67,7 +67,7 @@ void mr_rng_normal_fill_threads(int threads, uint64_t seed, uint64_t stream, uin
  * own row-major order, each the value mr_rng_normal_fill gives at its index
  * in the whole tensor.  A box of whole rows is one run drawn as above; any
  * other (a shard of columns) is dealt to the threads by rows of its first
- * dimension, each part walked run by run (graph.h's mr_box_runs). */
+ * dimension, each part walked run by run (box.h's mr_box_runs). */
 void mr_rng_normal_fill_box(int threads, uint64_t seed, uint64_t stream, int ndim,
                             const int64_t *shape, const int64_t *off, const int64_t *len,
                             float mean, float std, float *out);

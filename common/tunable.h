@@ -51,8 +51,8 @@
   XX(GRAD_ACCUM_IN_OP, "MESHRUN_GRAD_ACCUM_IN_OP", "1",                     \
      "1: over micro-batches a parameter's gradient adds up in the op "      \
      "producing it (the GEMM with beta 1); 0: in a buffer of its own, "     \
-     "added after each micro-batch (to measure against; launcher and "      \
-     "workers must agree)")                                                  \
+     "added after each micro-batch (to measure against); a job's "          \
+     "strategy.gradient_accumulation_in_op overrides it")                    \
   XX(TEST_CKPT_DELAY_MS, "MESHRUN_TEST_CKPT_DELAY_MS", "0",                  \
      "test hook: pause a checkpoint write half way, ms")                     \
   XX(TEST_CKPT_BYTES_PER_S, "MESHRUN_TEST_CKPT_BYTES_PER_S", "0",            \

@@ -1,6 +1,7 @@
 /* cli.c - helpers shared by the subcommands. */
 #include "launcher/cli.h"
 
+#include <cjson/cJSON.h>
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>
@@ -10,7 +11,10 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/job.h"
+#include "common/jsonv.h"
 #include "common/tunable.h"
+#include "compiler/planner/cluster.h"
 
 int mr_cli_int(const char *cmd, const char *flag, const char *value, long min, long max,
                long *out) {
@@ -117,4 +121,21 @@ int mr_mkdir_p(const char *path) {
   if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
     return mr_error_set(mr_from_errno(errno), "mkdir %s: %s", tmp, strerror(errno));
   return 0;
+}
+
+void mr_cli_job_defaults(struct mr_job *job) {
+  if (job->strategy.grad_accum_in_op < 0)
+    job->strategy.grad_accum_in_op = mr_tunable_int(MR_TUNABLE_GRAD_ACCUM_IN_OP) != 0;
+}
+
+int mr_cluster_load(const char *path, struct mr_cluster *out) {
+  cJSON *root = NULL;
+  int rc = mr_json_load(path, &root);
+  if (rc == MR_EJOB)
+    rc = MR_EFORMAT;
+  if (rc < 0)
+    return rc;
+  rc = mr_cluster_parse(root, path, out);
+  cJSON_Delete(root);
+  return rc;
 }

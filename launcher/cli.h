@@ -32,12 +32,18 @@ int mr_cli_host_port(const char *value, char *host, unsigned long hn, int *port)
 int mr_cli_find_sibling(const char *name, const char *build_subdir, char *buf,
                         unsigned long n);
 
-/* The file a cluster NAME names: NAME itself when it has a '/' or ends in
- * .json, else configs/clusters/NAME.json ($MESHRUN_CONFIGS_DIR, or configs/
- * beside the binary or above its build folder).  Writes into path; returns
- * 0, or MR_ENOENT after printing why (for a NAME that is not there, with
- * the names that are). */
-int mr_plan_cluster_path(const char *name, char *path, unsigned long n);
+/* Reads and parses a cluster spec file (compiler/planner/cluster.h).
+ * Returns 0, MR_ENOENT, MR_EIO or MR_EFORMAT with a message naming the
+ * file. */
+struct mr_cluster;
+int mr_cluster_load(const char *path, struct mr_cluster *out);
+
+/* Gives job what the environment sets for a job that does not set it
+ * itself: strategy.gradient_accumulation_in_op from
+ * MESHRUN_GRAD_ACCUM_IN_OP.  The plan carries it to the workers, so they
+ * lower what the launcher checked whatever their own environment. */
+struct mr_job;
+void mr_cli_job_defaults(struct mr_job *job);
 
 /* The cluster spec a job that names none is planned for: $MESHRUN_CLUSTER,
  * else "cpu-local".  (`meshrun launch` with MESHRUN_CLUSTER empty plans

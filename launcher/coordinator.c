@@ -31,7 +31,7 @@
 #include "launcher/rebalance.h"
 #include "launcher/sockdir.h"
 #include "launcher/strategy_choice.h"
-#include "worker/comm/comm.h"
+#include "common/shm_name.h"
 
 void mr__co_rendezvous_free(struct rendezvous *r) {
   for (int i = 0; r->blobs != NULL && i < r->n; i++)
@@ -379,7 +379,7 @@ static void finish(struct coordinator *co, int code) {
 /* Called when every worker of a stopping group has exited. */
 static void group_stopped(struct coordinator *co) {
   /* a rank killed while its group was being created leaves the segment */
-  int swept = mr_comm_shm_sweep(co->job_id);
+  int swept = mr_shm_sweep(co->job_id);
   if (swept > 0)
     MR_INFO("launch", "removed %d shared-memory segment%s left by the stopped group", swept,
             swept == 1 ? "" : "s");
@@ -718,7 +718,7 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   code = co->exit_code;
   mr_ranks_close(&co->ranks);
   uv_run(&co->loop, UV_RUN_DEFAULT);
-  mr_comm_shm_sweep(co->job_id);
+  mr_shm_sweep(co->job_id);
 close_loop:
   rendezvous_clear(co);
   mr__co_pending_clear(co);

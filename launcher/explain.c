@@ -7,13 +7,13 @@
 
 #include "common/dtype.h"
 #include "common/error.h"
-#include "common/mesh.h"
-#include "common/model.h"
-#include "common/ops.h"
-#include "common/plugin.h"
+#include "compiler/mesh.h"
+#include "compiler/model.h"
+#include "compiler/ops.h"
+#include "compiler/plugin.h"
 #include "launcher/cli.h"
-#include "launcher/spmd/completion.h"
-#include "launcher/spmd/rules.h"
+#include "compiler/spmd/completion.h"
+#include "compiler/spmd/rules.h"
 
 static const char *role_name(enum mr_tensor_role r) {
   static const char *const n[] = {"input", "param", "act", "grad", "opt"};

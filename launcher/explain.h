@@ -8,7 +8,7 @@
 #include <stdio.h>
 
 #include "common/job.h"
-#include "common/mesh.h"
+#include "compiler/mesh.h"
 
 /* Builds the job's training graph (forward + backward) for one step of
  * train.global_batch x train.seq_len tokens and completes it on mesh m

@@ -13,13 +13,12 @@
 #include "common/log.h"
 #include "common/tunable.h"
 #include "launcher/agent.h"
-#include "launcher/calibrate.h"
 #include "launcher/cli.h"
 #include "launcher/coordinator.h"
 #include "launcher/slurm.h"
 #include "launcher/strategy_choice.h"
 #include "common/discovery.h"
-#include "launcher/gpu_probe.h"
+#include "launcher/measure.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -289,6 +288,8 @@ int mr_cmd_launch(int argc, char **argv) {
     fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
     return 2;
   }
+  if (job_path != NULL)
+    mr_cli_job_defaults(&job);
   if (threads == 0)
     threads = (long)mr_tunable_int(MR_TUNABLE_THREADS);
   if (threads < 1)

@@ -8,8 +8,8 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "launcher/planner/partition.h"
-#include "launcher/spmd/lower.h"
+#include "compiler/planner/partition.h"
+#include "compiler/spmd/lower.h"
 #include "launcher/strategy_choice.h"
 
 /* The work of chunk c holding n layers. */

@@ -6,7 +6,7 @@
  * holds up the whole pipeline.  From each stage's measured work per step
  * (step time less communication wait) and the work the split gives it,
  * each stage's slowness relative to the fastest; then the split of layers
- * over the chunks that is fastest at those speeds (launcher/planner/
+ * over the chunks that is fastest at those speeds (compiler/planner/
  * partition.h, weighted) and the share of the step it saves.  The cost of
  * a chunk is its layers' work, the embedding's on the first chunk and the
  * head's on the last; the slowest chunk paces the pipeline, as in the cost

@@ -6,11 +6,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/configs.h"
 #include "common/discovery.h"
 #include "common/error.h"
 #include "launcher/cli.h"
-#include "launcher/planner/cluster.h"
-#include "launcher/spmd/lower.h"
+#include "compiler/planner/cluster.h"
+#include "compiler/spmd/lower.h"
 
 /* The job with strategy s written in, parsed. */
 static int job_with(const struct mr_job *job, const struct mr_strategy *st, struct mr_job *out) {
@@ -48,7 +49,7 @@ static void note_split(const struct mr_job *job, struct mr_strategy_choice *out)
 int mr_strategy_choose(const struct mr_job *job, int world, struct mr_strategy_choice *out) {
   memset(out, 0, sizeof *out);
   const char *name = job->cluster != NULL ? job->cluster : mr_default_cluster();
-  if (mr_plan_cluster_path(name, out->cluster_path, sizeof out->cluster_path) < 0)
+  if (mr_configs_cluster_path(name, out->cluster_path, sizeof out->cluster_path) < 0)
     return mr_error_set(MR_ENOENT, "cluster \"%s\": no such spec", name);
   struct mr_cluster cluster;
   MR_TRY(mr_cluster_load(out->cluster_path, &cluster));
@@ -165,6 +166,8 @@ char *mr_strategy_apply(const struct mr_job *job, const struct mr_strategy *s) {
     cJSON_Delete(o), cJSON_Delete(st);
     return NULL;
   }
+  if (job->strategy.grad_accum_in_op >= 0)
+    cJSON_AddBoolToObject(st, "gradient_accumulation_in_op", job->strategy.grad_accum_in_op);
   cJSON_DeleteItemFromObjectCaseSensitive(o, "strategy");
   cJSON_AddItemToObject(o, "strategy", st);
   char *text = cJSON_PrintUnformatted(o);
@@ -220,7 +223,12 @@ int mr_plan_dump_rank(const struct mr_job *job, const struct mr_strategy *s, int
     if ((rc = mr_rank_program_build(&L, rank, &p)) == 0) {
       fprintf(f, "\ncommunication check: every rank's program fits together (%d ranks)\n",
               world);
-      mr_rank_program_dump(&p, f);
+      char *text = mr_rank_program_format(&p);
+      if (text != NULL)
+        fputs(text, f);
+      else
+        rc = mr_error_set(MR_ENOMEM, "out of memory for rank %d's program text", rank);
+      free(text);
       mr_rank_program_close(&p);
     }
     mr_lowered_close(&L);

@@ -1,9 +1,9 @@
 /* strategy_choice.h - the strategy `meshrun launch` runs a job with.
  *
- * The planner (launcher/planner) searches everything the job leaves open
+ * The planner (compiler/planner) searches everything the job leaves open
  * (manual mode: the job's strategy, evaluated).  The launcher takes the
  * fastest candidate that lowers to rank programs whose communication fits
- * together (launcher/spmd/lower.h, checked for every rank before any
+ * together (compiler/spmd/lower.h, checked for every rank before any
  * worker starts); one that does not lower (more than 64 virtual stages,
  * say) gives way to the next. */
 #ifndef MR_STRATEGY_CHOICE_H
@@ -14,7 +14,7 @@
 #include <stdio.h>
 
 #include "common/job.h"
-#include "launcher/planner/search.h"
+#include "compiler/planner/search.h"
 
 struct mr_strategy_choice {
   struct mr_plan_candidate chosen;   // what runs

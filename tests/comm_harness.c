@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/shm_name.h"
 #include "common/tunable.h"
 
 #define REPORT 2048
@@ -164,7 +165,7 @@ int run_ranks(int world, const struct run_opts *o,
     bad++;
     snprintf(msg + off, off < len ? len - off : 0,
              "%d segment(s) of job %s left in /dev/shm\n", leftover, job_id);
-    mr_comm_shm_sweep(job_id);
+    mr_shm_sweep(job_id);
   }
   free(status);
   free(pids);

@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "common/graph.h"
+#include "compiler/graph.h"
 #include "worker/exec.h"
 
 static uint64_t gc_state = 88172645463325252ull;

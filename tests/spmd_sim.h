@@ -8,8 +8,8 @@
 
 #include <stdint.h>
 
-#include "common/mesh.h"
-#include "launcher/spmd/reshard.h"
+#include "compiler/mesh.h"
+#include "compiler/spmd/reshard.h"
 
 #define SIM_MAX_RANKS 16
 

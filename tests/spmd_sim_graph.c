@@ -3,9 +3,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/ops.h"
-#include "launcher/spmd/completion.h"
-#include "launcher/spmd/rules.h"
+#include "compiler/ops.h"
+#include "compiler/spmd/completion.h"
+#include "compiler/spmd/rules.h"
 #include "tests/spmd_sim.h"
 #include "worker/exec.h"
 

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "check_main.h"
-#include "common/comm_check.h"
+#include "compiler/comm_check.h"
 #include "common/error.h"
 
 #define WORLD 8

@@ -8,8 +8,9 @@
 
 #include "check_main.h"
 #include "common/error.h"
-#include "launcher/planner/cost.h"
-#include "launcher/planner/partition.h"
+#include "compiler/planner/cost.h"
+#include "compiler/planner/partition.h"
+#include "launcher/cli.h"
 
 #define NEAR(a, b) ck_assert_msg(fabs((a) - (b)) <= 1e-9 * fmax(1.0, fabs(b)), \
                                  "%.12g != %.12g", (double)(a), (double)(b))

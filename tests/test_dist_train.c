@@ -21,7 +21,7 @@
 #include "common/error.h"
 #include "common/job.h"
 #include "common/safetensors.h"
-#include "launcher/spmd/lower.h"
+#include "compiler/spmd/lower.h"
 #include "testutil.h"
 #include "worker/train.h"
 

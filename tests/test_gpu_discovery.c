@@ -12,8 +12,10 @@
 
 #include "common/discovery.h"
 #include "common/error.h"
-#include "launcher/gpu_probe.h"
-#include "launcher/planner/cluster.h"
+#include "launcher/measure.h"
+#include "worker/gpu_spec.h"
+#include "compiler/planner/cluster.h"
+#include "launcher/cli.h"
 
 START_TEST(test_gpu_discovery_reports_every_visible_gpu) {
   struct mr_devices d;

@@ -12,8 +12,8 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "common/graph.h"
-#include "common/ops.h"
+#include "compiler/graph.h"
+#include "compiler/ops.h"
 #include "common/tunable.h"
 #include "worker/backend/backend.h"
 #include "worker/device.h"

@@ -9,9 +9,9 @@
 #include <string.h>
 
 #include "check_main.h"
-#include "common/autodiff.h"
+#include "compiler/autodiff.h"
 #include "common/error.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 #include "grad_check.h"
 #include "worker/exec_extra.h"
 

@@ -14,9 +14,9 @@
 #include "common/error.h"
 #include "common/dtype.h"
 #include "common/job.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 #include "common/tunable.h"
-#include "launcher/spmd/lower.h"
+#include "compiler/spmd/lower.h"
 
 static void job_for(struct mr_job *job, const char *strategy, int layers, int tie) {
   char text[2048];
@@ -449,12 +449,11 @@ START_TEST(test_lower_gradients_accumulate_in_place) {
        "\"gradient_accumulation_steps\": 2", 4, 1},
       {"\"data_parallel\": {\"degree\": 2}, \"sharding\": {\"stage\": 2}, "
        "\"gradient_accumulation_steps\": 4", 2, 0},
-      /* the same as the first, measured against: MESHRUN_GRAD_ACCUM_IN_OP=0 */
-      {"\"data_parallel\": {\"degree\": 2}, \"gradient_accumulation_steps\": 4", 2, 0},
+      /* the same as the first, measured against: a buffer per gradient */
+      {"\"data_parallel\": {\"degree\": 2}, \"gradient_accumulation_steps\": 4, "
+       "\"gradient_accumulation_in_op\": false", 2, 0},
   };
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-    if (k == sizeof cases / sizeof cases[0] - 1)
-      mr_tunable_override(MR_TUNABLE_GRAD_ACCUM_IN_OP, "0");
     struct mr_job job;
     job_for(&job, cases[k].s, 4, 0);
     struct mr_lowered L;
@@ -483,7 +482,6 @@ START_TEST(test_lower_gradients_accumulate_in_place) {
     mr_lowered_close(&L);
     mr_job_close(&job);
   }
-  mr_tunable_override(MR_TUNABLE_GRAD_ACCUM_IN_OP, "1");
 }
 END_TEST
 

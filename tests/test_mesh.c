@@ -3,7 +3,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "common/mesh.h"
+#include "compiler/mesh.h"
 #include "tests/check_main.h"
 
 START_TEST(test_mesh_parse_and_format) {

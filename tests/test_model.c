@@ -11,9 +11,9 @@
 #include <string.h>
 
 #include "check_main.h"
-#include "common/autodiff.h"
+#include "compiler/autodiff.h"
 #include "common/error.h"
-#include "common/model.h"
+#include "compiler/model.h"
 #include "grad_check.h"
 
 static struct mr_model_config tiny_llama(void) {

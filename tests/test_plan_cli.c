@@ -8,7 +8,8 @@
 #include <string.h>
 
 #include "check_main.h"
-#include "launcher/planner/cluster.h"
+#include "compiler/planner/cluster.h"
+#include "launcher/cli.h"
 #include "testutil.h"
 
 static char dir[256];

@@ -7,9 +7,9 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "common/mesh.h"
+#include "compiler/mesh.h"
 #include "common/rng.h"
-#include "launcher/spmd/reshard.h"
+#include "compiler/spmd/reshard.h"
 #include "tests/check_main.h"
 #include "tests/spmd_sim.h"
 

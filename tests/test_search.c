@@ -11,7 +11,8 @@
 
 #include "check_main.h"
 #include "common/error.h"
-#include "launcher/planner/search.h"
+#include "compiler/planner/search.h"
+#include "launcher/cli.h"
 
 static struct mr_cluster a100(void) {
   /* configs/clusters/a100-80g-node.json, read from the source tree */

@@ -12,9 +12,9 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "common/ops.h"
-#include "launcher/spmd/completion.h"
-#include "launcher/spmd/rules.h"
+#include "compiler/ops.h"
+#include "compiler/spmd/completion.h"
+#include "compiler/spmd/rules.h"
 #include "tests/check_main.h"
 #include "tests/spmd_sim.h"
 

@@ -8,11 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/autodiff.h"
+#include "compiler/autodiff.h"
 #include "common/error.h"
-#include "common/model.h"
-#include "common/ops.h"
-#include "launcher/spmd/completion.h"
+#include "compiler/model.h"
+#include "compiler/ops.h"
+#include "compiler/spmd/completion.h"
 #include "tests/check_main.h"
 #include "tests/spmd_sim.h"
 

@@ -7,12 +7,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/autodiff.h"
+#include "compiler/autodiff.h"
 #include "common/error.h"
-#include "common/ops.h"
-#include "common/plugin.h"
-#include "launcher/spmd/completion.h"
-#include "launcher/spmd/rules.h"
+#include "compiler/ops.h"
+#include "compiler/plugin.h"
+#include "compiler/spmd/completion.h"
+#include "compiler/spmd/rules.h"
 #include "tests/check_main.h"
 #include "tests/spmd_sim.h"
 

@@ -22,7 +22,7 @@
 #include "common/safetensors.h"
 #include "common/checksum.h"
 #include "common/tunable.h"
-#include "launcher/spmd/lower.h"
+#include "compiler/spmd/lower.h"
 #include "worker/optim.h"
 
 #define MR_CKPT_FORMAT "meshrun-checkpoint-2"

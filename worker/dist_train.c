@@ -8,7 +8,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/tunable.h"
-#include "launcher/spmd/lower.h"
+#include "compiler/spmd/lower.h"
 #include "worker/checkpoint.h"
 #include "worker/runtime.h"
 #include "worker/train.h"

@@ -8,9 +8,9 @@
 
 #include "common/clock.h"
 #include "common/error.h"
-#include "common/fit.h"
+#include "compiler/fit.h"
 #include "common/log.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 
 #define ALIGN 64
 

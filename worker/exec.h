@@ -11,7 +11,7 @@
 
 #include <stdint.h>
 
-#include "common/graph.h"
+#include "compiler/graph.h"
 #include "worker/exec_extra.h"
 
 struct mr_exec {

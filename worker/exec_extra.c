@@ -8,7 +8,7 @@
 
 #include "common/dtype.h"
 #include "common/error.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/backend/cpu/pool.h"
 #include "worker/backend/cpu/xent_vocab.h"

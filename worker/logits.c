@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "common/model.h"
+#include "compiler/model.h"
 #include "common/model_config.h"
 #include "worker/exec.h"
 #include "worker/weights.h"

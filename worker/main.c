@@ -15,6 +15,7 @@
 #include "common/job.h"
 #include "common/tunable.h"
 #include "worker/bootstrap_rpc.h"
+#include "worker/calibrate.h"
 #include "worker/client.h"
 #include "worker/logits.h"
 #include "worker/sample.h"
@@ -191,6 +192,8 @@ int main(int argc, char **argv) {
     return mr_sample_main(argc - 1, argv + 1);
   if (argc > 1 && strcmp(argv[1], "logits") == 0)
     return mr_logits_main(argc - 1, argv + 1);
+  if (argc > 1 && strcmp(argv[1], "--calibrate") == 0)
+    return mr_calibrate_main(argc - 1, argv + 1);
   if (argc > 1) {
     fprintf(stderr, "meshrun-worker: unknown command \"%s\" (workers are started by "
                     "meshrun launch)\n", argv[1]);

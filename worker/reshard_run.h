@@ -1,4 +1,4 @@
-/* reshard_run.h - carries out a reshard plan (launcher/spmd/reshard.h) on
+/* reshard_run.h - carries out a reshard plan (compiler/spmd/reshard.h) on
  * one rank's local shard: local slices and packing through the device
  * backend, collectives through the comm backend, blocking.
  *
@@ -11,8 +11,8 @@
 #define MR_RESHARD_RUN_H
 
 #include "common/dtype.h"
-#include "common/mesh.h"
-#include "launcher/spmd/reshard.h"
+#include "compiler/mesh.h"
+#include "compiler/spmd/reshard.h"
 #include "worker/backend/backend.h"
 #include "worker/comm/comm.h"
 

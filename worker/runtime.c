@@ -8,7 +8,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 #include "common/tunable.h"
 #include "worker/backend/cpu/pool.h"
 #include "worker/runtime_internal.h"

@@ -1,4 +1,4 @@
-/* runtime.h - runs a rank program (launcher/spmd/lower.h): the training
+/* runtime.h - runs a rank program (compiler/spmd/lower.h): the training
  * steps of one rank of a distributed job, on a device backend and a comm
  * backend.
  *
@@ -21,7 +21,7 @@
 #include <stdint.h>
 
 #include "common/job.h"
-#include "launcher/spmd/lower.h"
+#include "compiler/spmd/lower.h"
 #include "worker/backend/backend.h"
 #include "worker/comm/comm.h"
 #include "worker/reporter.h"

@@ -6,7 +6,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 #include "worker/runtime_internal.h"
 
 /* ---- instructions ---- */

@@ -9,7 +9,7 @@
 
 #include "common/discovery.h"
 #include "common/error.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 #include "common/rng.h"
 #include "common/safetensors.h"
 #include "common/tunable.h"

@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "common/model.h"
+#include "compiler/model.h"
 #include "common/rng.h"
 #include "worker/exec.h"
 #include "worker/weights.h"

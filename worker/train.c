@@ -8,12 +8,12 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common/autodiff.h"
+#include "compiler/autodiff.h"
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
-#include "common/ops.h"
-#include "common/model.h"
+#include "compiler/ops.h"
+#include "compiler/model.h"
 #include "common/tokens.h"
 #include "common/tunable.h"
 #include "worker/backend/cpu/kernels.h"

@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#include "common/model.h"
+#include "compiler/model.h"
 #include "common/safetensors.h"
 #include "worker/exec.h"
 

@@ -17,8 +17,8 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "common/plugin.h"
-#include "launcher/spmd/rules.h"
+#include "compiler/plugin.h"
+#include "compiler/spmd/rules.h"
 
 int meshrun_plugin_init(const struct mr_plugin_api *api);
 

@@ -42,7 +42,7 @@
 #include "common/error.h"
 #include "common/job.h"
 #include "common/checksum.h"
-#include "launcher/spmd/lower.h"
+#include "compiler/spmd/lower.h"
 #include "worker/backend/backend.h"
 #include "worker/checkpoint.h"
 #include "worker/device.h"

@@ -9,11 +9,11 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "common/autodiff.h"
+#include "compiler/autodiff.h"
 #include "common/clock.h"
 #include "common/error.h"
-#include "common/model.h"
-#include "launcher/spmd/completion.h"
+#include "compiler/model.h"
+#include "compiler/spmd/completion.h"
 
 int main(int argc, char **argv) {
   const char *spec = argc > 1 ? argv[1] : "data=2,model=4";

@@ -23,11 +23,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/autodiff.h"
+#include "compiler/autodiff.h"
 #include "common/clock.h"
 #include "common/error.h"
-#include "common/model.h"
-#include "common/ops.h"
+#include "compiler/model.h"
+#include "compiler/ops.h"
 #include "worker/backend/backend.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/device.h"

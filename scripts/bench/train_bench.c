@@ -18,7 +18,7 @@
 
 #include "common/error.h"
 #include "common/job.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 #include "worker/exec.h"
 #include "worker/train.h"
 

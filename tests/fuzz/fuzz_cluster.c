@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "common/jsonv.h"
-#include "launcher/planner/search.h"
+#include "compiler/planner/search.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/mesh.h"
+#include "compiler/mesh.h"
 #include "launcher/slurm.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

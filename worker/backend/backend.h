@@ -65,7 +65,7 @@ struct mr_backend_ops {
   /* Host waits for everything queued on s (NULL: on every stream). */
   int (*synchronize)(struct mr_backend *be, struct mr_stream *s);
   /* The kernel context passed to kernels launched on this backend, and to
-   * the op registry's kernels for this backend (common/ops.h mr_kernel_fn:
+   * the op registry's kernels for this backend (compiler/ops.h mr_kernel_fn:
    * on the CPU a struct mr_cpu_ctx, on CUDA the backend's stream context). */
   void *(*kernel_ctx)(struct mr_backend *be);
   void (*destroy)(struct mr_backend *be);

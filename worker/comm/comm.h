@@ -117,10 +117,6 @@ struct mr_comm_ops {
  * otherwise (MESHRUN_COMM_TRANSPORT=tcp forces TCP). */
 const struct mr_comm_ops *mr_comm_cpu_ops(void);
 
-/* Unlinks every shared-memory segment left by job job_id (e.g. after a rank
- * was killed before its groups were complete).  Returns the number removed. */
-int mr_comm_shm_sweep(const char *job_id);
-
 /* Dispatchers, so callers write mr_comm_all_reduce(g, ...). */
 static inline int mr_comm_all_reduce(struct mr_comm_group *g, const void *s,
                                      void *r, size_t n, enum mr_dtype dt,

@@ -8,7 +8,6 @@
  * the chunks shrink to fit instead of a SIGBUS mid-step.  The segment is
  * unlinked as soon as every member has mapped it, so a crash of any rank
  * after group creation leaves nothing in /dev/shm. */
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -24,6 +23,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/rng.h"
+#include "common/shm_name.h"
 #include "common/tunable.h"
 #include "worker/comm/shm_internal.h"
 
@@ -138,9 +138,8 @@ static int state_new(struct mr__group *g, struct shm **out) {
     shm_free_state(s);
     return mr_error_set(MR_ENOMEM, "comm group %s: out of memory", g->desc);
   }
-  snprintf(s->name, sizeof s->name, "/meshrun-%s-%016llx-%016llx-%d", ci->job_id,
-           (unsigned long long)ci->nonce, (unsigned long long)mr_hash_str(g->desc),
-           mr__group_occurrence(g));
+  mr_shm_segment_name(s->name, sizeof s->name, ci->job_id, ci->nonce, g->desc,
+                      mr__group_occurrence(g));
   *out = s;
   return 0;
 }
@@ -328,23 +327,4 @@ int mr__shm_mem_free(struct mr__group *g, void *p) {
     return 0;
   mr__shm_heap_free(&s->alloc, p);
   return 1;
-}
-
-int mr_comm_shm_sweep(const char *job_id) {
-  char prefix[128];
-  snprintf(prefix, sizeof prefix, "meshrun-%s-", job_id);
-  size_t pl = strlen(prefix);
-  int removed = 0;
-  DIR *d = opendir("/dev/shm");
-  if (d == NULL)
-    return 0;
-  struct dirent *e;
-  while ((e = readdir(d)) != NULL)
-    if (strncmp(e->d_name, prefix, pl) == 0) {
-      char name[300];
-      snprintf(name, sizeof name, "/%s", e->d_name);
-      removed += shm_unlink(name) == 0;
-    }
-  closedir(d);
-  return removed;
 }

@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/backend/cpu/pool.h"
 

@@ -17,7 +17,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/backend/cuda/cuda_internal.h"
 #include "worker/backend/cuda/module.h"

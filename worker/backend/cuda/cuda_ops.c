@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 #include "common/tunable.h"
 #include "worker/backend/cuda/cuda_internal.h"
 

@@ -9,7 +9,7 @@
 #include "common/dtype.h"
 #include "common/error.h"
 #include "common/log.h"
-#include "common/ops.h"
+#include "compiler/ops.h"
 #include "common/tunable.h"
 #include "worker/comm/comm.h"
 

@@ -1,0 +1,2 @@
+/* a compiler header that reaches into the launcher: refused */
+#include "launcher/cli.h"

@@ -1,0 +1,424 @@
+/* calibrate.c - `meshrun calibrate`: measures this machine and writes a
+ * cluster spec.  Matmul rate with the worker's CPU kernels (one rank per
+ * core, one thread each), the FMA peak, memory bandwidth, and AllReduce
+ * latency and bus bandwidth with the CPU comm backend between forked
+ * ranks.  What it cannot measure here (the network to other nodes) comes
+ * from the cpu-local spec it starts from. */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "common/configs.h"
+#include "common/clock.h"
+#include "common/discovery.h"
+#include "common/error.h"
+#include "common/file.h"
+#include "common/jsonv.h"
+#include "common/log.h"
+#include "common/rng.h"
+#include "common/tunable.h"
+#include "common/shm_name.h"
+#include "worker/calibrate.h"
+#include "compiler/planner/cluster.h"
+#include "worker/backend/cpu/kernels.h"
+#include "worker/comm/comm.h"
+
+static int parse_ranks(const char *value, long *out) {
+  char *end;
+  errno = 0;
+  long v = strtol(value, &end, 10);
+  if (errno != 0 || end == value || *end != '\0' || v < 1 || v > 1024) {
+    fprintf(stderr, "meshrun calibrate: --ranks: expected an integer in [1, 1024], got "
+            "\"%s\"\n", value);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: meshrun calibrate [options]\n"
+          "\n"
+          "Measures this machine and writes a cluster spec for `meshrun plan`.\n"
+          "\n"
+          "  --out FILE    write the spec here (default: standard output)\n"
+          "  --ranks N     ranks (devices) per node (default: online CPUs)\n"
+          "  --base SPEC   spec whose unmeasured fields are kept (default cpu-local)\n"
+          "  --quiet       no progress lines\n");
+}
+
+#if defined(__x86_64__)
+/* FMA peak of one core: 12 independent FMA chains of `width` floats,
+ * enough to cover two pipes' latency. */
+#define FMA_PEAK(name, isa, vec, set1, fmadd, width)                                \
+  __attribute__((target(isa))) static double name(void) {                         \
+    vec c0 = set1(0.0f), c1 = set1(0.1f), c2 = set1(0.2f), c3 = set1(0.3f);        \
+    vec c4 = set1(0.4f), c5 = set1(0.5f), c6 = set1(0.6f), c7 = set1(0.7f);        \
+    vec c8 = set1(0.8f), c9 = set1(0.9f), ca = set1(1.0f), cb = set1(1.1f);        \
+    const vec a = set1(0.999999f), b = set1(1e-7f);                                \
+    const long iters = 10000000;                                                   \
+    double best = 0;                                                               \
+    for (int rep = 0; rep < 5; rep++) {                                            \
+      double t0 = mr_clock_s();                                                         \
+      for (long k = 0; k < iters; k++) {                                           \
+        c0 = fmadd(c0, a, b), c1 = fmadd(c1, a, b), c2 = fmadd(c2, a, b);           \
+        c3 = fmadd(c3, a, b), c4 = fmadd(c4, a, b), c5 = fmadd(c5, a, b);           \
+        c6 = fmadd(c6, a, b), c7 = fmadd(c7, a, b), c8 = fmadd(c8, a, b);           \
+        c9 = fmadd(c9, a, b), ca = fmadd(ca, a, b), cb = fmadd(cb, a, b);           \
+        __asm__ volatile("" : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4),     \
+                         "+v"(c5), "+v"(c6), "+v"(c7), "+v"(c8), "+v"(c9), "+v"(ca), \
+                         "+v"(cb));                                                \
+      }                                                                            \
+      double r = (double)iters * 12 * (width) * 2 / (mr_clock_s() - t0);                \
+      best = r > best ? r : best;                                                  \
+    }                                                                              \
+    return best;                                                                   \
+  }
+FMA_PEAK(fma_peak, "avx2,fma", __m256, _mm256_set1_ps, _mm256_fmadd_ps, 8)
+FMA_PEAK(fma_peak_512, "avx512f", __m512, _mm512_set1_ps, _mm512_fmadd_ps, 16)
+#else
+static double fma_peak(void) { return 0; }
+static double fma_peak_512(void) { return 0; }
+#endif
+
+/* Best FLOP/s of one-thread mr_cpu_gemm at M×N×K. */
+static int gemm_rate(struct mr_pool *pool, int m, int n, int k, double *out) {
+  float *a = malloc(sizeof(float) * (size_t)m * k), *b = malloc(sizeof(float) * (size_t)k * n);
+  float *c = malloc(sizeof(float) * (size_t)m * n);
+  if (a == NULL || b == NULL || c == NULL) {
+    free(a), free(b), free(c);
+    return mr_error_set(MR_ENOMEM, "calibrate: out of memory for a %dx%dx%d matmul", m, n, k);
+  }
+  for (size_t i = 0; i < (size_t)m * k; i++)
+    a[i] = (float)(i % 7) * 0.1f;
+  for (size_t i = 0; i < (size_t)k * n; i++)
+    b[i] = (float)(i % 5) * 0.1f;
+  double flops = 2.0 * m * n * k, best = 0;
+  int rc = 0;
+  for (int rep = 0; rep < 8 && rc == 0; rep++) {
+    double t0 = mr_clock_s();
+    rc = mr_cpu_gemm(pool, false, false, m, n, k, 1.0f, a, k, b, n, 0.0f, c, n);
+    double dt = mr_clock_s() - t0;
+    if (rep > 0 && flops / dt > best)
+      best = flops / dt;
+  }
+  free(a), free(b), free(c);
+  *out = best;
+  return rc;
+}
+
+static double memcpy_bandwidth(void) {
+  size_t bytes = (size_t)128 << 20;
+  char *src = malloc(bytes), *dst = malloc(bytes);
+  if (src == NULL || dst == NULL) {
+    free(src), free(dst);
+    return 0;
+  }
+  memset(src, 1, bytes);
+  memset(dst, 2, bytes);
+  double best = 0;
+  for (int rep = 0; rep < 4; rep++) {
+    double t0 = mr_clock_s();
+    memcpy(dst, src, bytes);
+    double dt = mr_clock_s() - t0;
+    if (rep > 0 && bytes / dt > best)
+      best = bytes / dt;
+  }
+  if (dst[bytes / 2] != 1)
+    best = 0;
+  free(src), free(dst);
+  return best;
+}
+
+struct comm_result {
+  double small_s;   // one 4 KiB AllReduce
+  double large_s;   // one 16 MiB AllReduce
+  int ok;
+};
+
+static void comm_rank(int rank, int world, struct mr_bootstrap_local *bl, const char *job,
+                      struct comm_result *res) {
+  struct mr_bootstrap bs;
+  mr_bootstrap_local_rank(bl, rank, "calibrate-host", job, 30000, &bs);
+  const struct mr_comm_ops *ops = mr_comm_cpu_ops();
+  struct mr_comm *comm = NULL;
+  if (ops->open(&bs, &comm) != 0)
+    _exit(1);
+  int *ranks = malloc(sizeof(int) * (size_t)world);
+  for (int i = 0; i < world; i++)
+    ranks[i] = i;
+  struct mr_comm_group *g = NULL;
+  if (ops->group_new(comm, "calibrate", ranks, world, &g) != 0)
+    _exit(1);
+  size_t big = (size_t)4 << 20; // floats: 16 MiB
+  float *buf = calloc(big, sizeof(float));
+  if (buf == NULL)
+    _exit(1);
+  struct mr_comm_req *req;
+  double t_small = 1e30, t_large = 1e30;
+  for (int rep = 0; rep < 5; rep++) {
+    int iters = 200;
+    double t0 = mr_clock_s();
+    for (int i = 0; i < iters; i++) {
+      if (mr_comm_all_reduce(g, buf, buf, 1024, MR_F32, MR_RED_SUM, &req) != 0 ||
+          mr_comm_wait(req) != 0)
+        _exit(1);
+    }
+    double dt = (mr_clock_s() - t0) / iters;
+    t_small = dt < t_small ? dt : t_small;
+  }
+  for (int rep = 0; rep < 4; rep++) {
+    double t0 = mr_clock_s();
+    if (mr_comm_all_reduce(g, buf, buf, big, MR_F32, MR_RED_SUM, &req) != 0 ||
+        mr_comm_wait(req) != 0)
+      _exit(1);
+    double dt = mr_clock_s() - t0;
+    if (rep > 0)
+      t_large = dt < t_large ? dt : t_large;
+  }
+  if (rank == 0) {
+    res->small_s = t_small;
+    res->large_s = t_large;
+    res->ok = 1;
+  }
+  ops->group_free(g);
+  ops->close(comm);
+  free(buf);
+  free(ranks);
+  _exit(0);
+}
+
+static int measure_comm(int world, struct comm_result *out) {
+  struct comm_result *res = mmap(NULL, sizeof *res, PROT_READ | PROT_WRITE,
+                                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  struct mr_bootstrap_local *bl = mr_bootstrap_local_new(world, 512);
+  if (res == MAP_FAILED || bl == NULL)
+    return mr_error_set(MR_ENOMEM, "calibrate: out of memory for the comm ranks");
+  memset(res, 0, sizeof *res);
+  char job[64];
+  snprintf(job, sizeof job, "calib%d", (int)getpid());
+  pid_t *pids = calloc((size_t)world, sizeof *pids);
+  fflush(stdout);
+  fflush(stderr);
+  for (int r = 0; r < world; r++) {
+    pids[r] = fork();
+    if (pids[r] == 0)
+      comm_rank(r, world, bl, job, res);
+  }
+  int bad = 0;
+  for (int r = 0; r < world; r++) {
+    int st = 0;
+    if (pids[r] < 0 || waitpid(pids[r], &st, 0) != pids[r] || !WIFEXITED(st) ||
+        WEXITSTATUS(st) != 0)
+      bad++;
+  }
+  free(pids);
+  mr_shm_sweep(job);
+  mr_bootstrap_local_free(bl);
+  *out = *res;
+  munmap(res, sizeof *res);
+  if (bad || !out->ok)
+    return mr_error_set(MR_EPEER, "calibrate: %d of %d comm ranks failed", bad, world);
+  return 0;
+}
+
+static cJSON *num_obj(cJSON *parent, const char *key) {
+  cJSON *o = cJSON_GetObjectItemCaseSensitive(parent, key);
+  return o;
+}
+
+static void set_num(cJSON *o, const char *key, double v) {
+  cJSON_DeleteItemFromObjectCaseSensitive(o, key);
+  cJSON_AddNumberToObject(o, key, v);
+}
+
+static void set_str(cJSON *o, const char *key, const char *v) {
+  cJSON_DeleteItemFromObjectCaseSensitive(o, key);
+  cJSON_AddStringToObject(o, key, v);
+}
+
+int mr_calibrate_spec(long ranks, const char *base, int quiet, char **text) {
+  *text = NULL;
+  if (ranks < 1)
+    ranks = 1;
+  char base_path[4096];
+  if (mr_configs_cluster_path(base, base_path, sizeof base_path) < 0)
+    return mr_error_set(MR_ENOENT, "calibrate: no cluster spec \"%s\" to start from", base);
+  cJSON *spec = NULL;
+  MR_TRY(mr_json_load(base_path, &spec));
+  struct mr_cluster check;
+  int rc = mr_cluster_parse(spec, base_path, &check);
+  if (rc < 0) {
+    cJSON_Delete(spec);
+    return rc;
+  }
+
+  if (!quiet)
+    fprintf(stderr, "meshrun calibrate: FMA peak, matmul, memcpy (one core)...\n");
+  double peak = 0;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) /* the kernels' own sgemm uses it */
+    peak = fma_peak_512();
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    peak = fma_peak();
+#endif
+  struct mr_pool *pool = NULL;
+  rc = mr_pool_new(1, &pool);
+  double big = 0, small = 0;
+  if (rc == 0)
+    rc = gemm_rate(pool, 1024, 1024, 1024, &big);
+  if (rc == 0)
+    rc = gemm_rate(pool, 2048, 128, 128, &small);
+  mr_pool_free(pool);
+  if (rc < 0) {
+    cJSON_Delete(spec);
+    return rc;
+  }
+  if (!(peak > big))
+    peak = check.peak_flops[MR_AMP_FP32];
+  /* eff = e / (1 + g·S), S = 1/M + 1/N + 1/K, from the two shapes. */
+  double s_big = 3.0 / 1024, s_small = 1.0 / 2048 + 2.0 / 128;
+  double g = (big - small) / (small * s_small - big * s_big);
+  if (!(g > 0) || g > 1e5)
+    g = 0;
+  double e = big * (1 + g * s_big) / peak;
+  if (e > 1)
+    e = 1;
+  double bw = memcpy_bandwidth();
+  if (!quiet)
+    fprintf(stderr, "meshrun calibrate: AllReduce over %ld ranks (CPU comm backend)...\n",
+            ranks);
+  struct comm_result cr = {0, 0, 0};
+  int world = ranks < 2 ? 2 : (int)ranks;
+  rc = measure_comm(world, &cr);
+  if (rc < 0) {
+    cJSON_Delete(spec);
+    return rc;
+  }
+  /* α–β: small ≈ 2(n−1)α; large = 2(n−1)α + 2(n−1)/n·S/β */
+  double n = world, S = 16.0 * 1048576;
+  double alpha = cr.small_s / (2 * (n - 1));
+  double beta = 2 * (n - 1) / n * S / (cr.large_s - 2 * (n - 1) * alpha);
+  if (!(beta > 0))
+    beta = 2 * (n - 1) / n * S / cr.large_s;
+  long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+  double mem = (double)pages * (double)psz / (double)ranks;
+
+  char when[64], src[4096 + 512];
+  time_t now = time(NULL);
+  strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", gmtime(&now));
+  set_str(spec, "name", "calibrated");
+  set_num(spec, "nodes", 1);
+  set_num(spec, "devices_per_node", (double)ranks);
+  snprintf(src, sizeof src, "measured by meshrun calibrate on %s, %ld ranks; inter_node "
+           "and reserved_bytes from %s", when, ranks, base_path);
+  set_str(spec, "source", src);
+  cJSON *dev = num_obj(spec, "device");
+  char block[16384], model[240], cpu[256];
+  mr_cpuinfo_block(block, sizeof block);
+  mr_cpuinfo_value(block, "model name", model, sizeof model);
+  snprintf(cpu, sizeof cpu, "%s core", model[0] ? model : "CPU"); /* "AMD EPYC core" */
+  set_str(dev, "name", cpu);
+  cJSON *pf = num_obj(dev, "peak_flops");
+  set_num(pf, "fp32", peak);
+  set_num(pf, "bf16", peak);
+  set_num(pf, "fp16", peak);
+  set_str(pf, "source", "FMA loop, 12 chains of 16-wide (AVX-512) or 8-wide (AVX2) fused "
+          "multiply-adds, one core; 16-bit types compute in fp32");
+  set_num(dev, "matmul_efficiency", e);
+  set_num(dev, "gemm_half_dim", g);
+  set_num(dev, "memory_bytes", mem);
+  set_num(dev, "memory_bandwidth", bw);
+  snprintf(src, sizeof src, "mr_cpu_gemm one thread: %.1f GFLOP/s at 1024^3, %.1f at "
+           "2048x128x128; memcpy 128 MiB %.2f GB/s; physical memory / ranks",
+           big / 1e9, small / 1e9, bw / 1e9);
+  set_str(dev, "source", src);
+  cJSON *in = num_obj(spec, "intra_node");
+  set_num(in, "bus_bandwidth", beta);
+  set_num(in, "latency", alpha);
+  snprintf(src, sizeof src, "CPU comm backend AllReduce, %d ranks: 4 KiB in %.2f us, "
+           "16 MiB in %.2f ms", world, cr.small_s * 1e6, cr.large_s * 1e3);
+  set_str(in, "source", src);
+  cJSON *host = num_obj(spec, "host");
+  set_num(host, "link_bandwidth", bw);
+  set_num(host, "memory_bandwidth", bw);
+  cJSON_DeleteItemFromObjectCaseSensitive(host, "is_device");
+  cJSON_AddBoolToObject(host, "is_device", 1);
+  set_str(host, "source", "the host is the device: memcpy bandwidth; offload frees no memory");
+
+  struct mr_cluster parsed;
+  rc = mr_cluster_parse(spec, "calibrated spec", &parsed);
+  if (rc < 0) {
+    cJSON_Delete(spec);
+    return mr_error_set(MR_EIO, "calibrate: a measurement is out of range: %s",
+                        mr_error_message());
+  }
+  *text = cJSON_Print(spec);
+  cJSON_Delete(spec);
+  return *text != NULL ? 0 : mr_error_set(MR_ENOMEM, "calibrate: out of memory");
+}
+
+int mr_calibrate_main(int argc, char **argv) {
+  static const struct option opts[] = {{"out", required_argument, NULL, 'o'},
+                                       {"ranks", required_argument, NULL, 'r'},
+                                       {"base", required_argument, NULL, 'b'},
+                                       {"quiet", no_argument, NULL, 'q'},
+                                       {"help", no_argument, NULL, 'h'},
+                                       {NULL, 0, NULL, 0}};
+  const char *out_path = NULL, *base = "cpu-local";
+  long ranks = mr_cpu_cores(); /* as launch counts them */
+  int quiet = 0;
+  int c;
+  optind = 1;
+  while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    switch (c) {
+    case 'o': out_path = optarg; break;
+    case 'r':
+      if (parse_ranks(optarg, &ranks) < 0)
+        return 2;
+      break;
+    case 'b': base = optarg; break;
+    case 'q': quiet = 1; break;
+    case 'h': usage(stdout); return 0;
+    default: usage(stderr); return 2;
+    }
+  }
+  if (optind != argc) {
+    usage(stderr);
+    return 2;
+  }
+  char *text = NULL;
+  int rc = mr_calibrate_spec(ranks, base, quiet, &text);
+  if (rc < 0) {
+    fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
+    /* a base spec that is missing or malformed is bad input */
+    return rc == MR_ENOENT || rc == MR_EFORMAT ? 2 : 1;
+  }
+  int status = 0;
+  if (out_path == NULL) {
+    printf("%s\n", text);
+  } else {
+    if (mr_file_write_text(out_path, text, MR_FILE_ATOMIC | MR_FILE_NEWLINE) < 0) {
+      fprintf(stderr, "meshrun calibrate: %s\n", mr_error_message());
+      status = 1;
+    } else {
+      if (!quiet)
+        fprintf(stderr, "meshrun calibrate: wrote %s\n", out_path);
+    }
+  }
+  free(text);
+  return status;
+}
