@@ -446,9 +446,27 @@ static void on_rank_exit(void *ctx, int rank, int64_t status, int signal) {
   }
 }
 
+/* A tick this much later than its 20 ms means the loop did not run. */
+#define STALL_MS 500
+
+/* Time the loop did not run (the launcher stopped, a slow disk, a paused
+ * machine) is not the ranks' silence: what they sent meanwhile waits
+ * unread in the sockets, and libuv runs timers before it reads them.  So
+ * the gap is credited to every rank before anything is judged. */
+static void credit_stall(struct coordinator *co, int64_t now) {
+  int64_t gap = now - co->last_tick_ms;
+  co->last_tick_ms = now;
+  if (gap <= STALL_MS)
+    return;
+  mr_ranks_credit(&co->ranks, gap);
+  MR_WARN("launch", "the launcher did not run for %.1f s (stopped, or the machine busy): "
+          "the ranks' silence is measured from now", (double)gap / 1000.0);
+}
+
 static void on_tick(uv_timer_t *t) {
   struct coordinator *co = t->data;
   int64_t now = mr_clock_ms();
+  credit_stall(co, now);
   if (co->phase == PHASE_RUNNING && co->ranks.waiting_restart) {
     if (now >= co->restart_at_ms) {
       co->ranks.waiting_restart = 0;
@@ -714,6 +732,7 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
           co->job_id, opts->nproc, co->nnodes > 1 ? " on several nodes" : "", opts->log_dir,
           co->unix_path, co->master_addr, co->master_port);
   start_group(co);
+  co->last_tick_ms = mr_clock_ms();
   uv_run(&co->loop, UV_RUN_DEFAULT);
   code = co->exit_code;
   mr_ranks_close(&co->ranks);

@@ -76,6 +76,7 @@ struct coordinator {
   int n_group_nodes;        //   (node 0 first; an elastic job's may be fewer)
   int gathering;            // an elastic group waits for nodes to join
   int64_t gather_ms;
+  int64_t last_tick_ms;     // when on_tick last ran (or the loop began)
   const char *plan_text;    // the plan body the workers get, and their
   const uint64_t *digests;  //   programs' digests: the launch's, or
   char *own_text;           //   one made here (re-planned for another world,

@@ -468,3 +468,12 @@ void mr_ranks_print_summary(struct mr_ranks *s, double median_s, int n, double p
   }
   fflush(stdout);
 }
+
+void mr_ranks_credit(struct mr_ranks *s, int64_t ms) {
+  for (int i = 0; i < s->n; i++) {
+    struct mr_rank *r = &s->r[i];
+    r->spawn_ms += ms;
+    r->last_seen_ms += ms;
+    r->progress_ms += ms;
+  }
+}

@@ -116,6 +116,11 @@ void mr_ranks_close(struct mr_ranks *s);
  * (the caller stops those already started). */
 int mr_ranks_spawn_all(struct mr_ranks *s, const struct mr_spawn_env *env);
 
+/* Moves every rank's clocks (spawned, last heard from, last progress)
+ * ms later: the time the coordinator was not running does not count as
+ * the ranks' silence. */
+void mr_ranks_credit(struct mr_ranks *s, int64_t ms);
+
 /* Sends sig to rank i / to every running rank. */
 void mr_ranks_signal(struct mr_ranks *s, int i, int sig);
 void mr_ranks_signal_all(struct mr_ranks *s, int sig);

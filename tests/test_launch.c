@@ -230,6 +230,28 @@ START_TEST(test_launch_sigstopped_worker_caught_by_heartbeat_timeout) {
 }
 END_TEST
 
+/* A launcher that does not run for longer than the heartbeat timeout (sent
+ * SIGSTOP here; a slow disk or a paused machine alike) finds the ranks'
+ * heartbeats waiting in its sockets: it blames none of them. */
+START_TEST(test_launch_paused_launcher_blames_no_rank) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct mr_tproc p;
+  char *flags[] = {"--heartbeat-timeout", "1", "--max-restarts", "0", NULL};
+  launch(&p, dir, 2, "300", flags);
+  wait_registered(dir, 2);
+  kill(p.pid, SIGSTOP);
+  usleep(3500000);
+  kill(p.pid, SIGCONT);
+  int code = mr_t_wait(&p, 60);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "exit %d; stderr:\n%s", code, err);
+  ck_assert_msg(strstr(err, "sent no heartbeat") == NULL, "stderr:\n%s", err);
+  ck_assert_msg(strstr(err, "the launcher did not run for") != NULL, "stderr:\n%s", err);
+  free(err);
+}
+END_TEST
+
 START_TEST(test_launch_no_orphans_after_launcher_sigkill) {
   char dir[64];
   mr_t_tmpdir(dir, sizeof dir);
@@ -788,6 +810,7 @@ static Suite *launch_suite(void) {
   tcase_add_test(tc, test_launch_sigkill_detected_fast_and_group_restarts);
   tcase_add_test(tc, test_launch_no_restarts_left_names_rank_and_signal);
   tcase_add_test(tc, test_launch_sigstopped_worker_caught_by_heartbeat_timeout);
+  tcase_add_test(tc, test_launch_paused_launcher_blames_no_rank);
   tcase_add_test(tc, test_launch_no_orphans_after_launcher_sigkill);
   tcase_add_test(tc, test_launch_sockdir_sweep_takes_only_dead_folders);
   tcase_add_test(tc, test_launch_sigterm_stops_every_worker);
