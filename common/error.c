@@ -58,6 +58,12 @@ const char *mr_error_message(void) {
   return mr_strerror(last_code);
 }
 
+const char *mr_error_of(int code) {
+  if (last_message[0] != '\0' && last_code == code)
+    return last_message;
+  return mr_strerror(code);
+}
+
 void mr_error_clear(void) {
   last_message[0] = '\0';
   last_code = 0;

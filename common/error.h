@@ -57,6 +57,12 @@ int mr_error_set(int code, const char *fmt, ...)
  * when none was set.  Borrowed; valid until the next mr_error_set. */
 const char *mr_error_message(void);
 
+/* The message of a failure that returned code: the calling thread's last
+ * message when it was recorded with that code, else mr_strerror(code) —
+ * never a message left by an earlier, other failure (or a warning) when
+ * the one reported returned a bare code.  Borrowed, like the above. */
+const char *mr_error_of(int code);
+
 /* Forgets the calling thread's message. */
 void mr_error_clear(void);
 

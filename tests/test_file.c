@@ -1,6 +1,7 @@
 /* test_file.c - mr_file_write_text: the text as given (or with one final
  * newline), a replace that keeps what was there when it fails and leaves
- * no temporary behind, errors naming the file. */
+ * no temporary behind, errors naming the file; a failure's message bound
+ * to its code. */
 #include <check.h>
 #include <dirent.h>
 #include <stdio.h>
@@ -81,11 +82,27 @@ START_TEST(test_file_failures_name_the_file_and_leave_no_temporary) {
 }
 END_TEST
 
+/* A failure's message is the one recorded with its code: a bare code
+ * after an earlier failure (or a warning) of another code reads as that
+ * code's description, not as the earlier message. */
+START_TEST(test_error_message_bound_to_its_code) {
+  mr_error_set(MR_ENOENT, "warning: cache.json: no such file");
+  ck_assert_str_eq(mr_error_of(MR_ENOENT), "warning: cache.json: no such file");
+  ck_assert_str_eq(mr_error_of(MR_ENOMEM), mr_strerror(MR_ENOMEM));
+  ck_assert_str_eq(mr_error_of(MR_ENOMEM), "out of memory");
+  mr_error_set(MR_EJOB, "job.json: train.steps: expected a positive integer");
+  ck_assert_str_eq(mr_error_of(MR_EJOB), "job.json: train.steps: expected a positive integer");
+  mr_error_clear();
+  ck_assert_str_eq(mr_error_of(MR_EJOB), "invalid job file");
+}
+END_TEST
+
 static Suite *file_suite(void) {
   Suite *s = suite_create("file");
   TCase *tc = tcase_create("file");
   tcase_add_test(tc, test_file_text_as_given_or_with_one_final_newline);
   tcase_add_test(tc, test_file_failures_name_the_file_and_leave_no_temporary);
+  tcase_add_test(tc, test_error_message_bound_to_its_code);
   suite_add_tcase(s, tc);
   return s;
 }

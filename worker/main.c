@@ -182,7 +182,7 @@ static int run(void) {
                       (int)client.plan->kind);
   }
   if (rc < 0 && rc != MR_ECANCELED)
-    mr_client_report_error(&client, rc, mr_error_message());
+    mr_client_report_error(&client, rc, mr_error_of(rc));
   mr_client_set_state(&client, MESHRUN__HEARTBEAT__STATE__DONE);
   return rc;
 }
@@ -217,7 +217,7 @@ int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   int rc = run();
   if (rc < 0 && rc != MR_ECANCELED)
-    MR_ERROR("worker", "%s", mr_error_message());
+    MR_ERROR("worker", "%s", mr_error_of(rc));
   mr_client_close(&client);
   if (rc == MR_ECANCELED)
     return 143;
