@@ -99,7 +99,21 @@ static char *job_stem(const char *path) {
   return s;
 }
 
-int mr_cmd_launch(int argc, char **argv) {
+/* What the command line (and the scheduler around it) asks for. */
+struct launch_args {
+  long nproc, threads, restarts, nnodes, min_nodes, node_rank;
+  double hb, hang, join_timeout;
+  const char *log_dir, *metrics, *bind, *master, *token_file;
+  const char *devices_spec, *device, *job_path;
+  int selfcheck, nnodes_given, rank_given;
+  struct mr_slurm_step slurm;   // the Slurm step around us, if any
+  char master_host[256];        // --master split
+  int master_port;
+  char bind_all[300], log_buf[4096];
+};
+
+/* The flags into a; returns -1 to go on, else the exit code (0: --help). */
+static int parse_flags(int argc, char **argv, struct launch_args *a) {
   static const struct option longopts[] = {
       {"nproc", required_argument, NULL, 'n'},
       {"devices", required_argument, NULL, 'D'},
@@ -119,82 +133,76 @@ int mr_cmd_launch(int argc, char **argv) {
       {"join-timeout", required_argument, NULL, 'J'},
       {"help", no_argument, NULL, '?'},
       {NULL, 0, NULL, 0}};
-  long nproc = 0, threads = 0, restarts = 0, nnodes = 1, min_nodes = 1, node_rank = 0;
-  double hb = 30.0, hang = 300.0, join_timeout = 600.0;
-  const char *log_dir = NULL, *metrics = NULL, *bind = NULL;
-  const char *master = NULL, *token_file = NULL;
-  const char *devices_spec = NULL, *device = NULL;
-  int selfcheck = 0, nnodes_given = 0, rank_given = 0;
   optind = 1;
   opterr = 0;
   int c;
   while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
     switch (c) {
     case 'n':
-      if (mr_cli_int("launch", "--nproc", optarg, 1, 100000, &nproc) < 0)
+      if (mr_cli_int("launch", "--nproc", optarg, 1, 100000, &a->nproc) < 0)
         return 2;
       break;
     case 'D':
-      devices_spec = optarg;
+      a->devices_spec = optarg;
       break;
     case 'V':
       if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "cuda") != 0) {
         fprintf(stderr, "meshrun launch: --device \"%s\": expected cpu or cuda\n", optarg);
         return 2;
       }
-      device = optarg;
+      a->device = optarg;
       break;
     case 't':
-      if (mr_cli_int("launch", "--threads", optarg, 1, 4096, &threads) < 0)
+      if (mr_cli_int("launch", "--threads", optarg, 1, 4096, &a->threads) < 0)
         return 2;
       break;
     case 'r':
-      if (mr_cli_int("launch", "--max-restarts", optarg, 0, 1000000, &restarts) < 0)
+      if (mr_cli_int("launch", "--max-restarts", optarg, 0, 1000000, &a->restarts) < 0)
         return 2;
       break;
     case 'l':
-      log_dir = optarg;
+      a->log_dir = optarg;
       break;
     case 'm':
-      metrics = optarg;
+      a->metrics = optarg;
       break;
     case 'h':
-      if (mr_cli_num("launch", "--heartbeat-timeout", optarg, 0.05, 1e6, &hb) < 0)
+      if (mr_cli_num("launch", "--heartbeat-timeout", optarg, 0.05, 1e6, &a->hb) < 0)
         return 2;
       break;
     case 'b':
-      bind = optarg;
+      a->bind = optarg;
       break;
     case 'H':
-      if (mr_cli_num("launch", "--hang-timeout", optarg, 0, 1e7, &hang) < 0)
+      if (mr_cli_num("launch", "--hang-timeout", optarg, 0, 1e7, &a->hang) < 0)
         return 2;
       break;
     case 's':
-      selfcheck = 1;
+      a->selfcheck = 1;
       break;
     case 'N': { /* N, or MIN:MAX (elastic) */
       char lo[32];
       const char *colon = strchr(optarg, ':');
       snprintf(lo, sizeof lo, "%.*s", colon ? (int)(colon - optarg) : (int)strlen(optarg), optarg);
-      if (mr_cli_int("launch", "--nnodes", colon ? colon + 1 : optarg, 1, 100000, &nnodes) < 0 ||
-          mr_cli_int("launch", "--nnodes", lo, 1, nnodes, &min_nodes) < 0)
+      if (mr_cli_int("launch", "--nnodes", colon ? colon + 1 : optarg, 1, 100000, &a->nnodes) < 0 ||
+          mr_cli_int("launch", "--nnodes", lo, 1, a->nnodes, &a->min_nodes) < 0)
         return 2;
-      nnodes_given = 1;
+      a->nnodes_given = 1;
       break;
     }
     case 'K':
-      if (mr_cli_int("launch", "--node-rank", optarg, 0, 99999, &node_rank) < 0)
+      if (mr_cli_int("launch", "--node-rank", optarg, 0, 99999, &a->node_rank) < 0)
         return 2;
-      rank_given = 1;
+      a->rank_given = 1;
       break;
     case 'M':
-      master = optarg;
+      a->master = optarg;
       break;
     case 'T':
-      token_file = optarg;
+      a->token_file = optarg;
       break;
     case 'J':
-      if (mr_cli_num("launch", "--join-timeout", optarg, 0.1, 1e7, &join_timeout) < 0)
+      if (mr_cli_num("launch", "--join-timeout", optarg, 0.1, 1e7, &a->join_timeout) < 0)
         return 2;
       break;
     default:
@@ -208,259 +216,309 @@ int mr_cmd_launch(int argc, char **argv) {
       return 2;
     }
   }
-  /* inside a Slurm step, what the flags leave unsaid comes from it */
-  struct mr_slurm_step slurm = {0};
-  int all_given = nnodes_given && rank_given && master != NULL && token_file != NULL;
-  if (!all_given && mr_slurm_step(&slurm) < 0) {
-    fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
-    return 2;
-  }
-  if (slurm.in_step && slurm.nnodes > 1) {
-    if (!nnodes_given)
-      nnodes = min_nodes = slurm.nnodes;
-    if (!rank_given)
-      node_rank = slurm.node_rank;
-    if (master == NULL)
-      master = slurm.master;
-    if (token_file == NULL && slurm.token_file[0] != '\0') {
-      char dir[4096];
-      snprintf(dir, sizeof dir, "%s", slurm.token_file);
-      *strrchr(dir, '/') = '\0';
-      if (mr_mkdir_p(dir) == 0)
-        token_file = slurm.token_file;
-    }
-    printf("meshrun: Slurm job %ld: node %ld of %ld, node 0 at %s, job token in %s\n",
-           slurm.job_id, node_rank, nnodes, master, token_file ? token_file : "(none)");
-    fflush(stdout);
-  } else if (!slurm.in_step && slurm.in_job_nodes > 1 && !nnodes_given) {
-    fprintf(stderr, "meshrun launch: note: Slurm job %ld has %d nodes, but this is not an "
-            "srun step: running on this node only (srun --ntasks-per-node=1 meshrun launch "
-            "... runs a launcher on every node)\n", slurm.job_id, slurm.in_job_nodes);
-  }
-  /* a Kubernetes indexed Job: the pod's index is the node's */
-  const char *pod = getenv("JOB_COMPLETION_INDEX");
-  if (!rank_given && !slurm.in_step && nnodes > 1 && pod != NULL &&
-      mr_cli_int("launch", "JOB_COMPLETION_INDEX", pod, 0, nnodes - 1, &node_rank) < 0)
-    return 2;
-  if (node_rank >= nnodes) {
-    fprintf(stderr, "meshrun launch: --node-rank %ld: expected 0..%ld (--nnodes %ld)\n",
-            node_rank, nnodes - 1, nnodes);
-    return 2;
-  }
-  char master_host[256], bind_all[300];
-  int master_port = 0;
-  if (nnodes > 1 && (master == NULL || token_file == NULL)) {
-    fprintf(stderr, "meshrun launch: --nnodes %ld: expected --master HOST:PORT (node 0's "
-            "launcher) and --token-file FILE (the job token, on a file system every node "
-            "sees)\n", nnodes);
-    return 2;
-  }
-  if (master != NULL && mr_cli_host_port(master, master_host, sizeof master_host,
-                                         &master_port) < 0) {
-    fprintf(stderr, "meshrun launch: --master %s: %s\n", master, mr_error_message());
-    return 2;
-  }
-  if (bind == NULL && nnodes > 1) { /* every interface, at the port the others dial */
-    snprintf(bind_all, sizeof bind_all, "0.0.0.0:%d", master_port);
-    bind = bind_all;
-  }
-  if (bind == NULL)
-    bind = "127.0.0.1:0";
-  char bind_host[64];
-  int bind_port;
-  if (mr_bind_parse(bind, bind_host, sizeof bind_host, &bind_port) < 0) {
-    fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
-    return 2;
-  }
   int rest = argc - optind;
-  if (rest > 1 || (rest == 0 && !selfcheck)) {
+  if (rest > 1 || (rest == 0 && !a->selfcheck)) {
     fprintf(stderr, rest == 0 ? "meshrun launch: missing JOB.json\n"
                               : "meshrun launch: expected one job file, got %d arguments\n",
             rest);
     usage(stderr);
     return 2;
   }
-  const char *job_path = rest == 1 ? argv[optind] : NULL;
+  a->job_path = rest == 1 ? argv[optind] : NULL;
+  return -1;
+}
 
-  struct mr_job job;
-  memset(&job, 0, sizeof job);
-  if (job_path != NULL && mr_job_load(job_path, &job) < 0) {
+/* Inside a Slurm step, or a Kubernetes indexed Job, what the flags leave
+ * unsaid comes from it; returns -1 to go on, else the exit code. */
+static int from_scheduler(struct launch_args *a) {
+  struct mr_slurm_step *slurm = &a->slurm;
+  int all_given = a->nnodes_given && a->rank_given && a->master != NULL && a->token_file != NULL;
+  if (!all_given && mr_slurm_step(slurm) < 0) {
     fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
     return 2;
   }
-  if (job_path != NULL)
-    mr_cli_job_defaults(&job);
-  if (threads == 0)
-    threads = (long)mr_tunable_int(MR_TUNABLE_THREADS);
-  if (threads < 1)
-    threads = 1;
-  int code = 0;
-  struct mr_strategy_choice choice;
-  memset(&choice, 0, sizeof choice);
-  struct mr_devices devices;
-  if (mr_discover_devices(&devices) < 0) {
-    fprintf(stderr, "meshrun launch: device discovery failed: %s\n", mr_error_message());
-    mr_job_close(&job);
-    return 1;
+  if (slurm->in_step && slurm->nnodes > 1) {
+    if (!a->nnodes_given)
+      a->nnodes = a->min_nodes = slurm->nnodes;
+    if (!a->rank_given)
+      a->node_rank = slurm->node_rank;
+    if (a->master == NULL)
+      a->master = slurm->master;
+    if (a->token_file == NULL && slurm->token_file[0] != '\0') {
+      char dir[4096];
+      snprintf(dir, sizeof dir, "%s", slurm->token_file);
+      *strrchr(dir, '/') = '\0';
+      if (mr_mkdir_p(dir) == 0)
+        a->token_file = slurm->token_file;
+    }
+    printf("meshrun: Slurm job %ld: node %ld of %ld, node 0 at %s, job token in %s\n",
+           slurm->job_id, a->node_rank, a->nnodes, a->master,
+           a->token_file ? a->token_file : "(none)");
+    fflush(stdout);
+  } else if (!slurm->in_step && slurm->in_job_nodes > 1 && !a->nnodes_given) {
+    fprintf(stderr, "meshrun launch: note: Slurm job %ld has %d nodes, but this is not an "
+            "srun step: running on this node only (srun --ntasks-per-node=1 meshrun launch "
+            "... runs a launcher on every node)\n", slurm->job_id, slurm->in_job_nodes);
   }
-  if (devices_spec != NULL) {
+  /* a Kubernetes indexed Job: the pod's index is the node's */
+  const char *pod = getenv("JOB_COMPLETION_INDEX");
+  if (!a->rank_given && !slurm->in_step && a->nnodes > 1 && pod != NULL &&
+      mr_cli_int("launch", "JOB_COMPLETION_INDEX", pod, 0, a->nnodes - 1, &a->node_rank) < 0)
+    return 2;
+  return -1;
+}
+
+/* This node's place among the nodes, node 0's address and the one to
+ * listen on; returns -1 to go on, else the exit code. */
+static int resolve_addresses(struct launch_args *a) {
+  if (a->node_rank >= a->nnodes) {
+    fprintf(stderr, "meshrun launch: --node-rank %ld: expected 0..%ld (--nnodes %ld)\n",
+            a->node_rank, a->nnodes - 1, a->nnodes);
+    return 2;
+  }
+  if (a->nnodes > 1 && (a->master == NULL || a->token_file == NULL)) {
+    fprintf(stderr, "meshrun launch: --nnodes %ld: expected --master HOST:PORT (node 0's "
+            "launcher) and --token-file FILE (the job token, on a file system every node "
+            "sees)\n", a->nnodes);
+    return 2;
+  }
+  if (a->master != NULL && mr_cli_host_port(a->master, a->master_host, sizeof a->master_host,
+                                            &a->master_port) < 0) {
+    fprintf(stderr, "meshrun launch: --master %s: %s\n", a->master, mr_error_message());
+    return 2;
+  }
+  if (a->bind == NULL && a->nnodes > 1) { /* every interface, at the port the others dial */
+    snprintf(a->bind_all, sizeof a->bind_all, "0.0.0.0:%d", a->master_port);
+    a->bind = a->bind_all;
+  }
+  if (a->bind == NULL)
+    a->bind = "127.0.0.1:0";
+  char bind_host[64];
+  int bind_port;
+  if (mr_bind_parse(a->bind, bind_host, sizeof bind_host, &bind_port) < 0) {
+    fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
+    return 2;
+  }
+  return -1;
+}
+
+/* The GPUs the ranks see (--devices), the ranks on this node and what they
+ * compute on (MESHRUN_DEVICE, set for the workers; *gpu_ranks); returns -1
+ * to go on, else the exit code. */
+static int choose_devices(struct launch_args *a, struct mr_devices *devices, int *gpu_ranks) {
+  if (a->devices_spec != NULL) {
     /* like paddle.distributed.launch --devices: the ranks see exactly
      * these GPUs, rank i on the i-th */
     int idx[1024], n = 0;
     char env[8192];
-    if (mr_devices_parse_list("--devices", devices_spec, devices.gpus, idx, 1024, &n) < 0 ||
-        mr_devices_select(&devices, idx, n, env, sizeof env) < 0) {
+    if (mr_devices_parse_list("--devices", a->devices_spec, devices->gpus, idx, 1024, &n) < 0 ||
+        mr_devices_select(devices, idx, n, env, sizeof env) < 0) {
       fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
-      code = 2;
-      goto done;
+      return 2;
     }
-    if (nproc != 0 && nproc != n) {
+    if (a->nproc != 0 && a->nproc != n) {
       fprintf(stderr, "meshrun launch: --nproc %ld but --devices %s lists %d GPU%s: "
-              "one rank per GPU\n", nproc, devices_spec, n, n == 1 ? "" : "s");
-      code = 2;
-      goto done;
+              "one rank per GPU\n", a->nproc, a->devices_spec, n, n == 1 ? "" : "s");
+      return 2;
     }
     setenv("CUDA_VISIBLE_DEVICES", env, 1);
   }
-  if (nproc == 0)
-    nproc = mr_devices_default_nproc(&devices, (int)threads);
-  if (devices.gpus > 0) {
+  if (a->nproc == 0)
+    a->nproc = mr_devices_default_nproc(devices, (int)a->threads);
+  if (devices->gpus > 0) {
     /* the weakest link between two of the GPUs the ranks will use */
     enum mr_gpu_link worst = MR_GPU_LINK_SELF;
-    for (int i = 0; i < devices.gpus; i++)
-      for (int j = 0; j < devices.gpus; j++) {
-        enum mr_gpu_link l = mr_devices_link(&devices, i, j);
+    for (int i = 0; i < devices->gpus; i++)
+      for (int j = 0; j < devices->gpus; j++) {
+        enum mr_gpu_link l = mr_devices_link(devices, i, j);
         if (l == MR_GPU_LINK_UNKNOWN || (worst != MR_GPU_LINK_UNKNOWN && l > worst))
           worst = l;
       }
-    printf("meshrun: %d GPU%s: %s, %.0f GiB%s; links %s\n", devices.gpus,
-           devices.gpus > 1 ? "s" : "", devices.dev[0].name,
-           (double)devices.dev[0].memory_bytes / (1 << 30), devices.gpus > 1 ? " each" : "",
-           devices.gpus > 1 ? mr_gpu_link_name(worst) : "(one GPU)");
+    printf("meshrun: %d GPU%s: %s, %.0f GiB%s; links %s\n", devices->gpus,
+           devices->gpus > 1 ? "s" : "", devices->dev[0].name,
+           (double)devices->dev[0].memory_bytes / (1 << 30), devices->gpus > 1 ? " each" : "",
+           devices->gpus > 1 ? mr_gpu_link_name(worst) : "(one GPU)");
     fflush(stdout);
   }
   /* what the ranks compute on: the flag, else MESHRUN_DEVICE, else GPUs
    * where there are any; the workers read it from their environment */
-  const char *dev_kind = device != NULL ? device : mr_tunable_str(MR_TUNABLE_DEVICE);
+  const char *dev_kind = a->device != NULL ? a->device : mr_tunable_str(MR_TUNABLE_DEVICE);
   if (dev_kind == NULL || dev_kind[0] == '\0') /* GPUs where each rank gets one */
-    dev_kind = devices.gpus > 0 && nproc <= devices.gpus ? "cuda" : "cpu";
-  if (strcmp(dev_kind, "cuda") == 0 && nproc > devices.gpus) {
+    dev_kind = devices->gpus > 0 && a->nproc <= devices->gpus ? "cuda" : "cpu";
+  if (strcmp(dev_kind, "cuda") == 0 && a->nproc > devices->gpus) {
     fprintf(stderr, "meshrun launch: --device cuda with %ld ranks, but %d GPU%s visible: one "
-            "rank per GPU (or --device cpu)\n", nproc, devices.gpus, devices.gpus == 1 ? "" : "s");
-    code = 2;
-    goto done;
+            "rank per GPU (or --device cpu)\n", a->nproc, devices->gpus,
+            devices->gpus == 1 ? "" : "s");
+    return 2;
   }
   setenv("MESHRUN_DEVICE", dev_kind, 1);
-  int gpu_ranks = strcmp(dev_kind, "cuda") == 0;
-  long world = nnodes * nproc; /* every node runs nproc ranks */
-  if (world > 1000000) {
-    fprintf(stderr, "meshrun launch: --nnodes %ld x --nproc %ld: %ld ranks, expected at most "
-            "1000000\n", nnodes, nproc, world);
-    code = 2;
-    goto done;
-  }
-  int plans = job_path != NULL && !selfcheck && node_rank == 0; /* node 0 plans */
-  if (plans && job.cluster == NULL && mr_tunable_str(MR_TUNABLE_CLUSTER)[0] == '\0') {
+  *gpu_ranks = strcmp(dev_kind, "cuda") == 0;
+  return -1;
+}
+
+/* Node 0's plan for world ranks: the machine measured when the job names
+ * no cluster spec, the strategy chosen and written into job->text, the
+ * checkpoint folder checked; returns -1 to go on, else the exit code. */
+static int plan_job(struct launch_args *a, struct mr_job *job, const struct mr_devices *devices,
+                    int gpu_ranks, long world, struct mr_strategy_choice *choice) {
+  if (job->cluster == NULL && mr_tunable_str(MR_TUNABLE_CLUSTER)[0] == '\0') {
     /* no cluster spec given: plan for this machine, measured (once;
      * cached) — its GPUs where the ranks run on them, else its cores */
     char spec[4096];
-    int rc = gpu_ranks ? mr_gpu_cluster_spec(&devices, spec, sizeof spec)
+    int rc = gpu_ranks ? mr_gpu_cluster_spec(devices, spec, sizeof spec)
                        : mr_cpu_cluster_spec(spec, sizeof spec);
     if (rc == 0) {
-      job.cluster = strdup(spec);
+      job->cluster = strdup(spec);
       printf("meshrun: measured %s: %s\n", gpu_ranks ? "GPUs" : "this machine", spec);
     } else if (rc < 0) {
       fprintf(stderr, "meshrun launch: warning: %s; planning with the shipped specs\n",
-              mr_error_message());
+              mr_error_of(rc));
     }
   }
+  int rc = mr_strategy_choose(job, (int)world, choice);
+  if (rc < 0) {
+    fprintf(stderr, "meshrun launch: %s: %s\n", a->job_path, mr_error_of(rc));
+    return 2;
+  }
+  char *text = mr_strategy_apply(job, &choice->chosen.strategy);
+  if (text == NULL) {
+    fprintf(stderr, "meshrun launch: out of memory\n");
+    return 1;
+  }
+  free(job->text);
+  job->text = text;
+  mr_strategy_print(choice, stdout);
+  fflush(stdout);
+  if ((rc = check_checkpoint_dir(job)) < 0) {
+    fprintf(stderr, "meshrun launch: %s\n", mr_error_of(rc));
+    return 2;
+  }
+  return -1;
+}
 
-  if (plans) {
-    if (mr_strategy_choose(&job, (int)world, &choice) < 0) {
-      fprintf(stderr, "meshrun launch: %s: %s\n", job_path, mr_error_message());
-      code = 2;
-      goto done;
-    }
-    char *text = mr_strategy_apply(&job, &choice.chosen.strategy);
-    if (text == NULL) {
-      fprintf(stderr, "meshrun launch: out of memory\n");
-      code = 1;
-      goto done;
-    }
-    free(job.text);
-    job.text = text;
-    mr_strategy_print(&choice, stdout);
-    fflush(stdout);
-    if (check_checkpoint_dir(&job) < 0) {
-      fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
-      code = 2;
-      goto done;
-    }
-  }
-  char worker[4096];
+/* The worker binary (MESHRUN_WORKER, else beside meshrun, else on PATH)
+ * into worker and the log folder made (default runs/JOBNAME); returns -1
+ * to go on, else the exit code. */
+static int find_worker_and_logs(struct launch_args *a, char *worker, size_t n) {
   const char *wenv = getenv("MESHRUN_WORKER");
   if (wenv != NULL && wenv[0] != '\0')
-    snprintf(worker, sizeof worker, "%s", wenv);
-  else if (mr_cli_find_sibling("meshrun-worker", "worker", worker, sizeof worker) < 0) {
+    snprintf(worker, n, "%s", wenv);
+  else if (mr_cli_find_sibling("meshrun-worker", "worker", worker, n) < 0) {
     fprintf(stderr, "meshrun launch: cannot find meshrun-worker beside meshrun or on PATH\n");
-    code = 1;
-    goto done;
+    return 1;
   }
-  char dir_buf[4096];
-  if (log_dir == NULL) {
-    char *stem = job_path != NULL ? job_stem(job_path) : strdup("selfcheck");
-    snprintf(dir_buf, sizeof dir_buf, "runs/%s", stem != NULL ? stem : "job");
+  if (a->log_dir == NULL) {
+    char *stem = a->job_path != NULL ? job_stem(a->job_path) : strdup("selfcheck");
+    snprintf(a->log_buf, sizeof a->log_buf, "runs/%s", stem != NULL ? stem : "job");
     free(stem);
-    log_dir = dir_buf;
+    a->log_dir = a->log_buf;
   }
-  if (mr_mkdir_p(log_dir) < 0) {
+  if (mr_mkdir_p(a->log_dir) < 0) {
     fprintf(stderr, "meshrun launch: --log-dir: %s\n", mr_error_message());
+    return 2;
+  }
+  return -1;
+}
+
+/* Another node's launcher: joins node 0's and runs the ranks it is told. */
+static int run_agent(const struct launch_args *a, const char *worker) {
+  struct mr_agent_opts ao = {
+      .nnodes = (int)a->nnodes,
+      .node_rank = (int)a->node_rank,
+      .nproc = (int)a->nproc,
+      .master = a->master,
+      .token_file = a->token_file,
+      .log_dir = a->log_dir,
+      .worker_bin = worker,
+      .threads = (int)a->threads,
+      .join_timeout_s = a->join_timeout,
+  };
+  return mr_agent_run(&ao);
+}
+
+/* Node 0: the coordinator, with the plan made for world ranks. */
+static int run_coordinator(const struct launch_args *a, const char *worker, struct mr_job *job,
+                           const struct mr_devices *devices,
+                           const struct mr_strategy_choice *choice, long world, int planned) {
+  struct mr_launch_opts opts = {
+      .nproc = (int)world,
+      .nnodes = (int)a->nnodes,
+      .min_nodes = (int)a->min_nodes,
+      .node_ranks = (int)a->nproc,
+      .join_timeout_s = a->join_timeout,
+      .token_file = a->token_file,
+      .master_host = a->nnodes > 1 ? a->master_host : NULL,
+      .max_restarts = (int)a->restarts,
+      .log_dir = a->log_dir,
+      .heartbeat_timeout_s = a->hb,
+      .hang_timeout_s = a->hang,
+      .bind = a->bind,
+      .worker_bin = worker,
+      .threads = (int)a->threads,
+      .selfcheck = a->selfcheck,
+      .job = a->job_path != NULL ? job : NULL,
+      .metrics_path = a->metrics,
+      .devices = devices,
+      .program_digests = choice->program_digests,
+      .predicted_step_s = planned ? choice->chosen.cost.step_time_s : 0,
+  };
+  int code = mr_coordinator_run(&opts);
+  /* the job's own token file (Slurm's default) goes with the job: every
+   * node read it when it joined */
+  if (a->token_file != NULL && a->token_file == a->slurm.token_file)
+    unlink(a->token_file);
+  return code;
+}
+
+/* meshrun launch: the flags and the scheduler's word, the job, the
+ * devices, node 0's plan, then this node's launcher runs. */
+int mr_cmd_launch(int argc, char **argv) {
+  struct launch_args a = {.nnodes = 1, .min_nodes = 1, .hb = 30.0, .hang = 300.0,
+                          .join_timeout = 600.0};
+  int code;
+  if ((code = parse_flags(argc, argv, &a)) >= 0 || (code = from_scheduler(&a)) >= 0 ||
+      (code = resolve_addresses(&a)) >= 0)
+    return code;
+  struct mr_job job;
+  memset(&job, 0, sizeof job);
+  int rc = a.job_path != NULL ? mr_job_load(a.job_path, &job) : 0;
+  if (rc < 0) {
+    fprintf(stderr, "meshrun launch: %s\n", mr_error_of(rc));
+    return 2;
+  }
+  if (a.job_path != NULL)
+    mr_cli_job_defaults(&job);
+  if (a.threads == 0)
+    a.threads = (long)mr_tunable_int(MR_TUNABLE_THREADS);
+  if (a.threads < 1)
+    a.threads = 1;
+  struct mr_strategy_choice choice;
+  memset(&choice, 0, sizeof choice);
+  struct mr_devices devices;
+  if ((rc = mr_discover_devices(&devices)) < 0) {
+    fprintf(stderr, "meshrun launch: device discovery failed: %s\n", mr_error_of(rc));
+    mr_job_close(&job);
+    return 1;
+  }
+  int gpu_ranks = 0;
+  long world = 0;
+  int plans = a.job_path != NULL && !a.selfcheck && a.node_rank == 0; /* node 0 plans */
+  char worker[4096];
+  if ((code = choose_devices(&a, &devices, &gpu_ranks)) >= 0)
+    goto done;
+  world = a.nnodes * a.nproc; /* every node runs nproc ranks */
+  if (world > 1000000) {
+    fprintf(stderr, "meshrun launch: --nnodes %ld x --nproc %ld: %ld ranks, expected at most "
+            "1000000\n", a.nnodes, a.nproc, world);
     code = 2;
     goto done;
   }
-  mr_log_set_prefix("launcher");
-  if (node_rank > 0) {
-    struct mr_agent_opts ao = {
-        .nnodes = (int)nnodes,
-        .node_rank = (int)node_rank,
-        .nproc = (int)nproc,
-        .master = master,
-        .token_file = token_file,
-        .log_dir = log_dir,
-        .worker_bin = worker,
-        .threads = (int)threads,
-        .join_timeout_s = join_timeout,
-    };
-    code = mr_agent_run(&ao);
+  if ((plans && (code = plan_job(&a, &job, &devices, gpu_ranks, world, &choice)) >= 0) ||
+      (code = find_worker_and_logs(&a, worker, sizeof worker)) >= 0)
     goto done;
-  }
-  struct mr_launch_opts opts = {
-      .nproc = (int)world,
-      .nnodes = (int)nnodes,
-      .min_nodes = (int)min_nodes,
-      .node_ranks = (int)nproc,
-      .join_timeout_s = join_timeout,
-      .token_file = token_file,
-      .master_host = nnodes > 1 ? master_host : NULL,
-      .max_restarts = (int)restarts,
-      .log_dir = log_dir,
-      .heartbeat_timeout_s = hb,
-      .hang_timeout_s = hang,
-      .bind = bind,
-      .worker_bin = worker,
-      .threads = (int)threads,
-      .selfcheck = selfcheck,
-      .job = job_path != NULL ? &job : NULL,
-      .metrics_path = metrics,
-      .devices = &devices,
-      .program_digests = choice.program_digests,
-      .predicted_step_s = plans ? choice.chosen.cost.step_time_s : 0,
-  };
-  code = mr_coordinator_run(&opts);
-  /* the job's own token file (Slurm's default) goes with the job: every
-   * node read it when it joined */
-  if (token_file != NULL && token_file == slurm.token_file)
-    unlink(token_file);
+  mr_log_set_prefix("launcher");
+  code = a.node_rank > 0 ? run_agent(&a, worker)
+                         : run_coordinator(&a, worker, &job, &devices, &choice, world, plans);
 done:
   mr_strategy_choice_close(&choice);
   mr_devices_close(&devices);
