@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "common/error.h"
 
@@ -232,6 +233,11 @@ int mr_read_file(const char *path, char **text, size_t *len) {
   FILE *f = fopen(path, "rb");
   if (f == NULL)
     return mr_error_set(mr_from_errno(errno), "%s: %s", path, strerror(errno));
+  struct stat st;
+  if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) { /* fopen takes a folder */
+    fclose(f);
+    return mr_error_set(MR_EINVAL, "%s: is a folder; expected a JSON file", path);
+  }
   size_t cap = 4096, n = 0;
   char *buf = malloc(cap);
   for (;;) {
@@ -254,11 +260,11 @@ int mr_read_file(const char *path, char **text, size_t *len) {
       free(buf);
     buf = nb;
   }
-  int err = ferror(f);
+  int err = ferror(f) ? errno : 0;
   fclose(f);
   if (err) {
     free(buf);
-    return mr_error_set(MR_EIO, "%s: read error", path);
+    return mr_error_set(MR_EIO, "%s: read error: %s", path, strerror(err));
   }
   buf[n] = '\0';
   *text = buf;

@@ -363,6 +363,16 @@ START_TEST(test_cli_bad_job_files_exit_2_naming_file_and_field) {
   ck_assert_int_eq(launch_job(dir, "{\"model\": \"nope/config.json\", \"data\": {\"train\": \"t\"}}", &err), 2);
   ck_assert_msg(strstr(err, "nope/config.json: No such file or directory") != NULL, "%s", err);
   free(err);
+  /* a folder given as the job (fopen opens one; its read fails) */
+  char logdir[160];
+  snprintf(logdir, sizeof logdir, "%s/logs", dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "1", "--log-dir", logdir, dir, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, dir, argv, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 20), 2);
+  err = mr_t_slurp(p.err_path);
+  ck_assert_msg(strstr(err, "is a folder; expected a JSON file") != NULL, "%s", err);
+  free(err);
 }
 END_TEST
 
