@@ -82,6 +82,8 @@
      "test hook: the launcher sends this rank a wrong program digest")      \
   XX(TEST_COMM_TRACE, "MESHRUN_TEST_COMM_TRACE", "",                        \
      "test hook: each rank appends every collective it issues to PATH.RANK") \
+  XX(TEST_PLAN_DELAY_MS, "MESHRUN_TEST_PLAN_DELAY_MS", "0",                 \
+     "test hook: the launcher's re-plans take this many ms longer (a slow plan)") \
   XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \
      "lines of a failed rank's log shown on exit")                           \
   XX(LOSS_SCALE_GROWTH, "MESHRUN_LOSS_SCALE_GROWTH_INTERVAL", "2000",        \

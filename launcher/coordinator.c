@@ -27,6 +27,7 @@
 #include "common/rpc.h"
 #include "common/tunable.h"
 #include "launcher/conn.h"
+#include "launcher/plan_work.h"
 #include "launcher/ranks.h"
 #include "launcher/rebalance.h"
 #include "launcher/sockdir.h"
@@ -112,12 +113,28 @@ void mr__co_adopt_plan(struct coordinator *co, char *text, uint64_t *digests, do
   co->n_step_s = 0; /* measured under another plan */
 }
 
+static const char *const state_names[] = {
+    [GROUP_GATHERING] = "gathering", [GROUP_PLANNING] = "planning",
+    [GROUP_RUNNING] = "running",     [GROUP_STOPPING] = "stopping",
+    [GROUP_BACKOFF] = "back-off",    [GROUP_FINISHED] = "finished",
+};
+
+/* The one place the group's state changes (coordinator_internal.h draws
+ * the transitions). */
+static void group_enter(struct coordinator *co, enum group_state s) {
+  MR_DEBUG("launch", "group %d: %s -> %s", co->restart, state_names[co->state], state_names[s]);
+  co->state = s;
+  co->state_ms = mr_clock_ms();
+}
+
+int mr__co_live(const struct coordinator *co) {
+  return co->state != GROUP_STOPPING && co->state != GROUP_FINISHED;
+}
+
 void mr__co_begin_stop(struct coordinator *co) {
-  if (co->phase == PHASE_STOPPING)
+  if (!mr__co_live(co))
     return;
-  co->phase = PHASE_STOPPING;
-  co->gathering = 0;
-  co->stop_started_ms = mr_clock_ms();
+  group_enter(co, GROUP_STOPPING);
   co->killed = 0;
   mr_ranks_send_control(&co->ranks, MESHRUN__CONTROL__KIND__STOP);
   mr_ranks_signal_all(&co->ranks, SIGTERM);
@@ -129,7 +146,7 @@ void mr__co_begin_stop(struct coordinator *co) {
 }
 
 void mr__co_group_fail(struct coordinator *co, int rank, const char *fmt, ...) {
-  if (co->phase != PHASE_RUNNING)
+  if (!mr__co_live(co))
     return;
   va_list ap;
   va_start(ap, fmt);
@@ -145,7 +162,7 @@ static void on_signal(uv_signal_t *h, int signum) {
   const struct mr_job *job = co->opts->job;
   /* a scheduler's preemption: save a checkpoint first, then exit 0 */
   if (signum == SIGTERM && !co->preempting && co->stop_signal == 0 &&
-      co->phase == PHASE_RUNNING && !co->opts->selfcheck && job != NULL &&
+      co->state == GROUP_RUNNING && !co->opts->selfcheck && job != NULL &&
       job->checkpoint.dir != NULL) {
     co->preempting = 1;
     co->preempt_started_ms = mr_clock_ms();
@@ -161,8 +178,7 @@ static void on_signal(uv_signal_t *h, int signum) {
   co->stop_signal = signum;
   MR_WARN("launch", "%s: stopping all workers", strsignal(signum));
   co->failure[0] = '\0';
-  co->phase = PHASE_RUNNING; /* so mr__co_begin_stop runs even mid-restart */
-  mr__co_begin_stop(co);
+  mr__co_begin_stop(co); /* stopping already: group_stopped reads stop_signal */
 }
 
 /* SIGUSR1, a scheduler's warning before a time limit (Slurm's --signal):
@@ -171,7 +187,7 @@ static void on_usr1(uv_signal_t *h, int signum) {
   (void)signum;
   struct coordinator *co = h->data;
   const struct mr_job *job = co->opts->job;
-  if (job == NULL || co->opts->selfcheck || co->phase != PHASE_RUNNING || co->preempting)
+  if (job == NULL || co->opts->selfcheck || co->state != GROUP_RUNNING || co->preempting)
     return;
   if (job->checkpoint.dir == NULL) {
     MR_WARN("launch", "SIGUSR1: the job has no checkpoint.dir: no checkpoint to write");
@@ -263,55 +279,24 @@ static int nodes_connected(const struct coordinator *co) {
   return n;
 }
 
-/* The plan for a group of `world` ranks: the launch's for all the nodes,
- * else the search run again for the ranks there are. */
-static int plan_for(struct coordinator *co, int world) {
+/* The launch's plan: for a group of every node (or the self-check). */
+static void use_launch_plan(struct coordinator *co) {
   const struct mr_launch_opts *o = co->opts;
-  if (world == o->nproc || o->job == NULL) {
-    co->plan_text = o->job != NULL ? o->job->text : NULL;
-    co->digests = o->program_digests;
-    if (co->predicted_s != o->predicted_step_s)
-      co->predicted_s = o->predicted_step_s, co->n_step_s = 0;
-    return 0;
-  }
-  co->plan_text = NULL;
-  co->digests = NULL;
-  struct mr_strategy_choice choice;
-  int rc = mr_strategy_choose(o->job, world, &choice);
-  char *text = rc == 0 ? mr_strategy_apply(o->job, &choice.chosen.strategy) : NULL;
-  if (rc == 0 && text == NULL)
-    rc = MR_ENOMEM;
-  if (rc == 0) {
-    mr__co_adopt_plan(co, text, choice.program_digests, choice.chosen.cost.step_time_s);
-    choice.program_digests = NULL;
-    MR_WARN("launch", "re-planned for %d ranks on %d node%s:", world, co->n_group_nodes,
-            co->n_group_nodes == 1 ? "" : "s");
-    mr_strategy_print(&choice, stdout);
-    fflush(stdout);
-  }
-  mr_strategy_choice_close(&choice);
-  return rc;
+  co->plan_text = o->job != NULL ? o->job->text : NULL;
+  co->digests = o->program_digests;
+  if (co->predicted_s != o->predicted_step_s)
+    co->predicted_s = o->predicted_step_s, co->n_step_s = 0;
 }
 
-/* Starts a group on its nodes: every node in its place, or for an elastic
- * job the nodes connected now, numbered in node order. */
-static int begin_group(struct coordinator *co) {
-  co->n_group_nodes = 0;
-  co->group_steps = 0;
-  for (int k = 0; k < co->nnodes; k++)
-    if ((!mr__co_elastic(co) || k == 0 || co->agents[k] != NULL) && !co->left_out[k])
-      co->group_nodes[co->n_group_nodes++] = k;
-  int world = co->n_group_nodes * co->node_ranks;
-  if (world != co->world) {
-    int rc = plan_for(co, world);
-    if (rc < 0) {
-      mr__co_group_fail(co, -1, "no plan for %d ranks on %d nodes: %s", world, co->n_group_nodes,
-                        mr_error_message());
-      return rc;
-    }
-    co->world = world;
-    mr_ranks_renumber(&co->ranks, world, 0);
-  }
+/* The group's ranks renumbered for a world of `world`. */
+static void set_world(struct coordinator *co, int world) {
+  co->world = world;
+  mr_ranks_renumber(&co->ranks, world, 0);
+}
+
+/* Starts the group's workers, here and on its other nodes. */
+static int spawn_group(struct coordinator *co) {
+  group_enter(co, GROUP_RUNNING);
   struct mr_spawn_env env = {
       .worker_bin = co->opts->worker_bin,
       .coord_address = co->unix_address,
@@ -326,7 +311,7 @@ static int begin_group(struct coordinator *co) {
   };
   int rc = mr_ranks_spawn_all(&co->ranks, &env);
   if (rc < 0) {
-    mr__co_group_fail(co, -1, "could not start the workers: %s", mr_error_message());
+    mr__co_group_fail(co, -1, "could not start the workers: %s", mr_error_of(rc));
     return rc;
   }
   for (int i = 1; i < co->n_group_nodes; i++)
@@ -334,11 +319,78 @@ static int begin_group(struct coordinator *co) {
   return 0;
 }
 
+/* The plan for the group's world is made: the group starts with it, unless
+ * it was stopped meanwhile. */
+static void group_planned(struct mr_plan_work *w) {
+  struct coordinator *co = w->data;
+  co->planning = NULL;
+  if (co->state != GROUP_PLANNING) {
+    mr_plan_work_free(w);
+    return;
+  }
+  if (w->rc < 0) {
+    mr__co_group_fail(co, -1, "no plan for %d ranks on %d nodes: %s", w->world,
+                      co->n_group_nodes, mr_error_of(w->rc));
+    mr_plan_work_free(w);
+    return;
+  }
+  mr__co_adopt_plan(co, w->text, w->digests, w->step_s);
+  w->text = NULL, w->digests = NULL;
+  MR_WARN("launch", "re-planned for %d ranks on %d node%s:", w->world, co->n_group_nodes,
+          co->n_group_nodes == 1 ? "" : "s");
+  mr_strategy_print(&w->choice, stdout);
+  fflush(stdout);
+  set_world(co, w->world);
+  mr_plan_work_free(w);
+  spawn_group(co);
+}
+
+/* Plans for a group of `world` ranks off the loop (launcher/plan_work.h);
+ * the group starts once it is made. */
+static int plan_group(struct coordinator *co, int world) {
+  co->plan_text = NULL;
+  co->digests = NULL;
+  group_enter(co, GROUP_PLANNING);
+  struct mr_plan_work *w = calloc(1, sizeof *w);
+  int rc = w != NULL ? 0 : mr_error_set(MR_ENOMEM, "out of memory");
+  if (rc == 0) {
+    w->done = group_planned;
+    w->data = co;
+    rc = mr_plan_work_start(&co->loop, w, MR_PLAN_WORLD, co->opts->job, NULL, world, NULL, 0, 0);
+  }
+  if (rc < 0) {
+    mr_plan_work_free(w);
+    mr__co_group_fail(co, -1, "no plan for %d ranks on %d nodes: %s", world, co->n_group_nodes,
+                      mr_error_of(rc));
+    return rc;
+  }
+  co->planning = w;
+  return 0;
+}
+
+/* Starts a group on its nodes: every node in its place, or for an elastic
+ * job the nodes connected now, numbered in node order; planned first when
+ * their ranks are not the plan's. */
+static int begin_group(struct coordinator *co) {
+  co->n_group_nodes = 0;
+  co->group_steps = 0;
+  for (int k = 0; k < co->nnodes; k++)
+    if ((!mr__co_elastic(co) || k == 0 || co->agents[k] != NULL) && !co->left_out[k])
+      co->group_nodes[co->n_group_nodes++] = k;
+  int world = co->n_group_nodes * co->node_ranks;
+  if (world != co->world) {
+    if (world != co->opts->nproc && co->opts->job != NULL)
+      return plan_group(co, world);
+    use_launch_plan(co);
+    set_world(co, world);
+  }
+  return spawn_group(co);
+}
+
 static int start_group(struct coordinator *co) {
   rendezvous_clear(co);
   mr__co_pending_clear(co);
   choose_resume(co);
-  co->phase = PHASE_RUNNING;
   co->failure[0] = '\0';
   co->failed_rank = -1;
   co->pending = REGROUP_NONE;
@@ -347,8 +399,7 @@ static int start_group(struct coordinator *co) {
   co->split_known = 0;
   mr_split_close(&co->split);
   if (mr__co_elastic(co) && nodes_connected(co) < co->nnodes) { /* wait for the others a while */
-    co->gathering = 1;
-    co->gather_ms = mr_clock_ms();
+    group_enter(co, GROUP_GATHERING);
     MR_INFO("launch", "%d of %d nodes here: waiting up to %.0f s for the others",
             nodes_connected(co), co->nnodes, co->opts->join_timeout_s);
     return 0;
@@ -357,9 +408,9 @@ static int start_group(struct coordinator *co) {
 }
 
 static void finish(struct coordinator *co, int code) {
-  if (co->phase == PHASE_FINISHED)
+  if (co->state == GROUP_FINISHED)
     return;
-  co->phase = PHASE_FINISHED;
+  group_enter(co, GROUP_FINISHED);
   co->exit_code = code;
   uv_timer_stop(&co->tick);
   uv_close((uv_handle_t *)&co->tick, NULL);
@@ -400,8 +451,6 @@ static void group_stopped(struct coordinator *co) {
                                              : "without the slow node");
     co->regroup = REGROUP_NONE;
     co->restart++;
-    co->phase = PHASE_RUNNING;
-    co->failed_rank = -1;
     start_group(co);
     return;
   }
@@ -414,12 +463,10 @@ static void group_stopped(struct coordinator *co) {
     MR_WARN("launch", "restarting the group (restart %d of %d)%s", co->failures,
             co->opts->max_restarts, backoff > 0 ? " after a pause" : "");
     co->restart_at_ms = mr_clock_ms() + backoff;
-    co->phase = PHASE_RUNNING;
-    co->failed_rank = -1;
     if (backoff <= 0)
       start_group(co);
     else
-      co->ranks.waiting_restart = 1;
+      group_enter(co, GROUP_BACKOFF);
     return;
   }
   mr_ranks_report_failure(&co->ranks, co->failed_rank, co->failure, co->opts->max_restarts);
@@ -429,7 +476,7 @@ static void group_stopped(struct coordinator *co) {
 static void on_rank_exit(void *ctx, int rank, int64_t status, int signal) {
   struct coordinator *co = ctx;
   struct mr_rank *r = &co->ranks.r[rank];
-  if (co->phase == PHASE_RUNNING) {
+  if (co->state == GROUP_RUNNING) {
     char why[160] = "";
     if (signal == SIGKILL && r->rss_peak > 0) /* not ours: we were running */
       snprintf(why, sizeof why, " (the kernel's out-of-memory killer sends it: the rank's "
@@ -463,100 +510,113 @@ static void credit_stall(struct coordinator *co, int64_t now) {
           "the ranks' silence is measured from now", (double)gap / 1000.0);
 }
 
-static void on_tick(uv_timer_t *t) {
-  struct coordinator *co = t->data;
-  int64_t now = mr_clock_ms();
-  credit_stall(co, now);
-  if (co->phase == PHASE_RUNNING && co->ranks.waiting_restart) {
-    if (now >= co->restart_at_ms) {
-      co->ranks.waiting_restart = 0;
-      start_group(co);
-    }
-    return;
-  }
-  if (co->phase == PHASE_RUNNING && co->gathering) {
-    int have = nodes_connected(co);
-    int64_t waited = now - co->gather_ms, limit = (int64_t)(co->opts->join_timeout_s * 1000.0);
-    if (have == co->nnodes || (waited > limit && have >= co->opts->min_nodes)) {
-      co->gathering = 0;
-      begin_group(co);
-    } else if (waited > limit) {
-      co->gathering = 0;
-      mr__co_group_fail(co, -1, "%d of the %d nodes needed (--nnodes %d:%d) joined within %.0f s",
-                        have, co->opts->min_nodes, co->opts->min_nodes, co->nnodes,
-                        co->opts->join_timeout_s);
-    }
-    return;
-  }
-  if (co->phase == PHASE_RUNNING && co->preempting &&
-      now - co->preempt_started_ms > mr_tunable_int(MR_TUNABLE_PREEMPT_GRACE_MS)) {
+/* GATHERING: the group begins once every node is here, or once the join
+ * timeout has passed with enough of them. */
+static void tick_gathering(struct coordinator *co, int64_t now) {
+  int have = nodes_connected(co);
+  int64_t waited = now - co->state_ms, limit = (int64_t)(co->opts->join_timeout_s * 1000.0);
+  if (have == co->nnodes || (waited > limit && have >= co->opts->min_nodes))
+    begin_group(co);
+  else if (waited > limit)
+    mr__co_group_fail(co, -1, "%d of the %d nodes needed (--nnodes %d:%d) joined within %.0f s",
+                      have, co->opts->min_nodes, co->opts->min_nodes, co->nnodes,
+                      co->opts->join_timeout_s);
+}
+
+/* RUNNING: a rank that did not register or went silent fails the group, as
+ * does a hang or a preemption that found no checkpoint; the group that is
+ * done finishes the job. */
+static void tick_running(struct coordinator *co, int64_t now) {
+  if (co->preempting && now - co->preempt_started_ms > mr_tunable_int(MR_TUNABLE_PREEMPT_GRACE_MS)) {
     MR_ERROR("launch", "no checkpoint within %.1f s of SIGTERM: stopping without one",
              (double)mr_tunable_int(MR_TUNABLE_PREEMPT_GRACE_MS) / 1000.0);
     co->stop_signal = SIGTERM;
     mr__co_begin_stop(co);
     return;
   }
-  if (co->phase == PHASE_RUNNING) {
-    int64_t hb = (int64_t)(co->opts->heartbeat_timeout_s * 1000.0);
-    int64_t conn_timeout = mr_tunable_int(MR_TUNABLE_CONNECT_TIMEOUT_MS);
-    int all_done = 1;
-    int64_t join_timeout = (int64_t)(co->opts->join_timeout_s * 1000.0);
-    for (int i = 0; i < co->world; i++) {
-      struct mr_rank *r = &co->ranks.r[i];
-      if (!r->exited || !r->done || r->exit_status != 0)
-        all_done = 0;
-      if (r->exited)
-        continue;
-      if (r->remote && !r->registered && now - r->spawn_ms > join_timeout) {
-        int k = mr__co_node_of(co, i);
-        mr__co_group_fail(
-            co, i, "rank %d did not register within %.1f s: %s", i, (double)join_timeout / 1000.0,
-            co->agents[k] != NULL ? "its node's launcher did not start it"
-                                  : "no launcher joined as its node (is `meshrun launch "
-                                    "--node-rank` running there?)");
-        return;
-      }
-      if (!r->remote && !r->registered && now - r->spawn_ms > conn_timeout) {
-        mr__co_group_fail(co, i, "rank %d (pid %d) did not register within %.1f s", i, r->pid,
-                          (double)conn_timeout / 1000.0);
-        return;
-      }
-      if (r->conn != NULL && now - r->last_seen_ms > hb) {
-        mr__co_group_fail(co, i, "rank %d (pid %d) sent no heartbeat for %.1f s (stopped or hung)",
-                          i, r->pid, (double)(now - r->last_seen_ms) / 1000.0);
-        /* a stopped process cannot act on SIGTERM */
-        mr_ranks_signal(&co->ranks, i, SIGKILL);
-        return;
-      }
-    }
-    check_hang(co, now);
-    if (co->phase != PHASE_RUNNING)
+  int64_t hb = (int64_t)(co->opts->heartbeat_timeout_s * 1000.0);
+  int64_t conn_timeout = mr_tunable_int(MR_TUNABLE_CONNECT_TIMEOUT_MS);
+  int64_t join_timeout = (int64_t)(co->opts->join_timeout_s * 1000.0);
+  int all_done = 1;
+  for (int i = 0; i < co->world; i++) {
+    struct mr_rank *r = &co->ranks.r[i];
+    if (!r->exited || !r->done || r->exit_status != 0)
+      all_done = 0;
+    if (r->exited)
+      continue;
+    if (r->remote && !r->registered && now - r->spawn_ms > join_timeout) {
+      int k = mr__co_node_of(co, i);
+      mr__co_group_fail(
+          co, i, "rank %d did not register within %.1f s: %s", i, (double)join_timeout / 1000.0,
+          co->agents[k] != NULL ? "its node's launcher did not start it"
+                                : "no launcher joined as its node (is `meshrun launch "
+                                  "--node-rank` running there?)");
       return;
-    if (all_done && mr_ranks_all_closed(&co->ranks)) {
-      if (co->opts->selfcheck)
-        printf("meshrun: self-check passed: %d ranks registered, authenticated, "
-               "exchanged a rendezvous and reported the expected digests\n",
-               co->world);
-      mr_ranks_print_summary(&co->ranks, mr__co_median_step(co), co->n_step_s, co->predicted_s);
-      finish(co, 0);
     }
+    if (!r->remote && !r->registered && now - r->spawn_ms > conn_timeout) {
+      mr__co_group_fail(co, i, "rank %d (pid %d) did not register within %.1f s", i, r->pid,
+                        (double)conn_timeout / 1000.0);
+      return;
+    }
+    if (r->conn != NULL && now - r->last_seen_ms > hb) {
+      mr__co_group_fail(co, i, "rank %d (pid %d) sent no heartbeat for %.1f s (stopped or hung)",
+                        i, r->pid, (double)(now - r->last_seen_ms) / 1000.0);
+      /* a stopped process cannot act on SIGTERM */
+      mr_ranks_signal(&co->ranks, i, SIGKILL);
+      return;
+    }
+  }
+  check_hang(co, now);
+  if (co->state != GROUP_RUNNING || !all_done || !mr_ranks_all_closed(&co->ranks))
+    return;
+  if (co->opts->selfcheck)
+    printf("meshrun: self-check passed: %d ranks registered, authenticated, "
+           "exchanged a rendezvous and reported the expected digests\n",
+           co->world);
+  mr_ranks_print_summary(&co->ranks, mr__co_median_step(co), co->n_step_s, co->predicted_s);
+  finish(co, 0);
+}
+
+/* STOPPING: once every worker has exited (and no plan is being made) what
+ * follows is decided; workers still running after the grace are killed. */
+static void tick_stopping(struct coordinator *co, int64_t now) {
+  if (mr_ranks_all_exited(&co->ranks)) {
+    if (mr_ranks_all_closed(&co->ranks) && co->planning == NULL)
+      group_stopped(co);
     return;
   }
-  if (co->phase == PHASE_STOPPING) {
-    if (mr_ranks_all_exited(&co->ranks)) {
-      if (mr_ranks_all_closed(&co->ranks))
-        group_stopped(co);
-      return;
-    }
-    if (!co->killed && now - co->stop_started_ms > mr_tunable_int(MR_TUNABLE_STOP_GRACE_MS)) {
-      MR_WARN("launch", "workers still running after %.1f s: killing them",
-              (double)mr_tunable_int(MR_TUNABLE_STOP_GRACE_MS) / 1000.0);
-      mr_ranks_signal_all(&co->ranks, SIGKILL);
-      for (int i = co->ranks.local; i < co->ranks.n; i++) /* their nodes kill them */
-        if (co->ranks.r[i].conn != NULL)
-          mr_conn_close(co->ranks.r[i].conn, "still connected after the stop grace");
-      co->killed = 1;
-    }
+  if (!co->killed && now - co->state_ms > mr_tunable_int(MR_TUNABLE_STOP_GRACE_MS)) {
+    MR_WARN("launch", "workers still running after %.1f s: killing them",
+            (double)mr_tunable_int(MR_TUNABLE_STOP_GRACE_MS) / 1000.0);
+    mr_ranks_signal_all(&co->ranks, SIGKILL);
+    for (int i = co->ranks.local; i < co->ranks.n; i++) /* their nodes kill them */
+      if (co->ranks.r[i].conn != NULL)
+        mr_conn_close(co->ranks.r[i].conn, "still connected after the stop grace");
+    co->killed = 1;
+  }
+}
+
+static void on_tick(uv_timer_t *t) {
+  struct coordinator *co = t->data;
+  int64_t now = mr_clock_ms();
+  credit_stall(co, now);
+  switch (co->state) {
+  case GROUP_GATHERING:
+    tick_gathering(co, now);
+    break;
+  case GROUP_RUNNING:
+    tick_running(co, now);
+    break;
+  case GROUP_STOPPING:
+    tick_stopping(co, now);
+    break;
+  case GROUP_BACKOFF:
+    if (now >= co->restart_at_ms)
+      start_group(co);
+    break;
+  case GROUP_PLANNING: /* group_planned goes on */
+  case GROUP_FINISHED:
+    break;
   }
 }
 
@@ -688,7 +748,7 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   co->n_group_nodes = co->nnodes;
   for (int k = 0; k < co->nnodes; k++)
     co->group_nodes[k] = k;
-  plan_for(co, co->world);
+  use_launch_plan(co);
   if (make_token(co) < 0) {
     MR_ERROR("launch", "%s", mr_error_message());
     goto out;

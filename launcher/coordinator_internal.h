@@ -3,7 +3,8 @@
  * group's life), messages.c (what the ranks and nodes send: registration,
  * rendezvous, reports, checkpoints, metrics) and slow_ranks.c (ranks that
  * run slow: named, layers or micro-batches moved off them, their node
- * left out).  Everything runs on the loop's thread.  Not for use outside
+ * left out).  Everything runs on the loop's thread but the plans made in
+ * launcher/plan_work.c, which read nothing of this.  Not for use outside
  * them: launcher/coordinator.h is the interface. */
 #ifndef MR_COORDINATOR_INTERNAL_H
 #define MR_COORDINATOR_INTERNAL_H
@@ -28,11 +29,27 @@ enum regroup {
   REGROUP_SLOW_NODE
 };
 
-enum phase {
-  PHASE_RUNNING,   // the group is starting or training
-  PHASE_STOPPING,  // a failure or a signal: waiting for every worker to exit
-  PHASE_FINISHED,  // the loop is closing down
+/* A group's life.  Only group_enter (coordinator.c) changes it.
+ *
+ *   a group starts   GATHERING (an elastic job short of nodes), PLANNING
+ *                    (a world other than the plan's) or RUNNING
+ *   GATHERING        -> PLANNING or RUNNING once the nodes are there
+ *   PLANNING         -> RUNNING once the plan is made
+ *   RUNNING          -> FINISHED when every rank is done
+ *   any but FINISHED -> STOPPING on a failure, a signal or a regroup
+ *   STOPPING         -> (every worker exited) the next group, BACKOFF
+ *                       after a failure, or FINISHED
+ *   BACKOFF          -> the next group */
+enum group_state {
+  GROUP_GATHERING, // an elastic job waits a while for its nodes to join
+  GROUP_PLANNING,  // the plan for the group's world is made off the loop
+  GROUP_RUNNING,   // the ranks are starting or training
+  GROUP_STOPPING,  // waiting for every worker to exit
+  GROUP_BACKOFF,   // the pause after a failure before the next group
+  GROUP_FINISHED,  // the loop is closing down
 };
+
+struct mr_plan_work;
 
 struct rendezvous {
   char *key;
@@ -74,8 +91,6 @@ struct coordinator {
   int world;                // ranks of the current group
   int *group_nodes;         // [nnodes] the current group's nodes in rank order
   int n_group_nodes;        //   (node 0 first; an elastic job's may be fewer)
-  int gathering;            // an elastic group waits for nodes to join
-  int64_t gather_ms;
   int64_t last_tick_ms;     // when on_tick last ran (or the loop began)
   const char *plan_text;    // the plan body the workers get, and their
   const uint64_t *digests;  //   programs' digests: the launch's, or
@@ -85,7 +100,10 @@ struct coordinator {
   double *step_s;           // rank 0's step times under that plan, past
   int n_step_s, cap_step_s; //   each group's first WARMUP_STEPS
   int group_steps;          // rank 0's steps reported in this group
-  enum phase phase;
+  enum group_state state;
+  int64_t state_ms;         // when it was entered
+  struct mr_plan_work *planning; // the plan being made off the loop (for
+                            //   PLANNING, or a regroup's while RUNNING), or 0
   int restart;              // groups started before this one (workers say
                             // which they belong to)
   int failures;             // restarts after failures (--max-restarts)
@@ -104,7 +122,6 @@ struct coordinator {
   int stop_signal;          // SIGINT/SIGTERM that stopped us, or 0
   int exit_code;
   int next_conn_id;
-  int64_t stop_started_ms;
   int64_t restart_at_ms;    // back-off: when the next group may start
   int killed;               // SIGKILL already sent in this stop
   struct rendezvous *rdv;
@@ -152,6 +169,9 @@ void mr__co_group_fail(struct coordinator *co, int rank, const char *fmt, ...)
 /* Stops the group: STOP to every rank and node, SIGTERM to local ranks;
  * on_tick escalates and group_stopped decides what follows. */
 void mr__co_begin_stop(struct coordinator *co);
+
+/* The group can still fail or stop: it is not stopping or finished. */
+int mr__co_live(const struct coordinator *co);
 
 /* Node k's place in the current group, or -1. */
 int mr__co_group_pos(const struct coordinator *co, int k);

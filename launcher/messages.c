@@ -122,11 +122,10 @@ static void on_node_hello(struct coordinator *co, struct mr_conn *c, const Meshr
     MR_INFO("launch", "node %d joined from %s, outside the running group%s", k, h->host,
             co->left_out[k] ? " (left out for running slow)" : "");
   send_welcome(co, c, 0, NULL);
-  if (pos >= 0 && co->phase == PHASE_RUNNING && !co->ranks.waiting_restart && !co->gathering)
+  if (pos >= 0 && co->state == GROUP_RUNNING)
     mr__co_send_node_control(co, k, MESHRUN__CONTROL__KIND__START);
-  else if (pos < 0 && co->phase == PHASE_RUNNING && !co->ranks.waiting_restart &&
-           !co->gathering && !co->preempting && co->pending == REGROUP_NONE &&
-           !co->left_out[k])
+  else if (pos < 0 && co->state == GROUP_RUNNING && !co->preempting &&
+           co->pending == REGROUP_NONE && !co->left_out[k])
     grow(co, k); /* a node left out for running slow stays out */
 }
 
@@ -138,8 +137,9 @@ static void on_hello(struct coordinator *co, struct mr_conn *c,
   }
   int rank = h->requested_rank;
   struct mr_rank *r = rank >= 0 && rank < co->world ? &co->ranks.r[rank] : NULL;
-  if (r == NULL || co->gathering || r->registered || (!r->remote && r->pid != (int)h->pid) ||
-      (r->remote && (co->phase != PHASE_RUNNING || r->exited)) ||
+  if (r == NULL || co->state == GROUP_GATHERING || r->registered ||
+      (!r->remote && r->pid != (int)h->pid) ||
+      (r->remote && (co->state != GROUP_RUNNING || r->exited)) ||
       h->restart != (uint32_t)co->restart) {
     char why[160];
     snprintf(why, sizeof why,
@@ -249,11 +249,11 @@ static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) 
           removed > 0 ? " (older ones pruned)" : "");
   /* a save begun before the signal completing now is not the one asked for:
    * stopping at it would lose the steps since */
-  if (co->preempting && co->phase == PHASE_RUNNING && p->step >= co->preempt_step) {
+  if (co->preempting && co->state == GROUP_RUNNING && p->step >= co->preempt_step) {
     MR_WARN("launch", "checkpoint written: stopping for preemption (the next launch resumes "
                       "from step %lld)", (long long)p->step);
     mr__co_begin_stop(co);
-  } else if (co->pending != REGROUP_NONE && co->phase == PHASE_RUNNING &&
+  } else if (co->pending != REGROUP_NONE && co->state == GROUP_RUNNING &&
              p->step >= co->pending_step) {
     if (co->pending == REGROUP_SLOW_NODE)
       co->left_out[co->leaving] = 1;
@@ -469,7 +469,7 @@ void mr__co_on_conn_close(void *ctx, struct mr_conn *c) {
   if (c->node > 0 && co->agents[c->node] == c) {
     co->agents[c->node] = NULL;
     int pos = mr__co_group_pos(co, c->node);
-    if (pos >= 0 && !co->gathering)
+    if (pos >= 0 && co->state != GROUP_GATHERING)
       mr__co_group_fail(co, -1,
                         "the launcher of node %d disconnected (its ranks %d..%d stop with it)",
                         c->node, pos * co->node_ranks, (pos + 1) * co->node_ranks - 1);

@@ -88,7 +88,6 @@ struct mr_ranks {
   const char *log_dir;     // borrowed
   void *ctx;
   void (*on_exit)(void *ctx, int rank, int64_t status, int signal);
-  int waiting_restart;     // a restart is pending its back-off
   int tty;                 // stdout is a terminal: progress line in place
   int progress_shown;      // a progress line is on screen (tty)
   int64_t start_ms;

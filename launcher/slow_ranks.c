@@ -12,6 +12,7 @@
 #include "common/log.h"
 #include "common/tunable.h"
 #include "launcher/coordinator_internal.h"
+#include "launcher/plan_work.h"
 
 /* Names a rank whose work per step stays well above that of the other
  * ranks of its pipeline stage (which do the same work and wait for it at
@@ -99,25 +100,76 @@ static void regroup_with(struct coordinator *co, char *text, uint64_t *digests, 
   mr__co_ask_regroup(co, kind);
 }
 
-/* Lowers and checks the plan with the layers moved, then asks for the
- * checkpoint the group starts again from with it. */
+/* A regroup's plan being made off the loop (launcher/plan_work.h), and
+ * what to say once it is. */
+struct replan {
+  struct coordinator *co;
+  enum regroup kind;
+  int restart;              // the group it is for
+  char unbalanced[400], split[300], change[700];
+};
+
+/* The plan is made: the regroup is asked for, unless its group is gone or
+ * another regroup or a preemption came first. */
+static void replanned(struct mr_plan_work *w) {
+  struct replan *p = w->data;
+  struct coordinator *co = p->co;
+  co->planning = NULL;
+  if (co->state == GROUP_RUNNING && co->restart == p->restart && co->pending == REGROUP_NONE &&
+      !co->preempting) {
+    regroup_with(co, w->rc == 0 ? w->text : NULL, w->digests, w->step_s, p->kind, p->unbalanced,
+                 p->split, p->change);
+    w->text = NULL, w->digests = NULL; /* taken */
+  } else {
+    MR_DEBUG("launch", "a re-plan for slow ranks came too late for its group: dropped");
+  }
+  free(p);
+  mr_plan_work_free(w);
+}
+
+/* Makes the running plan with its layers moved (MR_PLAN_LAYERS: counts[n])
+ * or its micro-batches dealt anew (MR_PLAN_DP_MICRO: counts[n] of n_micro)
+ * off the loop; then replanned asks for the regroup (p given, taken). */
+static void replan(struct coordinator *co, struct replan *p, enum mr_plan_work_kind kind,
+                   const int *counts, int n, int n_micro) {
+  struct mr_plan_work *w = calloc(1, sizeof *w);
+  int rc = w != NULL ? 0 : mr_error_set(MR_ENOMEM, "out of memory");
+  p->co = co;
+  p->restart = co->restart;
+  if (rc == 0) {
+    w->done = replanned;
+    w->data = p;
+    rc = mr_plan_work_start(&co->loop, w, kind, co->opts->job, co->plan_text, co->world, counts,
+                            n, n_micro);
+  }
+  if (rc < 0) {
+    MR_WARN("launch", "%s but %s cannot be planned: %s", p->unbalanced, p->split,
+            mr_error_message());
+    mr_plan_work_free(w);
+    free(p);
+    return;
+  }
+  co->planning = w;
+}
+
+/* Plans the layers moved, then asks for the checkpoint the group starts
+ * again from with them. */
 static void begin_rebalance(struct coordinator *co, const struct mr_rebalance_out *out) {
-  const struct mr_job *job = co->opts->job;
   int pp = co->split.pp, k = pp * co->split.vp;
-  uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
-  double step_s = 0;
-  char *text = digests != NULL ? mr_plan_with_split(job, co->plan_text, co->world, out->counts,
-                                                    k, digests, &step_s) : NULL;
-  char speeds[256], was[256], now[256], unbalanced[400], split[300], change[700];
+  struct replan *p = calloc(1, sizeof *p);
+  if (p == NULL)
+    return;
+  char speeds[256], was[256], now[256];
   format_values(out->slowness, pp, 1, 2, speeds, sizeof speeds);
   format_counts(co->split.counts, k, was, sizeof was);
   format_counts(out->counts, k, now, sizeof now);
-  snprintf(unbalanced, sizeof unbalanced, "the pipeline's stages run unbalanced (time per "
-           "unit of work by stage: %s)", speeds);
-  snprintf(split, sizeof split, "layers %s", now);
-  snprintf(change, sizeof change, "moving layers %s -> %s cuts the slowest chunk's time by "
-           "%.0f%%", was, now, 100.0 * out->gain);
-  regroup_with(co, text, digests, step_s, REGROUP_BALANCE, unbalanced, split, change);
+  p->kind = REGROUP_BALANCE;
+  snprintf(p->unbalanced, sizeof p->unbalanced, "the pipeline's stages run unbalanced (time "
+           "per unit of work by stage: %s)", speeds);
+  snprintf(p->split, sizeof p->split, "layers %s", now);
+  snprintf(p->change, sizeof p->change, "moving layers %s -> %s cuts the slowest chunk's time "
+           "by %.0f%%", was, now, 100.0 * out->gain);
+  replan(co, p, MR_PLAN_LAYERS, out->counts, k, 0);
 }
 
 /* The least share of the step a regroup for slow ranks must save
@@ -128,8 +180,8 @@ static double replan_gain(const struct coordinator *co) {
   const struct mr_job *job = co->opts->job;
   double min_gain = atof(mr_tunable_str(MR_TUNABLE_REBALANCE_GAIN));
   if (job == NULL || job->checkpoint.dir == NULL || !(min_gain > 0) || co->plan_text == NULL ||
-      co->pending != REGROUP_NONE || co->preempting || co->phase != PHASE_RUNNING ||
-      co->ranks.waiting_restart || job->train.steps - mr__co_newest_step(co) < 4 * STRAGGLER_EVERY)
+      co->pending != REGROUP_NONE || co->preempting || co->state != GROUP_RUNNING ||
+      co->planning != NULL || job->train.steps - mr__co_newest_step(co) < 4 * STRAGGLER_EVERY)
     return 0;
   return min_gain;
 }
@@ -248,23 +300,20 @@ static void dp_option(struct coordinator *co, struct dp_option *o) {
 }
 
 static void begin_dp_rebalance(struct coordinator *co, const struct dp_option *o) {
+  struct replan *p = calloc(1, sizeof *p);
+  if (p == NULL)
+    return;
   char work[256], now[256];
   format_values(o->busy, o->dp, 1e3, 1, work, sizeof work);
   format_counts(o->counts, o->dp, now, sizeof now);
-  uint64_t *digests = calloc((size_t)co->world, sizeof *digests);
-  double step_s = 0;
   int n_micro = o->n_micro == co->split.n_micro ? 0 : o->n_micro; /* 0: the plan's count */
-  char *text = digests != NULL ? mr_plan_with_dp_split(co->opts->job, co->plan_text, co->world,
-                                                       n_micro, o->counts, o->dp, digests,
-                                                       &step_s)
-                               : NULL;
-  char unbalanced[400], split[300], change[400];
-  snprintf(unbalanced, sizeof unbalanced, "the data-parallel ranks run unbalanced (work per "
-           "step by data rank: %s ms)", work);
-  snprintf(split, sizeof split, "micro-batches %s", now);
-  snprintf(change, sizeof change, "running %s of %d micro-batches cuts the step by about "
+  p->kind = REGROUP_DP_BALANCE;
+  snprintf(p->unbalanced, sizeof p->unbalanced, "the data-parallel ranks run unbalanced (work "
+           "per step by data rank: %s ms)", work);
+  snprintf(p->split, sizeof p->split, "micro-batches %s", now);
+  snprintf(p->change, sizeof p->change, "running %s of %d micro-batches cuts the step by about "
            "%.0f%%", now, o->dp * o->n_micro, 100.0 * o->gain);
-  regroup_with(co, text, digests, step_s, REGROUP_DP_BALANCE, unbalanced, split, change);
+  replan(co, p, MR_PLAN_DP_MICRO, o->counts, o->dp, n_micro);
 }
 
 struct node_option {
