@@ -128,7 +128,8 @@ static int list_steps(const char *root, int64_t **out) {
 int mr_ckpt_find_latest(const char *root, char *dir_out, size_t n, int64_t *step) {
   int64_t *steps = NULL;
   int count = list_steps(root, &steps);
-  int found = 0;
+  int found = 0, corrupt = 0;
+  char newest_corrupt[4096 + 600] = "";
   for (int i = 0; i < count && !found; i++) {
     char dir[4096];
     mr_ckpt_step_dir(root, steps[i], dir, sizeof dir);
@@ -139,10 +140,18 @@ int mr_ckpt_find_latest(const char *root, char *dir_out, size_t n, int64_t *step
       *step = s;
       found = 1;
     } else {
-      MR_WARN("ckpt", "skipping checkpoint %s: %s", dir, mr_error_message());
+      MR_WARN("ckpt", "skipping checkpoint %s: %s", dir, mr_error_of(rc));
+      if (rc != MR_ENOENT && corrupt++ == 0) /* complete once, damaged since */
+        snprintf(newest_corrupt, sizeof newest_corrupt, "%s", mr_error_of(rc));
     }
   }
   free(steps);
+  if (!found && corrupt > 0) /* starting over would throw their steps away */
+    return mr_error_set(MR_EFORMAT, "%s: none of its %d complete checkpoint%s is intact (the "
+                        "newest: %s); starting over from step 1 would discard %s: move %s "
+                        "aside, or set another checkpoint.dir", root, corrupt,
+                        corrupt == 1 ? "" : "s", newest_corrupt, corrupt == 1 ? "it" : "them",
+                        corrupt == 1 ? "it" : "them");
   return found;
 }
 

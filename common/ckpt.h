@@ -34,7 +34,8 @@ int mr_ckpt_verify(const char *dir, int64_t *step);
 /* The newest complete, intact checkpoint under root: its folder into
  * dir_out and its step.  Broken or incomplete ones are skipped with a
  * warning naming them.  Returns 1 when one was found, 0 when none, or an
- * error. */
+ * error: MR_EFORMAT when checkpoints were completed there but none is
+ * intact now (a run would otherwise start over and discard them). */
 int mr_ckpt_find_latest(const char *root, char *dir_out, size_t n, int64_t *step);
 
 /* Removes complete checkpoints beyond the newest keep_last, and incomplete

@@ -257,19 +257,21 @@ static void on_rank_exit(void *ctx, int rank, int64_t status, int signal);
 
 /* A training job with a checkpoint folder resumes from its newest complete
  * checkpoint (an incomplete or corrupt one is skipped with a warning). */
-static void choose_resume(struct coordinator *co) {
+static int choose_resume(struct coordinator *co) {
   co->resume_dir[0] = '\0';
   co->resume_step = 0;
   const struct mr_job *job = co->opts->job;
   if (co->opts->selfcheck || job == NULL || job->checkpoint.dir == NULL)
-    return;
+    return 0;
   int64_t step;
-  if (mr_ckpt_find_latest(job->checkpoint.dir, co->resume_dir, sizeof co->resume_dir, &step) == 1) {
+  int rc = mr_ckpt_find_latest(job->checkpoint.dir, co->resume_dir, sizeof co->resume_dir, &step);
+  if (rc == 1) {
     co->resume_step = step;
     MR_INFO("ckpt", "resuming from %s (step %lld)", co->resume_dir, (long long)step);
   } else {
     co->resume_dir[0] = '\0';
   }
+  return rc < 0 ? rc : 0;
 }
 
 static int nodes_connected(const struct coordinator *co) {
@@ -387,10 +389,17 @@ static int begin_group(struct coordinator *co) {
   return spawn_group(co);
 }
 
+static void finish(struct coordinator *co, int code);
+
 static int start_group(struct coordinator *co) {
   rendezvous_clear(co);
   mr__co_pending_clear(co);
-  choose_resume(co);
+  int rc = choose_resume(co);
+  if (rc < 0) { /* no rank starts on checkpoints it cannot read, nor over them */
+    MR_ERROR("ckpt", "%s", mr_error_of(rc));
+    finish(co, 2);
+    return rc;
+  }
   co->failure[0] = '\0';
   co->failed_rank = -1;
   co->pending = REGROUP_NONE;

@@ -214,6 +214,48 @@ START_TEST(test_ckpt_corrupt_or_incomplete_checkpoint_skipped) {
 }
 END_TEST
 
+/* Every complete checkpoint corrupt: the launch refuses (exit 2, naming
+ * the folder) before any rank starts, instead of training from step 1
+ * over them; the checkpoints are left as they were. */
+START_TEST(test_ckpt_all_corrupt_refused_before_any_rank) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "a.json", 4, 2, "ck");
+  ck_assert_int_eq(run_to_end(dir, "a.json", "a", 1), 0);
+  char ck[160];
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  for (int s = 2; s <= 4; s += 2) { /* one byte of each one's data flipped */
+    char d[200], f[260];
+    mr_ckpt_step_dir(ck, s, d, sizeof d);
+    snprintf(f, sizeof f, "%s/rank-0.safetensors", d);
+    FILE *fp = fopen(f, "r+b");
+    ck_assert_ptr_nonnull(fp);
+    fseek(fp, -5, SEEK_END);
+    int ch = fgetc(fp);
+    fseek(fp, -5, SEEK_END);
+    fputc(ch ^ 0x40, fp);
+    fclose(fp);
+  }
+  write_job(dir, "b.json", 8, 2, "ck");
+  struct mr_tproc p;
+  start(&p, dir, "b.json", "b", 1, 0, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 60), 2);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(strstr(err, "none of its 2 complete checkpoints is intact") != NULL &&
+                    strstr(err, "checksum mismatch") != NULL, "%s", err);
+  free(err);
+  char log[200];
+  snprintf(log, sizeof log, "%s/b/rank-0.log", dir);
+  ck_assert_msg(access(log, F_OK) != 0, "a rank started: %s exists", log);
+  for (int s = 2; s <= 4; s += 2) {
+    char d[200];
+    int64_t step;
+    mr_ckpt_step_dir(ck, s, d, sizeof d);
+    ck_assert_int_eq(mr_ckpt_verify(d, &step), MR_EFORMAT); /* still there, as it was */
+  }
+}
+END_TEST
+
 /* A save that cannot be written (here: past the file-size limit, EFBIG; a
  * full disk is ENOSPC through the same path) fails its rank at once, naming
  * the file, not at the next save; the last complete checkpoint stays, and a
@@ -765,6 +807,7 @@ static Suite *ckpt_suite(void) {
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, test_ckpt_killed_ranks_resume_bitwise);
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
+  tcase_add_test(tc, test_ckpt_all_corrupt_refused_before_any_rank);
   tcase_add_test(tc, test_ckpt_failed_save_fails_at_once_and_keeps_the_last);
   tcase_add_test(tc, test_ckpt_unwritable_dir_refused_at_launch);
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
