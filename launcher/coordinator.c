@@ -482,14 +482,34 @@ static void group_stopped(struct coordinator *co) {
   finish(co, 1);
 }
 
+/* Who sent a SIGKILL the launcher did not: the out-of-memory killer only
+ * when the kernel's count of its kills moved since the rank started. */
+static void kill_cause(const struct mr_rank *r, char *why, size_t n) {
+  int64_t kills = mr_oom_kill_count();
+  char rss[80] = "";
+  if (r->rss_peak > 0)
+    snprintf(rss, sizeof rss, "; the rank's resident size had reached %.0f MiB",
+             (double)r->rss_peak / 1048576.0);
+  if (kills < 0 || r->oom_kills < 0)
+    snprintf(why, n, " (not sent by the launcher: the out-of-memory killer, or another "
+             "process%s)", rss);
+  else if (kills > r->oom_kills)
+    snprintf(why, n, " (the kernel's out-of-memory killer: it killed %lld process%s since "
+             "the rank started%s)", (long long)(kills - r->oom_kills),
+             kills - r->oom_kills == 1 ? "" : "es", rss);
+  else
+    snprintf(why, n, " (not sent by the launcher, nor the out-of-memory killer, which killed "
+             "nothing since the rank started: another process, an operator or a "
+             "scheduler%s)", rss);
+}
+
 static void on_rank_exit(void *ctx, int rank, int64_t status, int signal) {
   struct coordinator *co = ctx;
   struct mr_rank *r = &co->ranks.r[rank];
   if (co->state == GROUP_RUNNING) {
-    char why[160] = "";
-    if (signal == SIGKILL && r->rss_peak > 0) /* not ours: we were running */
-      snprintf(why, sizeof why, " (the kernel's out-of-memory killer sends it: the rank's "
-               "resident size had reached %.0f MiB)", (double)r->rss_peak / 1048576.0);
+    char why[256] = "";
+    if (signal == SIGKILL) /* not ours: we were running */
+      kill_cause(r, why, sizeof why);
     if (signal != 0)
       mr__co_group_fail(co, rank, "rank %d (pid %d) was killed by signal %d (%s)%s", rank, r->pid,
                         signal, sigabbrev_np(signal) ? sigabbrev_np(signal) : "?", why);

@@ -206,6 +206,7 @@ static void begin_group(struct mr_rank *r, int pid) {
   r->conn = NULL;
   r->registered = 0;
   r->spawn_ms = r->last_seen_ms = r->progress_ms = mr_clock_ms();
+  r->oom_kills = mr_oom_kill_count();
   r->last_done = 0;
   r->step = 0;
   r->waiting_on = -1;
@@ -476,4 +477,16 @@ void mr_ranks_credit(struct mr_ranks *s, int64_t ms) {
     r->last_seen_ms += ms;
     r->progress_ms += ms;
   }
+}
+
+int64_t mr_oom_kill_count(void) {
+  FILE *f = fopen("/proc/vmstat", "r");
+  char line[128];
+  long long n = -1;
+  while (f != NULL && fgets(line, sizeof line, f) != NULL)
+    if (sscanf(line, "oom_kill %lld", &n) == 1)
+      break;
+  if (f != NULL)
+    fclose(f);
+  return n;
 }

@@ -46,6 +46,7 @@ struct mr_rank {
   int64_t step;
   uint64_t peak_memory;    // bytes, as the job reports it in its metrics
   uint64_t rss_peak;       // bytes, resident size seen in heartbeats
+  int64_t oom_kills;       // the kernel's out-of-memory kills when it started
   char error[256];         // last error it reported
   FILE *log;               // log_dir/rank-N.log
   char tail[MR_TAIL_LINES_MAX][256];
@@ -114,6 +115,11 @@ void mr_ranks_close(struct mr_ranks *s);
  * registered, their registration clock started).  Returns 0, or an error
  * (the caller stops those already started). */
 int mr_ranks_spawn_all(struct mr_ranks *s, const struct mr_spawn_env *env);
+
+/* The processes the kernel's out-of-memory killer has killed since boot
+ * (/proc/vmstat oom_kill, Linux 4.13 on; a cgroup's kills count too), or
+ * -1 where that cannot be read. */
+int64_t mr_oom_kill_count(void);
 
 /* Moves every rank's clocks (spawned, last heard from, last progress)
  * ms later: the time the coordinator was not running does not count as
