@@ -47,16 +47,29 @@ void mr_log(enum mr_log_level level, const char *subsys, const char *fmt,
               : snprintf(line, sizeof line, "%s %s: ", level_names[level], subsys);
   if (n < 0)
     return;
-  va_list ap;
+  va_list ap, again;
   va_start(ap, fmt);
+  va_copy(again, ap);
   int m = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
   va_end(ap);
+  char *out = line;
+  if (m >= 0 && (size_t)n + (size_t)m + 2 > sizeof line) { /* a long report: whole */
+    char *big = malloc((size_t)n + (size_t)m + 2);
+    if (big != NULL) {
+      memcpy(big, line, (size_t)n);
+      vsnprintf(big + n, (size_t)m + 1, fmt, again);
+      out = big;
+    }
+  }
+  va_end(again);
   if (m < 0)
     return;
   size_t len = (size_t)n + (size_t)m;
-  if (len > sizeof line - 2)
+  if (out == line && len > sizeof line - 2)
     len = sizeof line - 2;
-  line[len++] = '\n';
-  ssize_t w = write(STDERR_FILENO, line, len);
+  out[len++] = '\n';
+  ssize_t w = write(STDERR_FILENO, out, len);
   (void)w;
+  if (out != line)
+    free(out);
 }

@@ -234,18 +234,31 @@ static void check_hang(struct coordinator *co, int64_t now) {
   }
   if (live == 0 || now - newest <= limit)
     return;
-  char where[4096];
+  char where[8192];
   mr_ranks_describe_positions(&co->ranks, where, sizeof where);
   describe_rendezvous(co, where, sizeof where);
-  /* the culprit: a rank that waits on nothing while others wait */
+  /* the culprit: the rank gone silent the longest (stopped: its position
+   * is the last it sent, which may well be a wait), else a rank that waits
+   * on nothing while others wait */
   int culprit = -1;
+  int64_t silent_ms = 10 * mr_tunable_int(MR_TUNABLE_HEARTBEAT_MS), silent = 0;
+  for (int i = 0; i < co->world; i++) {
+    const struct mr_rank *r = &co->ranks.r[i];
+    if (!r->exited && !r->done && r->conn != NULL && now - r->last_seen_ms > silent_ms &&
+        now - r->last_seen_ms > silent)
+      culprit = i, silent = now - r->last_seen_ms;
+  }
   for (int i = 0; i < co->world && culprit < 0; i++) {
     const struct mr_rank *r = &co->ranks.r[i];
     if (!r->exited && !r->done && r->waiting_on < 0)
       culprit = i;
   }
-  char who[96] = "";
-  if (culprit >= 0)
+  char who[160] = "";
+  if (culprit >= 0 && silent > 0)
+    snprintf(who, sizeof who, "; rank %d (pid %d) has sent nothing for %.1f s: stopped or "
+             "hung, the others wait for it", culprit, co->ranks.r[culprit].pid,
+             (double)silent / 1000.0);
+  else if (culprit >= 0)
     snprintf(who, sizeof who, "; rank %d is stuck outside communication", culprit);
   mr__co_group_fail(co, culprit, "hang: no rank made progress for %.1f s%s:%s",
                     (double)(now - newest) / 1000.0, who, where);

@@ -136,7 +136,7 @@ struct coordinator {
   FILE *metrics;
   int64_t last_step_printed;
   int failure_reported;
-  char failure[512];        // why the current group is stopping
+  char failure[16384];      // why the current group is stopping
   int failed_rank;
 };
 

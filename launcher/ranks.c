@@ -339,36 +339,63 @@ void mr_ranks_heartbeat(struct mr_ranks *s, int rank, const Meshrun__Heartbeat *
     r->rss_peak = hb->memory_bytes;
 }
 
+/* Where rank r is, without its number, into buf. */
+static void describe_position(const struct mr_rank *r, char *buf, size_t n) {
+  if (r->exited)
+    snprintf(buf, n, "%s", r->remote ? "gone" : "exited");
+  else if (r->checkpoint_waiting)
+    snprintf(buf, n, "step %lld, completed #%lld, waits on its own checkpoint write (%.1f MiB "
+             "written by this rank's writer so far)", (long long)r->step,
+             (long long)r->last_done, (double)r->checkpoint_bytes / 1048576.0);
+  else if (r->waiting_on >= 0)
+    snprintf(buf, n, "step %lld, completed #%lld, waits on #%lld: %s", (long long)r->step,
+             (long long)r->last_done, (long long)r->waiting_on,
+             r->waiting_detail[0] ? r->waiting_detail : "?");
+  else
+    snprintf(buf, n, "step %lld, completed #%lld, waits on nothing: busy or stuck in its own "
+             "work (instruction #%lld)", (long long)r->step, (long long)r->last_done,
+             (long long)r->last_done + 1);
+}
+
+#define POSITION_MAX 320
+
 void mr_ranks_describe_positions(const struct mr_ranks *s, char *buf, size_t n) {
-  size_t used = 0;
   buf[0] = '\0';
-  for (int i = 0; i < s->n && used < n; i++) {
-    const struct mr_rank *r = &s->r[i];
-    int w;
-    if (r->exited)
-      w = snprintf(buf + used, n - used, "\n  rank %d: %s", r->rank,
-                   r->remote ? "gone" : "exited");
-    else if (r->checkpoint_waiting)
-      w = snprintf(buf + used, n - used,
-                   "\n  rank %d: step %lld, completed #%lld, waits on its own checkpoint write "
-                   "(%.1f MiB written by this rank's writer so far)", r->rank,
-                   (long long)r->step, (long long)r->last_done,
-                   (double)r->checkpoint_bytes / 1048576.0);
-    else if (r->waiting_on >= 0)
-      w = snprintf(buf + used, n - used,
-                   "\n  rank %d: step %lld, completed #%lld, waits on #%lld: %s", r->rank,
-                   (long long)r->step, (long long)r->last_done, (long long)r->waiting_on,
-                   r->waiting_detail[0] ? r->waiting_detail : "?");
-    else
-      w = snprintf(buf + used, n - used,
-                   "\n  rank %d: step %lld, completed #%lld, waits on nothing: "
-                   "busy or stuck in its own work (instruction #%lld)",
-                   r->rank, (long long)r->step, (long long)r->last_done,
-                   (long long)r->last_done + 1);
-    if (w < 0)
-      break;
-    used += (size_t)w;
+  char (*pos)[POSITION_MAX] = malloc((size_t)s->n * sizeof *pos);
+  unsigned char *told = calloc((size_t)s->n, 1);
+  size_t used = 0;
+  for (int i = 0; pos != NULL && told != NULL && i < s->n; i++)
+    describe_position(&s->r[i], pos[i], sizeof pos[i]);
+  /* ranks at the same place on one line, "ranks 0-2,5: ...", in rank order */
+  for (int i = 0; pos != NULL && told != NULL && i < s->n && used + 1 < n; i++) {
+    if (told[i])
+      continue;
+    int same = 0;
+    for (int j = i; j < s->n; j++)
+      same += !told[j] && strcmp(pos[j], pos[i]) == 0;
+    used += (size_t)snprintf(buf + used, n - used, "\n  rank%s ", same > 1 ? "s" : "");
+    for (int j = i, first = 1; j < s->n && used + 1 < n; j++) {
+      if (told[j] || strcmp(pos[j], pos[i]) != 0)
+        continue;
+      int k = j; /* a run of ranks at this place: j..k */
+      while (k + 1 < s->n && !told[k + 1] && strcmp(pos[k + 1], pos[i]) == 0)
+        told[++k] = 1;
+      told[j] = 1;
+      if (k == j)
+        used += (size_t)snprintf(buf + used, n - used, "%s%d", first ? "" : ",", s->r[j].rank);
+      else
+        used += (size_t)snprintf(buf + used, n - used, "%s%d-%d", first ? "" : ",",
+                                 s->r[j].rank, s->r[k].rank);
+      first = 0;
+      j = k;
+    }
+    if (used + 1 < n)
+      used += (size_t)snprintf(buf + used, n - used, ": %s", pos[i]);
   }
+  if (used >= n && n > 4) /* cut short: say so */
+    memcpy(buf + n - 4, "...", 4);
+  free(pos);
+  free(told);
 }
 
 static void format_duration(double s, char *buf, size_t n) {

@@ -141,8 +141,10 @@ void mr_ranks_close_conns(struct mr_ranks *s);
 int mr_ranks_all_exited(const struct mr_ranks *s);
 int mr_ranks_all_closed(const struct mr_ranks *s);
 
-/* Describes, on one line per rank, where every rank is: what it completed
- * and what it waits on.  Writes into buf (NUL-terminated). */
+/* Describes where every rank is: what it completed and what it waits on,
+ * one line per place, the ranks there listed as ranges ("ranks 0-2,5:
+ * ..."), so a thousand ranks read in a few lines.  Writes into buf
+ * (NUL-terminated; "..." at the end when cut short). */
 void mr_ranks_describe_positions(const struct mr_ranks *s, char *buf, size_t n);
 
 /* Records a heartbeat's position. */
