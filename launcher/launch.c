@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "common/job.h"
 #include "common/log.h"
+#include "common/tokens.h"
 #include "common/tunable.h"
 #include "launcher/agent.h"
 #include "launcher/cli.h"
@@ -86,6 +87,24 @@ static int check_checkpoint_dir(const struct mr_job *job) {
             "of this model takes about %.0f MiB and %lld are kept (a save that does not fit "
             "fails the job)\n", d, (double)v.f_bavail * (double)v.f_frsize / 1048576.0,
             one / 1048576.0, (long long)job->checkpoint.keep_last);
+  return 0;
+}
+
+/* The job's token files, checked as the ranks will open them (header,
+ * size, every token below the vocabulary) before any rank starts: bad
+ * data is the user's to fix, not a failure to restart from. */
+static int check_data(const struct mr_job *job) {
+  const char *files[2] = {job->data_train, job->data_val};
+  for (int i = 0; i < 2; i++) {
+    if (files[i] == NULL)
+      continue;
+    struct mr_tokens t;
+    int rc = mr_tokens_open(&t, files[i], job->model.vocab_size);
+    if (rc < 0)
+      return mr_error_set(rc, "%s: data.%s: %s", job->path, i == 0 ? "train" : "val",
+                          mr_error_of(rc));
+    mr_tokens_close(&t);
+  }
   return 0;
 }
 
@@ -361,11 +380,16 @@ static int choose_devices(struct launch_args *a, struct mr_devices *devices, int
  * checkpoint folder checked; returns -1 to go on, else the exit code. */
 static int plan_job(struct launch_args *a, struct mr_job *job, const struct mr_devices *devices,
                     int gpu_ranks, long world, struct mr_strategy_choice *choice) {
+  int rc = check_data(job);
+  if (rc < 0) {
+    fprintf(stderr, "meshrun launch: %s\n", mr_error_of(rc));
+    return 2;
+  }
   if (job->cluster == NULL && mr_tunable_str(MR_TUNABLE_CLUSTER)[0] == '\0') {
     /* no cluster spec given: plan for this machine, measured (once;
      * cached) — its GPUs where the ranks run on them, else its cores */
     char spec[4096];
-    int rc = gpu_ranks ? mr_gpu_cluster_spec(devices, spec, sizeof spec)
+    rc = gpu_ranks ? mr_gpu_cluster_spec(devices, spec, sizeof spec)
                        : mr_cpu_cluster_spec(spec, sizeof spec);
     if (rc == 0) {
       job->cluster = strdup(spec);
@@ -375,7 +399,7 @@ static int plan_job(struct launch_args *a, struct mr_job *job, const struct mr_d
               mr_error_of(rc));
     }
   }
-  int rc = mr_strategy_choose(job, (int)world, choice);
+  rc = mr_strategy_choose(job, (int)world, choice);
   if (rc < 0) {
     fprintf(stderr, "meshrun launch: %s: %s\n", a->job_path, mr_error_of(rc));
     return 2;

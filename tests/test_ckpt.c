@@ -256,6 +256,47 @@ START_TEST(test_ckpt_all_corrupt_refused_before_any_rank) {
 }
 END_TEST
 
+/* Launches dir/job.json with 3 restarts allowed: exit 2 before any rank
+ * starts (no rank log), stderr holding want. */
+static void refused_before_any_rank(const char *dir, const char *want) {
+  struct mr_tproc p;
+  char run[32];
+  static int seq;
+  snprintf(run, sizeof run, "bad%d", ++seq);
+  start(&p, dir, "job.json", run, 2, 3, NULL);
+  int code = mr_t_wait(&p, 60);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 2 && strstr(err, want) != NULL, "exit %d, want \"%s\":\n%s", code,
+                want, err);
+  free(err);
+  char log[200];
+  snprintf(log, sizeof log, "%s/%s/rank-0.log", dir, run);
+  ck_assert_msg(access(log, F_OK) != 0, "a rank started: %s exists", log);
+}
+
+/* Bad data is the launcher's to name, before any rank spends a restart
+ * on it: a missing token file, one cut short of its header's count, one
+ * with a token past the vocabulary (128). */
+START_TEST(test_ckpt_bad_data_refused_before_any_rank) {
+  char dir[64], data[160];
+  mr_t_tmpdir(dir, sizeof dir);
+  write_job(dir, "job.json", 4, 0, "ck");
+  refused_before_any_rank(dir, "job.json: data.train: ");
+  snprintf(data, sizeof data, "%s/train.bin", dir);
+  mr_t_write_tokens(data, 40000);
+  ck_assert_int_eq(truncate(data, 1024 + 2 * 30000), 0);
+  refused_before_any_rank(dir, "job.json: data.train: ");
+  mr_t_write_tokens(data, 40000);
+  FILE *f = fopen(data, "r+b");
+  ck_assert_ptr_nonnull(f);
+  uint16_t big = 200;
+  fseek(f, 1024 + 2 * 12345, SEEK_SET);
+  fwrite(&big, 2, 1, f);
+  fclose(f);
+  refused_before_any_rank(dir, "200");
+}
+END_TEST
+
 /* A save that cannot be written (here: past the file-size limit, EFBIG; a
  * full disk is ENOSPC through the same path) fails its rank at once, naming
  * the file, not at the next save; the last complete checkpoint stays, and a
@@ -808,6 +849,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_killed_ranks_resume_bitwise);
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
   tcase_add_test(tc, test_ckpt_all_corrupt_refused_before_any_rank);
+  tcase_add_test(tc, test_ckpt_bad_data_refused_before_any_rank);
   tcase_add_test(tc, test_ckpt_failed_save_fails_at_once_and_keeps_the_last);
   tcase_add_test(tc, test_ckpt_unwritable_dir_refused_at_launch);
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
