@@ -23,10 +23,46 @@ static void on_handle_closed(uv_handle_t *h) {
   }
 }
 
+/* Takes c out of its listener's unauthenticated queue (authenticated, or
+ * closing). */
+static void preauth_leave(struct mr_conn *c) {
+  struct mr_preauth *q = c->preauth;
+  if (q == NULL)
+    return;
+  if (c->preauth_prev != NULL)
+    c->preauth_prev->preauth_next = c->preauth_next;
+  else
+    q->head = c->preauth_next;
+  if (c->preauth_next != NULL)
+    c->preauth_next->preauth_prev = c->preauth_prev;
+  else
+    q->tail = c->preauth_prev;
+  q->n--;
+  c->preauth = NULL;
+  c->preauth_prev = c->preauth_next = NULL;
+}
+
+/* Puts c last in q, dropping the oldest waiting there when q is full. */
+static void preauth_join(struct mr_conn *c, struct mr_preauth *q) {
+  if (q == NULL)
+    return;
+  if (q->max > 0 && q->n >= q->max && q->head != NULL)
+    mr_conn_close(q->head, "too many connections waiting to authenticate: the oldest dropped");
+  c->preauth = q;
+  c->preauth_prev = q->tail;
+  if (q->tail != NULL)
+    q->tail->preauth_next = c;
+  else
+    q->head = c;
+  q->tail = c;
+  q->n++;
+}
+
 void mr_conn_close(struct mr_conn *c, const char *reason) {
   if (c->closing)
     return;
   c->closing = 1;
+  preauth_leave(c);
   if (reason != NULL) {
     char who[32] = "";
     if (c->rank >= 0)
@@ -117,6 +153,8 @@ static int handle_auth(struct mr_conn *c, const Meshrun__Envelope *env) {
   out.msg_case = MESHRUN__ENVELOPE__MSG_AUTH_RESULT;
   out.auth_result = &res;
   c->authenticated = 1;
+  preauth_leave(c);
+  c->reader.max_frame = (size_t)mr_tunable_int(MR_TUNABLE_MAX_FRAME_BYTES);
   uv_timer_stop(&c->auth_timer);
   mr_conn_send(c, &out);
   MR_DEBUG("rpc", "connection %d (%s) authenticated", c->id, c->peer);
@@ -178,7 +216,8 @@ static void on_auth_timeout(uv_timer_t *t) {
 
 struct mr_conn *mr_conn_accept(uv_stream_t *server, int is_tcp,
                                const uint8_t *token,
-                               const struct mr_conn_callbacks *cb, int id) {
+                               const struct mr_conn_callbacks *cb, int id,
+                               struct mr_preauth *preauth) {
   struct mr_conn *c = calloc(1, sizeof *c);
   if (c == NULL)
     return NULL;
@@ -197,7 +236,7 @@ struct mr_conn *mr_conn_accept(uv_stream_t *server, int is_tcp,
   c->rank = -1;
   c->token = token;
   c->cb = *cb;
-  mr_frame_reader_init(&c->reader, (size_t)mr_tunable_int(MR_TUNABLE_MAX_FRAME_BYTES));
+  mr_frame_reader_init(&c->reader, MR_PREAUTH_FRAME_MAX); /* the normal limit once authenticated */
   snprintf(c->peer, sizeof c->peer, "unix");
   if (uv_accept(server, &c->h.stream) < 0) {
     c->closing = 1;
@@ -221,6 +260,7 @@ struct mr_conn *mr_conn_accept(uv_stream_t *server, int is_tcp,
       snprintf(c->peer, sizeof c->peer, "%s:%d", ip, port);
     }
   }
+  preauth_join(c, preauth);
   uv_timer_start(&c->auth_timer, on_auth_timeout,
                  (uint64_t)mr_tunable_int(MR_TUNABLE_AUTH_TIMEOUT_MS), 0);
   uv_read_start(&c->h.stream, on_alloc, on_read);

@@ -28,6 +28,21 @@ struct mr_conn_callbacks {
   void (*on_close)(void *ctx, struct mr_conn *c);
 };
 
+/* The connections of one listener that have not authenticated yet, oldest
+ * first: before authenticating a peer may hold only the handshake
+ * (MR_PREAUTH_FRAME_MAX bytes buffered), and at most max of them wait at
+ * once, the oldest dropped for a new one; with the auth deadline that
+ * bounds what strangers can make a launcher hold to about
+ * max x (MR_PREAUTH_FRAME_MAX + a 64 KiB read). */
+struct mr_preauth {
+  struct mr_conn *head, *tail;
+  int n, max;
+};
+
+/* The largest frame an unauthenticated peer may send: its AuthResponse
+ * is about 80 bytes. */
+#define MR_PREAUTH_FRAME_MAX 512
+
 struct mr_conn {
   union {
     uv_stream_t stream;
@@ -48,6 +63,8 @@ struct mr_conn {
   int rank;                       // -1 until the coordinator binds it
   int node;                       // > 0: the launcher of that node
   char peer[64];                  // "unix" or "127.0.0.1:5555"
+  struct mr_preauth *preauth;     // its listener's queue while unauthenticated
+  struct mr_conn *preauth_prev, *preauth_next;
 };
 
 /* Accepts a pending connection on server (a pipe or tcp server), starts the
@@ -55,7 +72,8 @@ struct mr_conn {
  * itself after on_close) or NULL when accepting failed. */
 struct mr_conn *mr_conn_accept(uv_stream_t *server, int is_tcp,
                                const uint8_t *token,
-                               const struct mr_conn_callbacks *cb, int id);
+                               const struct mr_conn_callbacks *cb, int id,
+                               struct mr_preauth *preauth);
 
 /* Queues env for sending.  Returns 0 or an error (the connection is then
  * closed). */

@@ -74,6 +74,8 @@ struct coordinator {
   const struct mr_launch_opts *opts;
   uv_pipe_t unix_server;
   uv_tcp_t tcp_server;
+  struct mr_preauth preauth_unix, preauth_tcp; // each listener's connections
+                            //   waiting to authenticate (launcher/conn.h)
   uv_signal_t sigint, sigterm, sigusr1;
   uv_timer_t tick;
   uint8_t token[MR_TOKEN_BYTES];

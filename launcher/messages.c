@@ -506,5 +506,9 @@ void mr__co_on_connection(uv_stream_t *server, int status) {
   struct mr_conn_callbacks cb = {.ctx = co, .on_message = on_message,
                                  .on_close = mr__co_on_conn_close};
   int is_tcp = server == (uv_stream_t *)&co->tcp_server;
-  mr_conn_accept(server, is_tcp, co->token, &cb, ++co->next_conn_id);
+  /* per listener: strangers on TCP cannot crowd out the local ranks,
+   * whose socket sits in a folder only this user can enter */
+  struct mr_preauth *q = is_tcp ? &co->preauth_tcp : &co->preauth_unix;
+  q->max = (int)mr_tunable_int(MR_TUNABLE_MAX_PREAUTH_CONNS);
+  mr_conn_accept(server, is_tcp, co->token, &cb, ++co->next_conn_id, q);
 }

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -451,6 +452,88 @@ static int closed_within(int fd, double timeout_s) {
   return 0;
 }
 
+/* The launcher's resident size, KiB. */
+static long vm_rss_kib(pid_t pid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  char *s = mr_t_slurp(path);
+  const char *vm = strstr(s, "VmRSS:");
+  long kib = vm != NULL ? atol(vm + 6) : -1;
+  free(s);
+  return kib;
+}
+
+static int connect_tcp(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ck_assert_int_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  return fd;
+}
+
+/* Strangers on the TCP listener: 50 that each send 1 MiB of a frame
+ * declared before authenticating (held whole before, 50 MiB), and 200
+ * that each hold a partial handshake open.  The launcher's memory grows
+ * by less than 16 MiB, the oldest waiting connections are dropped past
+ * 64, and the job finishes. */
+START_TEST(test_launch_strangers_cannot_grow_the_launcher) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct mr_tproc p;
+  launch(&p, dir, 2, "400", NULL);
+  char path[160];
+  snprintf(path, sizeof path, "%s/logs/coordinator.json", dir);
+  ck_assert(mr_t_wait_for_text(path, "\"tcp\"", 10) >= 0);
+  char *cj = mr_t_slurp(path);
+  const char *t = strstr(cj, "\"tcp:");
+  ck_assert_ptr_nonnull(t);
+  char addr[64];
+  snprintf(addr, sizeof addr, "%.*s", (int)strcspn(t + 5, "\""), t + 5); /* 127.0.0.1:PORT */
+  int port = atoi(strrchr(addr, ':') + 1);
+  free(cj);
+  wait_registered(dir, 2);
+  long rss0 = vm_rss_kib(p.pid);
+  static char mib[1 << 20];
+  int big[50]; /* kept open until measured: a closed one frees what it sent */
+  for (int i = 0; i < 50; i++) {
+    big[i] = connect_tcp(port);
+    struct timeval tv = {.tv_sec = 2};
+    setsockopt(big[i], SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    uint8_t h[4];
+    mr_frame_put_header(h, 1u << 20);
+    (void)!send(big[i], h, 4, MSG_NOSIGNAL);
+    (void)!send(big[i], mib, sizeof mib, MSG_NOSIGNAL);
+  }
+  usleep(200000);
+  long rss1 = vm_rss_kib(p.pid);
+  ck_assert_msg(rss1 - rss0 < 16 * 1024, "the launcher grew by %ld KiB", rss1 - rss0);
+  for (int i = 0; i < 50; i++)
+    close(big[i]);
+  int fds[200];
+  for (int i = 0; i < 200; i++) {
+    fds[i] = connect_tcp(port);
+    uint8_t part[4 + 300] = {0};
+    mr_frame_put_header(part, 500); /* a frame under the limit, never finished */
+    ck_assert_int_eq(send(fds[i], part, sizeof part, MSG_NOSIGNAL), (ssize_t)sizeof part);
+  }
+  long rss2 = vm_rss_kib(p.pid);
+  ck_assert_msg(rss2 - rss0 < 16 * 1024, "the launcher grew by %ld KiB", rss2 - rss0);
+  fprintf(stderr, "# the launcher's resident size: %ld KiB, %+ld KiB after the 1 MiB frames, "
+          "%+ld KiB with 200 half handshakes\n", rss0, rss1 - rss0, rss2 - rss0);
+  for (int i = 0; i < 200 - 64; i++)
+    ck_assert_msg(closed_within(fds[i], 3), "waiting connection %d was kept", i);
+  ck_assert_msg(!closed_within(fds[199], 0.2), "the newest waiting connection was dropped");
+  for (int i = 0; i < 200; i++)
+    close(fds[i]);
+  int code = mr_t_wait(&p, 60);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "exit %d\n%s", code, err);
+  ck_assert_msg(strstr(err, "exceeds the 512-byte limit") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "too many connections waiting to authenticate") != NULL, "%s", err);
+  free(err);
+}
+END_TEST
+
 START_TEST(test_launch_bad_clients_refused_job_still_finishes) {
   char dir[64];
   mr_t_tmpdir(dir, sizeof dir);
@@ -884,6 +967,7 @@ static Suite *launch_suite(void) {
   tcase_add_test(tc, test_launch_sockdir_sweep_takes_only_dead_folders);
   tcase_add_test(tc, test_launch_sigterm_stops_every_worker);
   tcase_add_test(tc, test_launch_bad_clients_refused_job_still_finishes);
+  tcase_add_test(tc, test_launch_strangers_cannot_grow_the_launcher);
   tcase_add_test(tc, test_launch_hang_diagnosed_naming_rank_and_operation);
   tcase_add_test(tc, test_launch_killed_rank_leaves_no_shared_memory);
   tcase_add_test(tc, test_launch_bind_and_metrics_flags);
