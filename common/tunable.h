@@ -33,8 +33,8 @@
   XX(MAX_FRAME_BYTES, "MESHRUN_MAX_FRAME_BYTES", "268435456",                \
      "largest RPC frame accepted, bytes")                                    \
   XX(MAX_PREAUTH_CONNS, "MESHRUN_MAX_PREAUTH_CONNS", "64",                   \
-     "connections one listener lets wait to authenticate at once (a new "    \
-     "one drops the oldest)")                                                \
+     "connections one listener lets wait to authenticate at once beyond "   \
+     "the job's ranks and nodes (a new one drops the oldest)")               \
   XX(AUTH_TIMEOUT_MS, "MESHRUN_AUTH_TIMEOUT_MS", "5000",                     \
      "time a new connection has to authenticate, ms")                        \
   XX(CONNECT_TIMEOUT_MS, "MESHRUN_CONNECT_TIMEOUT_MS", "30000",              \

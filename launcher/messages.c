@@ -507,8 +507,11 @@ void mr__co_on_connection(uv_stream_t *server, int status) {
                                  .on_close = mr__co_on_conn_close};
   int is_tcp = server == (uv_stream_t *)&co->tcp_server;
   /* per listener: strangers on TCP cannot crowd out the local ranks,
-   * whose socket sits in a folder only this user can enter */
+   * whose socket sits in a folder only this user can enter.  Room for
+   * every rank and node of the job at once (they all connect together at
+   * the start), and the tunable's count of strangers on top. */
   struct mr_preauth *q = is_tcp ? &co->preauth_tcp : &co->preauth_unix;
-  q->max = (int)mr_tunable_int(MR_TUNABLE_MAX_PREAUTH_CONNS);
+  q->max = co->nnodes * co->node_ranks + co->nnodes +
+           (int)mr_tunable_int(MR_TUNABLE_MAX_PREAUTH_CONNS);
   mr_conn_accept(server, is_tcp, co->token, &cb, ++co->next_conn_id, q);
 }
