@@ -491,16 +491,18 @@ START_TEST(test_rebalance_slow_stage_gets_fewer_layers) {
 }
 END_TEST
 
-/* Planning runs off the launcher's loop: a re-plan that takes 5 s while
- * the ranks train on, with a 2 s heartbeat timeout, blames no rank, and
- * the loop never stalls (the launcher would say so) while it is made. */
+/* Planning runs off the launcher's loop: a re-plan that takes 3 s while
+ * the ranks train on, with a 1 s heartbeat timeout, blames no rank, and
+ * the loop never stalls (the launcher would say so) while it is made.
+ * The run is long enough (480 steps, about 25 ms each on a fast machine)
+ * for the plan to land before the last step. */
 START_TEST(test_rebalance_slow_plan_blames_no_rank) {
   char dir[64];
   mr_t_tmpdir(dir, sizeof dir);
-  write_job(dir, "slow.json", 3 * STEPS, NULL);
+  write_job(dir, "slow.json", 8 * STEPS, NULL);
   char *env[] = {"MESHRUN_TEST_SLOW=1:x4", "MESHRUN_REBALANCE_GAIN=0.15",
-                 "MESHRUN_TEST_PLAN_DELAY_MS=5000", NULL};
-  char *flags[] = {"--heartbeat-timeout", "2", "--max-restarts", "0", NULL};
+                 "MESHRUN_TEST_PLAN_DELAY_MS=3000", NULL};
+  char *flags[] = {"--heartbeat-timeout", "1", "--max-restarts", "0", NULL};
   int code;
   char *err = launch_job(dir, "slow.json", "2", env, flags, &code);
   ck_assert_msg(code == 0, "exit %d\n%s", code, err);
