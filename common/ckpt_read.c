@@ -7,11 +7,11 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/ckpt.h"
 #include "common/error.h"
 #include "common/jsonv.h"
 #include "common/safetensors.h"
 
-#define MAX_RANKS 65536
 #define MAX_DIM (INT64_C(1) << 40)    // one dimension of a box
 #define MAX_ELEMS (INT64_C(1) << 53)  // elements of a box, exact in a JSON double
 
@@ -131,20 +131,17 @@ int mr_ckpt_reader_add_memory(struct mr_ckpt_reader *r, const void *data, size_t
 
 int mr_ckpt_reader_open(const char *dir, struct mr_ckpt_reader **out) {
   *out = NULL;
+  struct mr_ckpt_manifest m;
+  MR_TRY(mr_ckpt_manifest_load(dir, &m));
   struct mr_ckpt_reader *r = calloc(1, sizeof *r);
-  if (r == NULL)
-    return MR_ENOMEM;
-  int rc = 0, misses = 0;
-  /* rank files are numbered densely, but a rank with nothing to keep
-   * writes none: scan until a long run of missing numbers */
-  for (int rank = 0; rank < MAX_RANKS && misses < 4096 && rc == 0; rank++) {
+  int rc = r != NULL ? 0 : MR_ENOMEM;
+  size_t sfx = strlen(".safetensors");
+  for (int i = 0; i < m.n && rc == 0; i++) {
+    size_t len = strlen(m.names[i]);
+    if (len <= sfx || strcmp(m.names[i] + len - sfx, ".safetensors") != 0)
+      continue; /* the index, read by the caller */
     char path[4200];
-    snprintf(path, sizeof path, "%s/rank-%d.safetensors", dir, rank);
-    if (access(path, F_OK) != 0) {
-      misses++;
-      continue;
-    }
-    misses = 0;
+    snprintf(path, sizeof path, "%s/%s", dir, m.names[i]);
     struct mr_st_file **f = realloc(r->files, (size_t)(r->n_files + 1) * sizeof *f);
     if (f == NULL) {
       rc = MR_ENOMEM;
@@ -156,14 +153,90 @@ int mr_ckpt_reader_open(const char *dir, struct mr_ckpt_reader **out) {
     r->n_files++;
     rc = add_pieces(r, r->n_files - 1);
   }
+  mr_ckpt_manifest_free(&m);
   if (rc == 0 && r->n_files == 0)
-    rc = mr_error_set(MR_ENOENT, "%s: no rank-N.safetensors files", dir);
+    rc = mr_error_set(MR_ENOENT, "%s/%s: lists no .safetensors file", dir, MR_CKPT_MARKER);
   if (rc < 0) {
     mr_ckpt_reader_free(r);
     return rc;
   }
   *out = r;
   return 0;
+}
+
+/* Orders pieces by box, then by range: pieces of one box side by side. */
+static int box_cmp(const struct piece *a, const struct piece *b) {
+  for (int d = 0; d < a->ndim; d++) {
+    if (a->off[d] != b->off[d])
+      return a->off[d] < b->off[d] ? -1 : 1;
+    if (a->len[d] != b->len[d])
+      return a->len[d] < b->len[d] ? -1 : 1;
+  }
+  return 0;
+}
+
+static int piece_cmp(const void *x, const void *y) {
+  const struct piece *a = *(const struct piece *const *)x, *b = *(const struct piece *const *)y;
+  int c = box_cmp(a, b);
+  return c != 0 ? c : (a->begin > b->begin) - (a->begin < b->begin);
+}
+
+static int boxes_meet(const struct piece *a, const struct piece *b) {
+  for (int d = 0; d < a->ndim; d++)
+    if (a->off[d] + a->len[d] <= b->off[d] || b->off[d] + b->len[d] <= a->off[d])
+      return 0;
+  return 1;
+}
+
+int mr_ckpt_reader_covers(struct mr_ckpt_reader *r, const char *name, int ndim,
+                          const int64_t *shape) {
+  /* the pieces of name, then the first piece of each box */
+  const struct piece **ps = malloc(2 * (size_t)(r->n_pieces + 1) * sizeof *ps);
+  if (ps == NULL)
+    return MR_ENOMEM;
+  int k = 0, rc = 0;
+  int64_t numel = 1, sum = 0;
+  for (int d = 0; d < ndim; d++)
+    numel *= shape[d];
+  for (int i = 0; i < r->n_pieces && rc == 0; i++) {
+    const struct piece *p = &r->pieces[i];
+    if (strcmp(p->name, name) != 0)
+      continue;
+    int ok = p->ndim == ndim;
+    for (int d = 0; ok && d < ndim; d++)
+      ok = p->off[d] + p->len[d] <= shape[d];
+    if (!ok)
+      rc = mr_error_set(MR_EFORMAT, "%s: pieces.%s: a piece of another shape or outside the "
+                        "tensor", mr_st_path(r->files[p->file]), name);
+    ps[k++] = p;
+    sum += p->count;
+  }
+  if (rc == 0 && sum != numel)
+    rc = mr_error_set(MR_EFORMAT, "%s: the pieces hold %lld of its %lld elements (%s)", name,
+                      (long long)sum, (long long)numel,
+                      sum < numel ? "a rank file missing" : "a rank file twice, or stale");
+  /* the same elements counted twice would hide a gap of as many: within a
+   * box the ranges are apart, and distinct boxes do not meet */
+  qsort(ps, (size_t)k, sizeof *ps, piece_cmp);
+  const struct piece **firsts = ps + k;
+  int n_boxes = 0;
+  for (int i = 0; i < k && rc == 0; i++) {
+    const struct piece *a = NULL, *b = ps[i];
+    if (i > 0 && box_cmp(ps[i - 1], b) == 0) {
+      if (ps[i - 1]->begin + ps[i - 1]->count > b->begin)
+        a = ps[i - 1];
+    } else {
+      for (int j = 0; j < n_boxes && a == NULL; j++)
+        if (boxes_meet(firsts[j], b))
+          a = firsts[j];
+      firsts[n_boxes++] = b;
+    }
+    if (a != NULL)
+      rc = mr_error_set(MR_EFORMAT, "%s: pieces in %s and %s overlap", name,
+                        mr_st_path(r->files[a->file]), mr_st_path(r->files[b->file]));
+  }
+  free(ps);
+  return rc;
 }
 
 /* Copies the part of piece p overlapping the global row gr (the indices

@@ -20,10 +20,20 @@
 
 struct mr_ckpt_reader;
 
-/* Opens the rank files of checkpoint folder dir (rank-0 .. rank-N, as many
- * as there are) and parses their pieces.  Returns 0, MR_ENOENT (no rank
- * file) or MR_EFORMAT naming the file and the entry that is wrong. */
+/* Opens the rank files of checkpoint folder dir, exactly those its
+ * COMPLETE lists (common/ckpt.h; their checksums are the launcher's to
+ * check), and parses their pieces.  Returns 0, MR_ENOENT (no marker, or
+ * no rank file listed) or MR_EFORMAT naming the file and the entry that
+ * is wrong. */
 int mr_ckpt_reader_open(const char *dir, struct mr_ckpt_reader **out);
+
+/* Checks, from the pieces' metadata alone, that the pieces of tensor name
+ * (global shape shape[ndim]) cover it exactly once: each lies in the
+ * tensor, they hold as many elements as it has, and none overlaps another
+ * (ranges apart within one box, boxes apart).  Returns 0 or MR_EFORMAT
+ * naming the tensor. */
+int mr_ckpt_reader_covers(struct mr_ckpt_reader *r, const char *name, int ndim,
+                          const int64_t *shape);
 
 void mr_ckpt_reader_free(struct mr_ckpt_reader *r);
 

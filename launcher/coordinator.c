@@ -269,7 +269,9 @@ static void check_hang(struct coordinator *co, int64_t now) {
 static void on_rank_exit(void *ctx, int rank, int64_t status, int signal);
 
 /* A training job with a checkpoint folder resumes from its newest complete
- * checkpoint (an incomplete or corrupt one is skipped with a warning). */
+ * checkpoint (an incomplete or corrupt one is skipped with a warning), and
+ * what lies beyond it is cleared away, so each save the group makes starts
+ * in a folder of its own. */
 static int choose_resume(struct coordinator *co) {
   co->resume_dir[0] = '\0';
   co->resume_step = 0;
@@ -284,7 +286,9 @@ static int choose_resume(struct coordinator *co) {
   } else {
     co->resume_dir[0] = '\0';
   }
-  return rc < 0 ? rc : 0;
+  if (rc < 0)
+    return rc;
+  return mr_ckpt_clear_after(job->checkpoint.dir, co->resume_step);
 }
 
 static int nodes_connected(const struct coordinator *co) {

@@ -124,7 +124,7 @@ int mr_cmd_export(int argc, char **argv) {
   const char *given = argv[optind];
   char ckpt[4096];
   int64_t step;
-  if (mr_ckpt_verify(given, &step) == 0) {
+  if (mr_ckpt_check(given, &step) == 0) {
     snprintf(ckpt, sizeof ckpt, "%s", given);
   } else if (mr_ckpt_find_latest(given, ckpt, sizeof ckpt, &step) != 1) {
     fprintf(stderr, "meshrun export: %s: no complete checkpoint there (%s)\n", given,

@@ -501,6 +501,133 @@ START_TEST(test_ckpt_sigterm_during_a_save_keeps_the_newer_steps) {
 }
 END_TEST
 
+/* Losses of run dir/run (steps from..from + n - 1) against those of the
+ * uninterrupted run `full` (its steps from 1). */
+static void losses_continue(const char *dir, const char *run, int from, int n,
+                            const double *full) {
+  char m[200];
+  double got[32];
+  snprintf(m, sizeof m, "%s/%s/metrics.jsonl", dir, run);
+  ck_assert_int_eq(mr_t_read_losses(m, got, 32), n);
+  for (int s = 0; s < n; s++)
+    ck_assert_msg(fabs(got[s] - full[from - 1 + s]) <= 1e-4 * fabs(full[from - 1 + s]),
+                  "%s, step %d: %.7f vs %.7f uninterrupted", run, from + s, got[s],
+                  full[from - 1 + s]);
+}
+
+static void copy_file(const char *from, const char *to) {
+  FILE *in = fopen(from, "rb"), *out = fopen(to, "wb");
+  ck_assert(in != NULL && out != NULL);
+  char buf[1 << 16];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, in)) > 0;)
+    ck_assert_int_eq(fwrite(buf, 1, n, out), n);
+  fclose(in);
+  fclose(out);
+}
+
+/* A checkpoint is exactly the files its COMPLETE lists, and each save
+ * starts in a folder of its own.  Saved under ZeRO-1 dp4 (4 rank files),
+ * the save of step 8 interrupted; saved again under ZeRO-1 dp2 (2 files):
+ * the dp4 shards of step 8 are not read with the new ones.  Stray shards
+ * and a file of the operator's in a checkpoint are not read and not
+ * removed.  A checkpoint whose files pass their checksums but whose
+ * pieces do not cover the model (a shard missing from the list) is
+ * marked bad at the launcher and the previous one resumed, no restart
+ * spent.  A file where a step's folder goes stops the launch, exit 2,
+ * before any rank.  Every run's losses continue the uninterrupted dp4
+ * run's. */
+START_TEST(test_ckpt_stale_shards_and_strays_never_loaded) {
+  char dir[64], ck[160], d4[200], d8[200], d12[200], f[300], g[300];
+  setup(dir, sizeof dir);
+  const char *zero1 = "\"sharding\": {\"stage\": 1}"; /* on 4 ranks, then on 2 */
+  write_job_s(dir, "full.json", 16, 0, "ck-full", zero1);
+  write_job_s(dir, "first.json", 8, 4, "ck", zero1);
+  write_job_s(dir, "second.json", 8, 4, "ck", zero1);
+  write_job_s(dir, "third.json", 12, 4, "ck", zero1);
+  write_job_s(dir, "fourth.json", 16, 4, "ck", zero1);
+  write_job_s(dir, "fifth.json", 20, 4, "ck", zero1);
+  ck_assert_int_eq(run_to_end(dir, "full.json", "full", 4), 0);
+  double full[16];
+  snprintf(f, sizeof f, "%s/full/metrics.jsonl", dir);
+  ck_assert_int_eq(mr_t_read_losses(f, full, 16), 16);
+  snprintf(ck, sizeof ck, "%s/ck", dir);
+  mr_ckpt_step_dir(ck, 4, d4, sizeof d4);
+  mr_ckpt_step_dir(ck, 8, d8, sizeof d8);
+  mr_ckpt_step_dir(ck, 12, d12, sizeof d12);
+
+  /* the dp4 save of step 8 interrupted: its 4 shards, no marker */
+  ck_assert_int_eq(run_to_end(dir, "first.json", "first", 4), 0);
+  snprintf(f, sizeof f, "%s/rank-3.safetensors", d8);
+  ck_assert_int_eq(access(f, F_OK), 0);
+  snprintf(f, sizeof f, "%s/COMPLETE", d8);
+  ck_assert_int_eq(unlink(f), 0);
+  ck_assert_int_eq(run_to_end(dir, "second.json", "second", 2), 0);
+  losses_continue(dir, "second", 5, 4, full);
+  snprintf(f, sizeof f, "%s/rank-3.safetensors", d8);
+  ck_assert_msg(access(f, F_OK) != 0, "a dp4 shard of the interrupted save is still there");
+
+  /* strays in the newest checkpoint, a note of the operator's in the
+   * oldest (pruned) one */
+  snprintf(f, sizeof f, "%s/rank-0.safetensors", d8);
+  snprintf(g, sizeof g, "%s/rank-2.safetensors", d8);
+  copy_file(f, g);
+  snprintf(g, sizeof g, "%s/rank-3.safetensors", d8);
+  copy_file(f, g);
+  snprintf(g, sizeof g, "%s/notes.txt", d4);
+  FILE *nf = fopen(g, "w");
+  fputs("kept by the operator\n", nf);
+  fclose(nf);
+  ck_assert_int_eq(run_to_end(dir, "third.json", "third", 2), 0);
+  losses_continue(dir, "third", 9, 4, full);
+  ck_assert_msg(access(g, F_OK) == 0, "%s was removed with its checkpoint", g);
+
+  /* step 12 without one of its shards, which COMPLETE no longer lists:
+   * every checksum holds, the pieces do not cover the model */
+  struct mr_ckpt_manifest m;
+  ck_assert_int_eq(mr_ckpt_manifest_load(d12, &m), 0);
+  const char *names[8], *sums[8];
+  int n = 0;
+  for (int i = 0; i < m.n; i++) {
+    if (strcmp(m.names[i], "rank-1.safetensors") == 0)
+      continue;
+    names[n] = m.names[i], sums[n] = m.sums[i], n++;
+  }
+  ck_assert_int_eq(n, m.n - 1);
+  ck_assert_int_eq(mr_ckpt_write_marker(d12, 12, names, sums, n), 0);
+  mr_ckpt_manifest_free(&m);
+  snprintf(f, sizeof f, "%s/rank-1.safetensors", d12);
+  ck_assert_int_eq(unlink(f), 0);
+  ck_assert_int_eq(mr_ckpt_verify(d12, NULL), 0);
+  struct mr_tproc p;
+  start(&p, dir, "fourth.json", "fourth", 2, 3, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 120), 0);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(strstr(err, "step-00000012: marked bad") != NULL &&
+                    strstr(err, "elements (a rank file missing)") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "restarting") == NULL, "a restart was spent:\n%s", err);
+  free(err);
+  losses_continue(dir, "fourth", 9, 8, full);
+  snprintf(f, sizeof f, "%s.bad/rank-0.safetensors", d12);
+  ck_assert_msg(access(f, F_OK) == 0, "the bad checkpoint was not kept aside");
+
+  /* a file where the folder of step 20 goes */
+  char d20[200];
+  mr_ckpt_step_dir(ck, 20, d20, sizeof d20);
+  nf = fopen(d20, "w");
+  fclose(nf);
+  start(&p, dir, "fifth.json", "fifth", 2, 3, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 60), 2);
+  err = mr_t_slurp(p.err_path);
+  ck_assert_msg(strstr(err, "step-00000020: not a folder, where the checkpoint of step 20") !=
+                    NULL, "%s", err);
+  free(err);
+  snprintf(f, sizeof f, "%s/fifth/rank-0.log", dir);
+  ck_assert_msg(access(f, F_OK) != 0, "a rank started: %s exists", f);
+  struct stat st;
+  ck_assert(stat(d20, &st) == 0 && S_ISREG(st.st_mode));
+}
+END_TEST
+
 START_TEST(test_ckpt_resume_on_another_strategy_or_world_size) {
   /* saved under one strategy, resumed under another: the losses continue
    * as in the uninterrupted run of the first strategy */
@@ -855,6 +982,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
   tcase_add_test(tc, test_ckpt_sigusr1_checkpoints_and_goes_on);
   tcase_add_test(tc, test_ckpt_resume_on_another_strategy_or_world_size);
+  tcase_add_test(tc, test_ckpt_stale_shards_and_strays_never_loaded);
   tcase_add_test(tc, test_ckpt_gpt2_fused_weight_across_layouts);
   tcase_add_test(tc, test_ckpt_sigterm_during_a_save_keeps_the_newer_steps);
   tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed);

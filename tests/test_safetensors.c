@@ -721,6 +721,10 @@ START_TEST(test_ckpt_pieces_reject_bad_numbers) {
     ck_assert_int_eq(mr_st_writer_add_metadata(w, "pieces", cases[c].pieces), 0);
     ck_assert_int_eq(mr_st_writer_finish(w), 0);
     mr_st_writer_free(w);
+    char sum[MR_CHECKSUM_HEX];
+    ck_assert_int_eq(mr_checksum_file(path_of("rank-0.safetensors"), sum), 0);
+    ck_assert_int_eq(mr_ckpt_write_marker(dir, 1, (const char *[]){"rank-0.safetensors"},
+                                          (const char *[]){sum}, 1), 0);
     struct mr_ckpt_reader *r = NULL;
     int rc = mr_ckpt_reader_open(dir, &r);
     if (cases[c].ok) {
@@ -768,6 +772,67 @@ START_TEST(test_safetensors_index_rejects_malformed) {
 }
 END_TEST
 
+/* A rank file `name` in dir holding one piece of tensor w, given as its
+ * metadata entry [off.., len.., begin, count] (count floats). */
+static void write_piece(const char *name, const char *entry, int64_t count) {
+  float f[24] = {0};
+  struct mr_st_writer *w;
+  char meta[128];
+  snprintf(meta, sizeof meta, "{\"w\":%s}", entry);
+  ck_assert_int_eq(mr_st_writer_new(path_of(name), 0, &w), 0);
+  ck_assert_int_eq(mr_st_writer_add(w, "w", MR_F32, 1, &count, f), 0);
+  ck_assert_int_eq(mr_st_writer_add_metadata(w, "pieces", meta), 0);
+  ck_assert_int_eq(mr_st_writer_finish(w), 0);
+  mr_st_writer_free(w);
+}
+
+/* Whether the rank files listed in dir's marker cover w, [4, 6], exactly
+ * once; the listed files are r0.. r(n-1). */
+static int covers(int n) {
+  const char *names[4] = {"r0.safetensors", "r1.safetensors", "r2.safetensors",
+                          "r3.safetensors"};
+  char sums[4][MR_CHECKSUM_HEX];
+  const char *sp[4] = {sums[0], sums[1], sums[2], sums[3]};
+  for (int i = 0; i < n; i++)
+    ck_assert_int_eq(mr_checksum_file(path_of(names[i]), sums[i]), 0);
+  ck_assert_int_eq(mr_ckpt_write_marker(dir, 1, names, sp, n), 0);
+  struct mr_ckpt_reader *r;
+  ck_assert_int_eq(mr_ckpt_reader_open(dir, &r), 0);
+  int rc = mr_ckpt_reader_covers(r, "w", 2, (int64_t[]){4, 6});
+  mr_ckpt_reader_free(r);
+  return rc;
+}
+
+/* The coverage check, worked by hand on a [4, 6] tensor (24 elements):
+ * row halves in two files, ZeRO blocks of one box, a half missing, a half
+ * twice, and two blocks that overlap by as much as they leave out; a
+ * stray file in the folder that the marker does not list is not read. */
+START_TEST(test_ckpt_pieces_cover_exactly_once) {
+  write_piece("r0.safetensors", "[0,0,2,6,0,12]", 12); /* rows 0-1 */
+  write_piece("r1.safetensors", "[2,0,2,6,0,12]", 12); /* rows 2-3 */
+  write_piece("r2.safetensors", "[0,0,2,6,0,12]", 12); /* rows 0-1 again */
+  ck_assert_int_eq(covers(2), 0);
+  ck_assert_int_eq(covers(1), MR_EFORMAT);
+  ck_assert_msg(strstr(mr_error_message(), "hold 12 of its 24 elements (a rank file missing)"),
+                "%s", mr_error_message());
+  ck_assert_int_eq(covers(3), MR_EFORMAT);
+  ck_assert_msg(strstr(mr_error_message(), "hold 36 of its 24"), "%s", mr_error_message());
+  /* r2 stays in the folder, unlisted: not read */
+  ck_assert_int_eq(covers(2), 0);
+  write_piece("r0.safetensors", "[0,0,4,6,0,10]", 10); /* ZeRO blocks of the whole box */
+  write_piece("r1.safetensors", "[0,0,4,6,10,14]", 14);
+  ck_assert_int_eq(covers(2), 0);
+  write_piece("r1.safetensors", "[0,0,4,6,8,14]", 14); /* 8..22: 2 twice, 22..24 none */
+  ck_assert_int_eq(covers(2), MR_EFORMAT);
+  ck_assert_msg(strstr(mr_error_message(), "overlap"), "%s", mr_error_message());
+  write_piece("r0.safetensors", "[0,0,2,6,0,12]", 12); /* boxes that meet: rows 0-1, 1-2 */
+  write_piece("r1.safetensors", "[1,0,2,6,0,6]", 6);
+  write_piece("r2.safetensors", "[3,0,1,6,0,6]", 6);
+  ck_assert_int_eq(covers(3), MR_EFORMAT);
+  ck_assert_msg(strstr(mr_error_message(), "overlap"), "%s", mr_error_message());
+}
+END_TEST
+
 static Suite *safetensors_suite(void) {
   Suite *s = suite_create("safetensors");
   TCase *tc = tcase_create("safetensors");
@@ -787,6 +852,7 @@ static Suite *safetensors_suite(void) {
   tcase_add_test(tc, test_safetensors_index_round_trip);
   tcase_add_test(tc, test_safetensors_index_rejects_malformed);
   tcase_add_test(tc, test_ckpt_pieces_reject_bad_numbers);
+  tcase_add_test(tc, test_ckpt_pieces_cover_exactly_once);
   suite_add_tcase(s, tc);
   return s;
 }

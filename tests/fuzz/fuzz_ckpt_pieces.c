@@ -1,8 +1,9 @@
 /* fuzz_ckpt_pieces.c - libFuzzer target for a checkpoint rank file as the
  * resharding reader takes it: the safetensors header, the "pieces"
- * metadata (boxes and ranges of global tensors), then reads of every piece's
- * tensor through boxes that overlap it, so an accepted file can never make a
- * read go outside its bytes or its destination. */
+ * metadata (boxes and ranges of global tensors), then the launcher's
+ * coverage check and reads of every piece's tensor through boxes that
+ * overlap it, so an accepted file can never make a read go outside its
+ * bytes or its destination. */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,9 +31,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (buf == NULL)
           continue;
         int64_t shape1[1] = {n}, off1[1] = {0};
+        (void)mr_ckpt_reader_covers(r, t->name, 1, shape1);
         (void)mr_ckpt_reader_read(r, t->name, 1, shape1, off1, shape1, 0, n, buf);
         int64_t cols = (n + 1) / 2, shape2[2] = {2, cols}, off2[2] = {0, 0};
         int64_t len2[2] = {2, cols / 2 > 0 ? cols / 2 : 1};
+        (void)mr_ckpt_reader_covers(r, t->name, 2, shape2);
         (void)mr_ckpt_reader_read(r, t->name, 2, shape2, off2, len2, 0, len2[0] * len2[1] < n
                                   ? len2[0] * len2[1] : n, buf);
         free(buf);
