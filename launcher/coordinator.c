@@ -486,8 +486,9 @@ static void group_stopped(struct coordinator *co) {
     int64_t backoff = mr_tunable_int(MR_TUNABLE_RESTART_BACKOFF_MS);
     for (int i = 1; i < co->failures && backoff < 60000; i++)
       backoff *= 2;
-    MR_WARN("launch", "restarting the group (restart %d of %d)%s", co->failures,
-            co->opts->max_restarts, backoff > 0 ? " after a pause" : "");
+    MR_WARN("launch", "restarting the group (restart %d of %d; it stopped in %.2f s)%s",
+            co->failures, co->opts->max_restarts,
+            (double)(mr_clock_ms() - co->state_ms) / 1000.0, backoff > 0 ? " after a pause" : "");
     co->restart_at_ms = mr_clock_ms() + backoff;
     if (backoff <= 0)
       start_group(co);

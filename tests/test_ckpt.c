@@ -168,6 +168,37 @@ START_TEST(test_ckpt_killed_ranks_resume_bitwise) {
 }
 END_TEST
 
+/* A rank killed mid-run leaves its peers blocked in a collective on it:
+ * the launcher's stop breaks their waits off, so the group stops at once
+ * instead of after the 3 s stop grace (and a SIGKILL), and restarts from
+ * its checkpoint to the end.  The goal is 0.5 s; 1 s leaves room for the
+ * sanitizers on a busy machine. */
+START_TEST(test_ckpt_killed_rank_group_stops_at_once) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "job.json", 400, 4, "ck");
+  struct mr_tproc p;
+  start(&p, dir, "job.json", "run", 4, 1, NULL);
+  char metrics[200];
+  snprintf(metrics, sizeof metrics, "%s/run/metrics.jsonl", dir);
+  ck_assert_msg(mr_t_wait_for_text(metrics, "\"step\": 10, ", 60) >= 0, "step 10 never came");
+  pid_t kids[8];
+  ck_assert_int_eq(mr_t_children(p.pid, kids, 8), 4);
+  kill(kids[2], SIGKILL);
+  int code = mr_t_wait(&p, 120);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "exit %d:\n%s", code, err);
+  const char *at = strstr(err, "it stopped in ");
+  ck_assert_msg(at != NULL, "%s", err);
+  double stop_s = strtod(at + strlen("it stopped in "), NULL);
+  fprintf(stderr, "# the group stopped %.2f s after the launcher saw rank 2 killed\n", stop_s);
+  ck_assert_msg(stop_s < 1.0, "the group took %.2f s to stop:\n%s", stop_s, err);
+  ck_assert_msg(strstr(err, "workers still running after") == NULL, "%s", err);
+  ck_assert_msg(strstr(err, "timed out") == NULL, "a stopped rank reported its wait:\n%s", err);
+  free(err);
+}
+END_TEST
+
 START_TEST(test_ckpt_corrupt_or_incomplete_checkpoint_skipped) {
   char dir[64];
   setup(dir, sizeof dir);
@@ -974,6 +1005,7 @@ static Suite *ckpt_suite(void) {
   TCase *tc = mr_t_tcase("recovery");
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, test_ckpt_killed_ranks_resume_bitwise);
+  tcase_add_test(tc, test_ckpt_killed_rank_group_stops_at_once);
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
   tcase_add_test(tc, test_ckpt_all_corrupt_refused_before_any_rank);
   tcase_add_test(tc, test_ckpt_bad_data_refused_before_any_rank);

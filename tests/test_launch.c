@@ -149,7 +149,7 @@ START_TEST(test_launch_sigkill_detected_fast_and_group_restarts) {
   int code = mr_t_wait(&p, 30);
   char *err = mr_t_slurp(p.err_path);
   ck_assert_msg(code == 0, "exit %d, stderr:\n%s", code, err);
-  ck_assert_ptr_nonnull(strstr(err, "restarting the group (restart 1 of 1)"));
+  ck_assert_ptr_nonnull(strstr(err, "restarting the group (restart 1 of 1;"));
   free(err);
   char *out = mr_t_slurp(p.out_path);
   ck_assert_ptr_nonnull(strstr(out, "self-check passed: 3 ranks"));

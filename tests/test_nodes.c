@@ -232,7 +232,7 @@ START_TEST(test_nodes_a_remote_rank_dies_and_both_nodes_restart) {
   expect_exit(&n0, 0, "node 0", 120);
   expect_exit(&n1, 0, "node 1", 30);
   stderr_has(&n0, "(node 1, pid");
-  stderr_has(&n0, "restarting the group (restart 1 of 1)");
+  stderr_has(&n0, "restarting the group (restart 1 of 1;");
   stderr_has(&n1, "starting ranks 2..3 of 4 (restart 1)");
   double a[STEPS], b[2 * STEPS];
   ck_assert_int_eq(losses(dir, "one", a, STEPS), STEPS);

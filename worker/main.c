@@ -181,6 +181,12 @@ static int run(void) {
     rc = mr_error_set(MR_ENOTSUP, "this worker cannot run plans of kind %d",
                       (int)client.plan->kind);
   }
+  /* whatever failed once the launcher stopped the rank (a wait given up,
+   * a peer gone first) is the stop, not a failure to report */
+  if (rc < 0 && atomic_load(&client.stop_requested)) {
+    MR_DEBUG("worker", "stopped: %s", mr_error_of(rc));
+    rc = MR_ECANCELED;
+  }
   if (rc < 0 && rc != MR_ECANCELED)
     mr_client_report_error(&client, rc, mr_error_of(rc));
   mr_client_set_state(&client, MESHRUN__HEARTBEAT__STATE__DONE);
@@ -214,6 +220,7 @@ int main(int argc, char **argv) {
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_sigterm;
   sigaction(SIGTERM, &sa, NULL);
+  mr_comm_watch_stop(&client.stop_requested); /* a stop breaks off every wait */
   setvbuf(stdout, NULL, _IOLBF, 0);
   int rc = run();
   if (rc < 0 && rc != MR_ECANCELED)

@@ -17,6 +17,11 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/rng.h"
+#include "worker/comm/comm.h"
+
+/* The deadline has passed, or the rank is stopping (the caller's error
+ * then goes unreported: worker/main.c). */
+static int past(int64_t deadline) { return mr_clock_ns() > deadline || mr_comm_stopping(); }
 
 struct slot_hdr {
   uint64_t key_hash;
@@ -92,7 +97,7 @@ static int local_allgather(void *ctx, const char *key, const void *blob,
     while (atomic_load_explicit(&a->arrived[i], memory_order_acquire) < r + 1) {
       if (++spins < 1000)
         continue;
-      if (mr_clock_ns() > deadline) {
+      if (past(deadline)) {
         char who[256];
         size_t off = 0;
         for (int j = 0; j < a->world && off < sizeof who - 12; j++)

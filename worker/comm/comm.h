@@ -13,12 +13,16 @@
  * accumulated in float32.  An operation that cannot complete within the
  * backend's timeout fails with MR_ETIMEDOUT and a message naming the group,
  * the operation, its sequence number and the ranks that have not arrived;
- * after that the group is broken and later operations on it fail.
+ * after that the group is broken and later operations on it fail.  Once
+ * the stop flag the process watches is set (mr_comm_watch_stop), every
+ * wait fails within a few milliseconds with MR_ECANCELED: a rank the
+ * launcher stops while it waits on a dead peer leaves at once.
  *
  * Buffers are borrowed from start until the request completes. */
 #ifndef MR_COMM_H
 #define MR_COMM_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 
 #include "common/dtype.h"
@@ -166,5 +170,15 @@ static inline int mr_comm_test(struct mr_comm_req *r, int *done) {
 static inline int mr_comm_wait(struct mr_comm_req *r) {
   return r->comm->ops->wait(r);
 }
+
+/* Every communicator of this process watches *flag (set by the rank's
+ * SIGTERM handler or the launcher's Stop; it must outlive them): once it
+ * is non-zero, pending and later operations, group set-up and the
+ * bootstrap's exchanges give up within a few milliseconds, operations
+ * with MR_ECANCELED.  NULL watches nothing.  Call before opening one. */
+void mr_comm_watch_stop(const atomic_int *flag);
+
+/* Whether the watched flag is set (async-signal-safe, lock-free). */
+int mr_comm_stopping(void);
 
 #endif

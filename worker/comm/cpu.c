@@ -103,7 +103,8 @@ static void finish(struct mr__group *g, struct mr__op *op, int rc) {
 static void break_group(struct mr__group *g, const char *why) {
   if (g->broken == NULL)
     g->broken = strdup(why);
-  MR_ERROR("comm", "%s", why);
+  if (!mr_comm_stopping())
+    MR_ERROR("comm", "%s", why);
   while (g->head != NULL) {
     struct mr__op *op = g->head;
     snprintf(op->err, sizeof op->err, "%s #%llu on group %s not run: %s",
@@ -139,6 +140,14 @@ static int progress_group(struct mr__group *g) {
       if ((++op->polls & 63) != 0)
         return 1;
       int64_t waited = mr_clock_ns() - op->start_ns;
+      if (mr_comm_stopping()) { /* the rank is stopping: no peer is owed */
+        snprintf(op->err, sizeof op->err, "%s #%llu on group %s given up after %.1f s: the "
+                 "rank is stopping", mr__op_name(op->kind), (unsigned long long)op->seq,
+                 g->desc, (double)waited / 1e9);
+        finish(g, op, MR_ECANCELED);
+        break_group(g, "the rank is stopping");
+        return 0;
+      }
       if (waited <= g->cpu->info.timeout_ms * 1000000)
         return 1;
       char who[256];

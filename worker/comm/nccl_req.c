@@ -55,7 +55,8 @@ static int group_break(struct nccl_group *g, int code, const char *fmt, ...) {
     g->nc = NULL;
   }
   g->broken = 1;
-  MR_ERROR("comm", "%s", g->broken_msg);
+  if (code != MR_ECANCELED)
+    MR_ERROR("comm", "%s", g->broken_msg);
   return mr_error_set(code, "%s", g->broken_msg);
 }
 
@@ -249,6 +250,13 @@ static void req_poll(struct nccl_req *r) {
     return;
   }
   int64_t waited = mr_clock_ns() - r->start_ns;
+  if (mr_comm_stopping()) {
+    r->finished = 1;
+    r->rc = group_break(g, MR_ECANCELED, "%s #%llu on group %s given up after %.1f s: the "
+                        "rank is stopping; the communicator was aborted", r->op,
+                        (unsigned long long)r->seq, g->desc, (double)waited / 1e9);
+    return;
+  }
   if (waited > g->c->timeout_ns) {
     char peers[256];
     peers_text(g, r->peer, peers, sizeof peers);

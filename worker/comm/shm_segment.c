@@ -25,7 +25,12 @@
 #include "common/rng.h"
 #include "common/shm_name.h"
 #include "common/tunable.h"
+#include "worker/comm/comm.h"
 #include "worker/comm/shm_internal.h"
+
+/* The deadline has passed, or the rank is stopping (the caller's error
+ * then goes unreported: worker/main.c). */
+static int past(int64_t deadline) { return mr_clock_ns() > deadline || mr_comm_stopping(); }
 
 #define SEG_MAGIC 0x6d65736873686d31ull /* "meshshm1" */
 #define SEG_HDR_BYTES 4096
@@ -169,7 +174,7 @@ static int attach_segment(struct mr__group *g, struct shm *s, int64_t deadline,
                           int *fd_out) {
   int fd;
   while ((fd = shm_open(s->name, O_RDWR, 0600)) < 0) {
-    if (errno != ENOENT || mr_clock_ns() > deadline)
+    if (errno != ENOENT || past(deadline))
       return mr_error_set(errno == ENOENT ? MR_ETIMEDOUT : MR_ESYS,
                           "comm group %s: segment %s from rank %d: %s", g->desc, s->name,
                           g->ranks[0], errno == ENOENT ? "never created" : strerror(errno));
@@ -185,7 +190,7 @@ static int attach_segment(struct mr__group *g, struct shm *s, int64_t deadline,
     }
     if ((size_t)st.st_size >= SEG_HDR_BYTES)
       break;
-    if (mr_clock_ns() > deadline) {
+    if (past(deadline)) {
       close(fd);
       return mr_error_set(MR_ETIMEDOUT, "comm group %s: segment %s from rank %d never "
                           "sized", g->desc, s->name, g->ranks[0]);
@@ -214,7 +219,7 @@ static int agree_layout(struct mr__group *g, struct shm *s, size_t cb, int fitte
     atomic_store_explicit(&h->magic, SEG_MAGIC, memory_order_release);
   } else {
     while (atomic_load_explicit(&h->magic, memory_order_acquire) != SEG_MAGIC) {
-      if (mr_clock_ns() > deadline)
+      if (past(deadline))
         return mr_error_set(MR_ETIMEDOUT, "comm group %s: segment %s never "
                             "initialized", g->desc, s->name);
       nap_us(100);
@@ -255,7 +260,7 @@ static int wait_all_mapped(struct mr__group *g, struct shm *s, int64_t deadline)
   if (atomic_fetch_add(&h->mapped, 1) + 1 == (uint32_t)s->n)
     shm_unlink(s->name);
   while (atomic_load_explicit(&h->mapped, memory_order_acquire) < (uint32_t)s->n) {
-    if (mr_clock_ns() > deadline) {
+    if (past(deadline)) {
       char who[256];
       size_t off = 0;
       for (int i = 0; i < s->n && off < sizeof who - 12; i++)

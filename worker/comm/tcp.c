@@ -276,7 +276,7 @@ static int full_io(int fd, void *p, size_t len, int writing,
     }
     if (k == 0 || (errno != EINTR && errno != EAGAIN))
       return -1;
-    if (mr_clock_ns() > deadline)
+    if (mr_clock_ns() > deadline || mr_comm_stopping())
       return -1;
     struct pollfd pf = {fd, (short)(writing ? POLLOUT : POLLIN), 0};
     poll(&pf, 1, 10);
@@ -300,7 +300,7 @@ static int connect_to(const struct mr__peer_info *p, int64_t deadline) {
       return fd;
     int e = errno;
     close(fd);
-    if (mr_clock_ns() > deadline || (e != ECONNREFUSED && e != EINTR)) {
+    if (mr_clock_ns() > deadline || mr_comm_stopping() || (e != ECONNREFUSED && e != EINTR)) {
       errno = e;
       return -1;
     }
@@ -373,6 +373,10 @@ static int tcp_open_group(struct mr__group *g) {
     int fd;
     while ((fd = take_stashed(ci->nonce, key, j)) < 0) {
       struct pollfd pf = {ci->listen_fd, POLLIN, 0};
+      if (mr_comm_stopping()) {
+        rc = mr_error_set(MR_ECANCELED, "comm group %s: the rank is stopping", g->desc);
+        goto err;
+      }
       if (mr_clock_ns() > deadline) {
         rc = mr_error_set(MR_ETIMEDOUT, "comm group %s: timed out after %.1f "
                           "s creating the group: rank %d has not arrived",

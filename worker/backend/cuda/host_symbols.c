@@ -23,5 +23,5 @@ __attribute__((used)) static const mr_any_fn module_needs[] = {
     (mr_any_fn)mr_tunable_int,  (mr_any_fn)mr_tunable_str,
     (mr_any_fn)mr_op_set_kernel, (mr_any_fn)mr_tensor_numel,
     (mr_any_fn)mr_dtype_size,   (mr_any_fn)mr_dtype_name,
-    (mr_any_fn)mr_comm_cpu_ops,
+    (mr_any_fn)mr_comm_cpu_ops, (mr_any_fn)mr_comm_stopping,
 };
