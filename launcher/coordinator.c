@@ -417,6 +417,16 @@ static int start_group(struct coordinator *co) {
     finish(co, 2);
     return rc;
   }
+  const struct mr_job *job = co->opts->job;
+  if (co->resume_dir[0] != '\0' && co->resume_step >= job->train.steps) {
+    /* a finished job launched again: nothing to train, nothing to wait for */
+    printf("meshrun: the job is complete: %s is of step %lld, and train.steps is %lld (raise "
+           "it to train on)\n", co->resume_dir, (long long)co->resume_step,
+           (long long)job->train.steps);
+    fflush(stdout);
+    finish(co, 0);
+    return 0;
+  }
   co->failure[0] = '\0';
   co->failed_rank = -1;
   co->pending = REGROUP_NONE;

@@ -287,6 +287,30 @@ START_TEST(test_ckpt_all_corrupt_refused_before_any_rank) {
 }
 END_TEST
 
+/* A job launched again after it finished: it says it is complete at its
+ * last step and exits 0 at once, no rank started. */
+START_TEST(test_ckpt_finished_job_relaunched_exits_at_once) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "a.json", 4, 2, "ck");
+  ck_assert_int_eq(run_to_end(dir, "a.json", "a", 2), 0);
+  struct mr_tproc p;
+  double t0 = mr_t_now();
+  start(&p, dir, "a.json", "again", 2, 0, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 60), 0);
+  double took = mr_t_now() - t0;
+  char *out = mr_t_slurp(p.out_path);
+  ck_assert_msg(strstr(out, "the job is complete: ") != NULL &&
+                    strstr(out, "step-00000004 is of step 4, and train.steps is 4") != NULL,
+                "%s", out);
+  free(out);
+  char log[200];
+  snprintf(log, sizeof log, "%s/again/rank-0.log", dir);
+  ck_assert_msg(access(log, F_OK) != 0, "a rank started: %s exists", log);
+  ck_assert_msg(took < 5, "the relaunch took %.1f s", took);
+}
+END_TEST
+
 /* Launches dir/job.json with 3 restarts allowed: exit 2 before any rank
  * starts (no rank log), stderr holding want. */
 static void refused_before_any_rank(const char *dir, const char *want) {
@@ -1008,6 +1032,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_killed_rank_group_stops_at_once);
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
   tcase_add_test(tc, test_ckpt_all_corrupt_refused_before_any_rank);
+  tcase_add_test(tc, test_ckpt_finished_job_relaunched_exits_at_once);
   tcase_add_test(tc, test_ckpt_bad_data_refused_before_any_rank);
   tcase_add_test(tc, test_ckpt_failed_save_fails_at_once_and_keeps_the_last);
   tcase_add_test(tc, test_ckpt_unwritable_dir_refused_at_launch);
