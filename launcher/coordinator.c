@@ -160,7 +160,7 @@ void mr__co_group_fail(struct coordinator *co, int rank, const char *fmt, ...) {
 static void on_signal(uv_signal_t *h, int signum) {
   struct coordinator *co = h->data;
   const struct mr_job *job = co->opts->job;
-  /* a scheduler's preemption: save a checkpoint first, then exit 0 */
+  /* a scheduler's preemption: save a checkpoint first, then stop */
   if (signum == SIGTERM && !co->preempting && co->stop_signal == 0 &&
       co->state == GROUP_RUNNING && !co->opts->selfcheck && job != NULL &&
       job->checkpoint.dir != NULL) {
@@ -470,8 +470,11 @@ static void group_stopped(struct coordinator *co) {
   if (swept > 0)
     MR_INFO("launch", "removed %d shared-memory segment%s left by the stopped group", swept,
             swept == 1 ? "" : "s");
+  /* stopped by SIGTERM, checkpoint or none: 143, as every stop by a
+   * signal, so that a scheduler never takes a preempted job for a
+   * finished one; 0 is a job trained to its last step */
   if (co->preempting && co->stop_signal == 0) {
-    finish(co, 0);
+    finish(co, 128 + SIGTERM);
     return;
   }
   if (co->stop_signal != 0) {

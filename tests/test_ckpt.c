@@ -438,7 +438,7 @@ START_TEST(test_ckpt_unwritable_dir_refused_at_launch) {
 }
 END_TEST
 
-START_TEST(test_ckpt_sigterm_checkpoints_and_exits_0) {
+START_TEST(test_ckpt_sigterm_checkpoints_and_exits_143) {
   char dir[64];
   setup(dir, sizeof dir);
   write_job(dir, "long.json", 100000, 0, "ck");
@@ -462,7 +462,7 @@ START_TEST(test_ckpt_sigterm_checkpoints_and_exits_0) {
   int code = mr_t_wait(&p, limit + 30);
   double took = mr_t_now() - t0;
   char *err = mr_t_slurp(p.err_path);
-  ck_assert_msg(code == 0, "exit %d:\n%s", code, err);
+  ck_assert_msg(code == 128 + SIGTERM, "exit %d:\n%s", code, err);
   ck_assert_msg(took < limit, "took %.2f s", took);
   ck_assert_ptr_nonnull(strstr(err, "stopping for preemption"));
   free(err);
@@ -516,7 +516,7 @@ START_TEST(test_ckpt_sigusr1_checkpoints_and_goes_on) {
   kill(p.pid, SIGTERM);
   int code = mr_t_wait(&p, 60);
   char *err = mr_t_slurp(p.err_path);
-  ck_assert_msg(code == 0, "exit %d:\n%s", code, err);
+  ck_assert_msg(code == 128 + SIGTERM, "exit %d:\n%s", code, err);
   ck_assert_msg(strstr(err, "SIGUSR1: writing a checkpoint (training goes on)") != NULL, "%s",
                 err);
   free(err);
@@ -546,7 +546,7 @@ START_TEST(test_ckpt_sigterm_during_a_save_keeps_the_newer_steps) {
   kill(p.pid, SIGTERM);
   int code = mr_t_wait(&p, 60);
   char *err = mr_t_slurp(p.err_path);
-  ck_assert_msg(code == 0, "exit %d:\n%s", code, err);
+  ck_assert_msg(code == 128 + SIGTERM, "exit %d:\n%s", code, err);
   const char *says = "the next launch resumes from step ";
   char *at = strstr(err, says);
   ck_assert_msg(at != NULL, "%s", err);
@@ -1036,7 +1036,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_bad_data_refused_before_any_rank);
   tcase_add_test(tc, test_ckpt_failed_save_fails_at_once_and_keeps_the_last);
   tcase_add_test(tc, test_ckpt_unwritable_dir_refused_at_launch);
-  tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_0);
+  tcase_add_test(tc, test_ckpt_sigterm_checkpoints_and_exits_143);
   tcase_add_test(tc, test_ckpt_sigusr1_checkpoints_and_goes_on);
   tcase_add_test(tc, test_ckpt_resume_on_another_strategy_or_world_size);
   tcase_add_test(tc, test_ckpt_stale_shards_and_strays_never_loaded);

@@ -341,9 +341,9 @@ START_TEST(test_nodes_bad_flags) {
 END_TEST
 
 /* A scheduler's preemption signals every node: node 0 checkpoints and
- * stops the job, node 1 leaves it to node 0, and both exit 0 with a
- * checkpoint complete on disk. */
-START_TEST(test_nodes_preemption_checkpoints_and_every_node_exits_0) {
+ * stops the job, node 1 leaves it to node 0, and both exit 143 (stopped
+ * by SIGTERM) with a checkpoint complete on disk. */
+START_TEST(test_nodes_preemption_checkpoints_and_every_node_exits_143) {
   char dir[64], metrics[300];
   mr_t_tmpdir(dir, sizeof dir);
   job(dir, "job.json", 100000, 1);
@@ -356,8 +356,8 @@ START_TEST(test_nodes_preemption_checkpoints_and_every_node_exits_0) {
   double t0 = mr_t_now();
   kill(n1.pid, SIGTERM);
   kill(n0.pid, SIGTERM);
-  expect_exit(&n0, 0, "node 0", 30);
-  expect_exit(&n1, 0, "node 1", 30);
+  expect_exit(&n0, 128 + SIGTERM, "node 0", 30);
+  expect_exit(&n1, 128 + SIGTERM, "node 1", 30);
   ck_assert_msg(mr_t_now() - t0 < 10.0, "took %.1f s", mr_t_now() - t0);
   stderr_has(&n0, "stopping for preemption");
   stderr_has(&n1, "node 0's launcher stops the job");
@@ -760,7 +760,7 @@ static Suite *nodes_suite(void) {
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, test_nodes_two_nodes_train_as_one);
   tcase_add_test(tc, test_nodes_a_remote_rank_dies_and_both_nodes_restart);
-  tcase_add_test(tc, test_nodes_preemption_checkpoints_and_every_node_exits_0);
+  tcase_add_test(tc, test_nodes_preemption_checkpoints_and_every_node_exits_143);
   tcase_add_test(tc, test_nodes_elastic_goes_on_without_a_lost_node);
   tcase_add_test(tc, test_nodes_elastic_takes_in_a_late_node);
   tcase_add_test(tc, test_nodes_elastic_leaves_out_a_slow_node);
