@@ -416,6 +416,28 @@ START_TEST(test_launch_sigterm_stops_every_worker) {
 }
 END_TEST
 
+/* A scheduler signals every process of its step (Slurm's scancel): a
+ * worker leaves a SIGTERM that is not its launcher's to the launcher, which
+ * got its own, so the job is not cut short under it; here none comes to
+ * the launcher, and the job trains to its end. */
+START_TEST(test_launch_worker_ignores_a_sigterm_not_from_its_launcher) {
+  char dir[64];
+  mr_t_tmpdir(dir, sizeof dir);
+  struct mr_tproc p;
+  launch(&p, dir, 2, "500", NULL);
+  wait_registered(dir, 2);
+  pid_t kids[16];
+  int n = mr_t_children(p.pid, kids, 16);
+  ck_assert_int_eq(n, 2);
+  for (int i = 0; i < n; i++)
+    kill(kids[i], SIGTERM);
+  int code = mr_t_wait(&p, 120);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "exit %d:\n%s", code, err);
+  free(err);
+}
+END_TEST
+
 /* Reads coordinator.json's "unix" address. */
 static void coordinator_address(const char *dir, char *addr, size_t n) {
   char path[160];
@@ -967,6 +989,7 @@ static Suite *launch_suite(void) {
   tcase_add_test(tc, test_launch_no_orphans_after_launcher_sigkill);
   tcase_add_test(tc, test_launch_sockdir_sweep_takes_only_dead_folders);
   tcase_add_test(tc, test_launch_sigterm_stops_every_worker);
+  tcase_add_test(tc, test_launch_worker_ignores_a_sigterm_not_from_its_launcher);
   tcase_add_test(tc, test_launch_bad_clients_refused_job_still_finishes);
   tcase_add_test(tc, test_launch_strangers_cannot_grow_the_launcher);
   tcase_add_test(tc, test_launch_hang_diagnosed_naming_rank_and_operation);

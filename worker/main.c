@@ -28,8 +28,17 @@
 
 static struct mr_client client;
 
-static void on_sigterm(int sig) {
-  (void)sig;
+static pid_t launcher_pid; // the launcher that started us; 0: none
+
+/* A stop from the launcher.  A SIGTERM another process sends is a
+ * scheduler's to every process of its step (Slurm's scancel, systemd's
+ * control group): the launcher got its own and decides, writing a
+ * checkpoint first, so a rank does not stop under it. */
+static void on_sigterm(int sig, siginfo_t *info, void *ctx) {
+  (void)sig, (void)ctx;
+  if (launcher_pid > 0 && info != NULL && info->si_code == SI_USER &&
+      info->si_pid != launcher_pid)
+    return;
   atomic_store(&client.stop_requested, 1);
 }
 
@@ -53,6 +62,7 @@ static void bind_to_launcher(void) {
     fprintf(stderr, "meshrun-worker: the launcher (pid %d) is gone\n", launcher);
     _exit(1);
   }
+  launcher_pid = launcher;
 }
 
 static int read_token(uint8_t token[MR_TOKEN_BYTES]) {
@@ -218,7 +228,8 @@ int main(int argc, char **argv) {
   signal(SIGUSR1, SIG_IGN); /* a scheduler's, for the launcher (a checkpoint) */
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
-  sa.sa_handler = on_sigterm;
+  sa.sa_sigaction = on_sigterm;
+  sa.sa_flags = SA_SIGINFO;
   sigaction(SIGTERM, &sa, NULL);
   mr_comm_watch_stop(&client.stop_requested); /* a stop breaks off every wait */
   setvbuf(stdout, NULL, _IOLBF, 0);
