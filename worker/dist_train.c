@@ -82,7 +82,9 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
     int64_t every = job->checkpoint.save_interval_steps;
     if (job->checkpoint.dir != NULL)
       MR_TRY_GOTO(rc, mr_runtime_agree(rt, asked, &asked), out);
-    if (saver != NULL && ((every > 0 && s % every == 0) || asked))
+    /* the last step too: the job relaunched is complete, not trained again
+     * from the interval's last save */
+    if (saver != NULL && ((every > 0 && s % every == 0) || asked || s == job->train.steps))
       MR_TRY_GOTO(rc, mr_ckpt_save(saver, rt, s, env->reporter), out);
     else
       MR_TRY_GOTO(rc, mr_ckpt_saver_poll(saver), out);
