@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/ckpt.h"
 #include "common/error.h"
 #include "common/job.h"
 #include "common/jsonv.h"
@@ -138,4 +139,21 @@ int mr_cluster_load(const char *path, struct mr_cluster *out) {
   rc = mr_cluster_parse(root, path, out);
   cJSON_Delete(root);
   return rc;
+}
+
+void mr_cli_say_complete(const struct mr_job *job, const char *dir, long long step) {
+  printf("meshrun: the job is complete: %s is of step %lld, and train.steps is %lld (raise "
+         "it to train on)\n", dir, step, (long long)job->train.steps);
+  fflush(stdout);
+}
+
+int mr_cli_job_complete(const struct mr_job *job) {
+  char dir[4096];
+  int64_t step;
+  if (job->checkpoint.dir == NULL ||
+      mr_ckpt_find_latest(job->checkpoint.dir, dir, sizeof dir, &step) != 1 ||
+      step < job->train.steps)
+    return 0;
+  mr_cli_say_complete(job, dir, (long long)step);
+  return 1;
 }

@@ -12,6 +12,17 @@ int mr_cmd_calibrate(int argc, char **argv);
 
 /* Shared helpers for subcommands. */
 
+struct mr_job;
+
+/* A job launched again after it trained to train.steps: prints that it is
+ * complete (its newest checkpoint `dir`, of `step`) and what to do. */
+void mr_cli_say_complete(const struct mr_job *job, const char *dir, long long step);
+
+/* Whether job's checkpoint folder holds a checkpoint of its last step (or
+ * later): 1, having said so (mr_cli_say_complete); else 0.  Nodes other
+ * than node 0 ask before they join, so that they exit with it. */
+int mr_cli_job_complete(const struct mr_job *job);
+
 /* Parses a positive (min..max) integer flag value; prints an error naming
  * the command and flag and returns -1 on failure. */
 int mr_cli_int(const char *cmd, const char *flag, const char *value, long min, long max,

@@ -26,6 +26,7 @@
 #include "common/log.h"
 #include "common/rpc.h"
 #include "common/tunable.h"
+#include "launcher/cli.h"
 #include "launcher/conn.h"
 #include "launcher/plan_work.h"
 #include "launcher/ranks.h"
@@ -420,10 +421,7 @@ static int start_group(struct coordinator *co) {
   const struct mr_job *job = co->opts->job;
   if (co->resume_dir[0] != '\0' && co->resume_step >= job->train.steps) {
     /* a finished job launched again: nothing to train, nothing to wait for */
-    printf("meshrun: the job is complete: %s is of step %lld, and train.steps is %lld (raise "
-           "it to train on)\n", co->resume_dir, (long long)co->resume_step,
-           (long long)job->train.steps);
-    fflush(stdout);
+    mr_cli_say_complete(job, co->resume_dir, (long long)co->resume_step);
     finish(co, 0);
     return 0;
   }

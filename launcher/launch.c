@@ -512,6 +512,11 @@ int mr_cmd_launch(int argc, char **argv) {
   }
   if (a.job_path != NULL)
     mr_cli_job_defaults(&job);
+  /* node 0 finds a finished job so before any node joins, and exits */
+  if (a.node_rank > 0 && a.job_path != NULL && mr_cli_job_complete(&job)) {
+    mr_job_close(&job);
+    return 0;
+  }
   if (a.threads == 0)
     a.threads = (long)mr_tunable_int(MR_TUNABLE_THREADS);
   if (a.threads < 1)
