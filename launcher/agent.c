@@ -71,15 +71,34 @@ static int join(struct agent *a, int64_t deadline) {
   int timeout = (int)mr_tunable_int(MR_TUNABLE_CONNECT_TIMEOUT_MS);
   for (;;) {
     a->fd = mr_rpc_connect(a->coord);
-    if (a->fd >= 0)
+    if (a->fd < 0) {
+      if (mr_clock_ms() >= deadline)
+        return mr_error_set(MR_ETIMEDOUT, "no launcher of node 0 at %s within %.0f s (%s)",
+                            a->o->master, a->o->join_timeout_s, mr_error_message());
+      usleep(500000);
+      continue;
+    }
+    int rc = mr_auth_client_handshake(a->fd, &a->reader, a->token,
+                                      (int)mr_tunable_int(MR_TUNABLE_AUTH_TIMEOUT_MS));
+    if (rc == 0)
       break;
-    if (mr_clock_ms() >= deadline)
-      return mr_error_set(MR_ETIMEDOUT, "no launcher of node 0 at %s within %.0f s (%s)",
-                          a->o->master, a->o->join_timeout_s, mr_error_message());
-    usleep(500000);
+    /* the file read may be one an earlier job left, which node 0 has
+     * since replaced with this job's: then again with the new token */
+    uint8_t now[MR_TOKEN_BYTES];
+    int renewed = rc == MR_EAUTH && mr_auth_token_read_file(a->o->token_file, now) == 0 &&
+                  sodium_memcmp(now, a->token, sizeof now) != 0;
+    if (renewed)
+      memcpy(a->token, now, sizeof now);
+    sodium_memzero(now, sizeof now);
+    if (!renewed || mr_clock_ms() >= deadline)
+      return rc;
+    MR_INFO("launch", "node %d: the job token in %s changed while joining: joining again",
+            a->o->node_rank, a->o->token_file);
+    close(a->fd);
+    a->fd = -1;
+    mr_frame_reader_close(&a->reader);
+    mr_frame_reader_init(&a->reader, (size_t)mr_tunable_int(MR_TUNABLE_MAX_FRAME_BYTES));
   }
-  MR_TRY(mr_auth_client_handshake(a->fd, &a->reader, a->token,
-                                  (int)mr_tunable_int(MR_TUNABLE_AUTH_TIMEOUT_MS)));
   char host[256] = "";
   gethostname(host, sizeof host - 1);
   Meshrun__Hello hello = MESHRUN__HELLO__INIT;
@@ -358,6 +377,10 @@ out:
     close(a->token_fd);
   mr_frame_reader_close(&a->reader);
   sodium_memzero(a->token, sizeof a->token);
+  /* node 0 removes the step's token when it ends; when it is gone
+   * without an end (killed), the file is no use to anyone */
+  if (o->token_file_of_step && !a->told && unlink(o->token_file) == 0)
+    MR_INFO("launch", "node %d: removed %s: node 0 is gone", o->node_rank, o->token_file);
   free(a);
   return code;
 }

@@ -27,6 +27,8 @@ struct mr_agent_opts {
   const char *worker_bin;       // path of meshrun-worker
   int threads;                  // compute threads per rank
   double join_timeout_s;        // how long to wait for node 0
+  int token_file_of_step;       // token_file is this step's alone: removed
+                                //   when node 0 is gone (it cannot be)
 };
 
 /* Runs this node's part of the job.  Returns the process exit code. */

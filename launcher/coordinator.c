@@ -604,11 +604,19 @@ static void tick_running(struct coordinator *co, int64_t now) {
       continue;
     if (r->remote && !r->registered && now - r->spawn_ms > join_timeout) {
       int k = mr__co_node_of(co, i);
-      mr__co_group_fail(
-          co, i, "rank %d did not register within %.1f s: %s", i, (double)join_timeout / 1000.0,
-          co->agents[k] != NULL ? "its node's launcher did not start it"
-                                : "no launcher joined as its node (is `meshrun launch "
-                                  "--node-rank` running there?)");
+      if (co->agents[k] != NULL)
+        mr__co_group_fail(co, i, "rank %d did not register within %.1f s: its node's "
+                          "launcher (node %d) did not start it", i,
+                          (double)join_timeout / 1000.0, k);
+      else
+        mr__co_group_fail(co, i, "node %d never joined within %.1f s, so its rank %d did not "
+                          "register: no launcher of node %d reached this one (%s, port %s); "
+                          "its own output says why.  A node that cannot resolve or reach "
+                          "this node's address needs --master HOST:PORT with one it can",
+                          k, (double)join_timeout / 1000.0, i, k,
+                          co->opts->master_host != NULL ? co->opts->master_host : "this host",
+                          strrchr(co->opts->bind, ':') != NULL ? strrchr(co->opts->bind, ':') + 1
+                                                               : co->opts->bind);
       return;
     }
     if (!r->remote && !r->registered && now - r->spawn_ms > conn_timeout) {

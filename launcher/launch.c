@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,7 +30,7 @@ static void usage(FILE *f) {
           "Starts one worker per rank, sends each the plan and supervises them.\n"
           "\n"
           "  --nproc N              ranks on this node (default: one per GPU, else cores /\n"
-          "                         threads)\n"
+          "                         threads; under Slurm, those the allocation gives)\n"
           "  --devices 0,1,3        GPUs to use, among the visible ones (CUDA_VISIBLE_DEVICES\n"
           "                         applies); one rank each (default: all)\n"
           "  --device cpu|cuda      what ranks compute on (default MESHRUN_DEVICE, else cuda\n"
@@ -57,7 +58,8 @@ static void usage(FILE *f) {
           "  --join-timeout S       how long nodes wait for one another (default 600)\n"
           "Inside a Slurm step (srun --ntasks-per-node=1 meshrun launch JOB.json) what\n"
           "these flags leave unsaid comes from the step: its nodes, SLURM_NODEID, node 0's\n"
-          "host at port 20000 + job id %% 20000, the token in ~/.cache/meshrun.\n");
+          "host at port 20000 + job id %% 20000, the token in ~/.cache/meshrun; node 0's\n"
+          "host must resolve on every node (else --master HOST:PORT).\n");
 }
 
 /* The checkpoint folder, checked before any training rather than at the
@@ -247,6 +249,33 @@ static int parse_flags(int argc, char **argv, struct launch_args *a) {
   return -1;
 }
 
+/* Node 0's host as the Slurm step names it must resolve here: a node that
+ * cannot find it would only time out, and node 0 wait for it.  Returns -1
+ * when it resolves, else prints what to do and returns 2. */
+static int slurm_host_unresolved(const struct launch_args *a) {
+  const struct mr_slurm_step *slurm = &a->slurm;
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+  int e = EAI_AGAIN;
+  for (int tries = 0; e == EAI_AGAIN && tries < 5; tries++) { /* a DNS server slow to answer */
+    if (tries > 0)
+      sleep(1);
+    e = getaddrinfo(slurm->host, NULL, &hints, &res);
+  }
+  if (e == 0) {
+    freeaddrinfo(res);
+    return -1;
+  }
+  char self[256] = "";
+  gethostname(self, sizeof self - 1);
+  fprintf(stderr, "meshrun launch: node 0's host \"%s\" (the first node of Slurm's %s) does "
+          "not resolve on node %ld (%s): %s.  Every node dials node 0 at that name: give "
+          "every node an address of node 0 that they all reach with --master HOST:PORT "
+          "(port %s is the one this job would use), or make \"%s\" resolve on every node\n",
+          slurm->host, slurm->host_from, a->node_rank, self, gai_strerror(e),
+          strrchr(slurm->master, ':') + 1, slurm->host);
+  return 2;
+}
+
 /* Inside a Slurm step, or a Kubernetes indexed Job, what the flags leave
  * unsaid comes from it; returns -1 to go on, else the exit code. */
 static int from_scheduler(struct launch_args *a) {
@@ -263,12 +292,21 @@ static int from_scheduler(struct launch_args *a) {
       a->node_rank = slurm->node_rank;
     if (a->master == NULL)
       a->master = slurm->master;
+    if (a->master == slurm->master && slurm_host_unresolved(a) >= 0)
+      return 2;
     if (a->token_file == NULL && slurm->token_file[0] != '\0') {
       char dir[4096];
       snprintf(dir, sizeof dir, "%s", slurm->token_file);
       *strrchr(dir, '/') = '\0';
       if (mr_mkdir_p(dir) == 0)
         a->token_file = slurm->token_file;
+    }
+    /* node 0 writes the step's token afresh: a file of that name is left
+     * by a launcher killed before it could remove it, with job ids reused
+     * (a new controller) or of an earlier step, never this step's */
+    if (a->token_file == slurm->token_file && a->node_rank == 0) {
+      mr_slurm_clean_tokens(slurm);
+      unlink(slurm->token_file);
     }
     printf("meshrun: Slurm job %ld: node %ld of %ld, node 0 at %s, job token in %s\n",
            slurm->job_id, a->node_rank, a->nnodes, a->master,
@@ -321,6 +359,30 @@ static int resolve_addresses(struct launch_args *a) {
   return -1;
 }
 
+/* The default --nproc held to what a Slurm allocation gives this node:
+ * its GPUs for GPU ranks, its CPUs (--threads each) for CPU ranks.  An
+ * allocation need not bind the launcher to its CPUs (task/none), so the
+ * cores it can run on may be more than it was given. */
+static void slurm_share(struct launch_args *a, const struct mr_devices *d) {
+  const struct mr_slurm_step *s = &a->slurm;
+  long n = a->nproc, have = 0;
+  const char *what = "CPU", *var = s->cpus_var;
+  if (d->gpus > 0 && s->gpus >= 1) {
+    have = n = s->gpus < n ? s->gpus : n;
+    what = "GPU", var = s->gpus_var;
+  } else if (d->gpus == 0 && s->cpus > 0) {
+    long k = s->cpus / (a->threads > 0 ? a->threads : 1);
+    have = s->cpus;
+    n = k < 1 ? 1 : k < n ? k : n;
+  }
+  if (n >= a->nproc)
+    return;
+  printf("meshrun: Slurm gives this node %ld %s%s (%s): %ld rank%s (--nproc N to choose)\n",
+         have, what, have == 1 ? "" : "s", var, n, n == 1 ? "" : "s");
+  fflush(stdout);
+  a->nproc = n;
+}
+
 /* The GPUs the ranks see (--devices), the ranks on this node and what they
  * compute on (MESHRUN_DEVICE, set for the workers; *gpu_ranks); returns -1
  * to go on, else the exit code. */
@@ -342,8 +404,10 @@ static int choose_devices(struct launch_args *a, struct mr_devices *devices, int
     }
     setenv("CUDA_VISIBLE_DEVICES", env, 1);
   }
-  if (a->nproc == 0)
+  if (a->nproc == 0) {
     a->nproc = mr_devices_default_nproc(devices, (int)a->threads);
+    slurm_share(a, devices);
+  }
   if (devices->gpus > 0) {
     /* the weakest link between two of the GPUs the ranks will use */
     enum mr_gpu_link worst = MR_GPU_LINK_SELF;
@@ -456,6 +520,7 @@ static int run_agent(const struct launch_args *a, const char *worker) {
       .worker_bin = worker,
       .threads = (int)a->threads,
       .join_timeout_s = a->join_timeout,
+      .token_file_of_step = a->token_file != NULL && a->token_file == a->slurm.token_file,
   };
   return mr_agent_run(&ao);
 }

@@ -269,7 +269,8 @@ START_TEST(test_nodes_wrong_token_and_missing_node) {
   stderr_has(&n1, "nowhere within 1 s: node 0 writes it there, so it must be on a file system "
                   "every node sees");
   expect_exit(&n0, 1, "node 0", 60);
-  stderr_has(&n0, "rank 2 did not register within 3.0 s: no launcher joined as its node");
+  stderr_has(&n0, "node 1 never joined within 3.0 s, so its rank 2 did not register: no "
+                  "launcher of node 1 reached this one");
 }
 END_TEST
 
@@ -601,12 +602,99 @@ START_TEST(test_nodes_slurm_first_host) {
 }
 END_TEST
 
+/* A per-node count list read as Slurm writes it, node by node. */
+START_TEST(test_nodes_slurm_per_node_counts) {
+  static const struct {
+    const char *list;
+    long counts[6];
+    int n;
+  } good[] = {{"4", {4}, 1}, {"4(x3)", {4, 4, 4}, 3}, {"2(x2),1,8(x2)", {2, 2, 1, 8, 8}, 5},
+              {"0,16", {0, 16}, 2}};
+  for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
+    for (int k = 0; k < good[i].n; k++) {
+      long c = -1;
+      ck_assert_msg(mr_slurm_per_node(good[i].list, k, &c) == 0, "%s node %d: %s",
+                    good[i].list, k, mr_error_message());
+      ck_assert_int_eq(c, good[i].counts[k]);
+    }
+    long c;
+    ck_assert_int_eq(mr_slurm_per_node(good[i].list, good[i].n, &c), MR_EINVAL);
+    ck_assert_msg(strstr(mr_error_message(), "no count for node") != NULL, "%s",
+                  mr_error_message());
+  }
+  static const char *const bad[] = {"", "x", "4(2)", "4(x)", "4(x0)", "4(x2", "4,,2", "4;2",
+                                    "-1", "4(x2)5"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    long c;
+    ck_assert_msg(mr_slurm_per_node(bad[i], 3, &c) == MR_EINVAL, "\"%s\" accepted", bad[i]);
+  }
+}
+END_TEST
+
+/* Writes file dir/name with text and mode. */
+static void put_file(const char *dir, const char *name, const char *text, mode_t mode) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fputs(text, f);
+  fclose(f);
+  chmod(path, mode);
+}
+
+static int exists(const char *dir, const char *name) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  return access(path, F_OK) == 0;
+}
+
+/* Node 0 of job 9's step 2 removes the token files of jobs squeue no longer
+ * lists and of job 9's earlier steps, and nothing else: not live jobs',
+ * not later steps', not another cluster's, not other files; where squeue
+ * cannot say, only the earlier steps'. */
+START_TEST(test_nodes_slurm_stale_tokens_removed) {
+  char dir[64], bin[100], path[4200];
+  mr_t_tmpdir(dir, sizeof dir);
+  snprintf(bin, sizeof bin, "%s/bin", dir);
+  mkdir(bin, 0700);
+  /* squeue as Slurm's answers: this user's live jobs, one id a line */
+  put_file(bin, "squeue", "#!/bin/sh\nprintf '5\\n  7 \\n9\\n'\n", 0700);
+  snprintf(path, sizeof path, "%s:%s", bin, getenv("PATH"));
+  setenv("PATH", path, 1);
+  static const char *const names[] = {
+      "slurm-c1-9.1.token", "slurm-c1-9.2.token", "slurm-c1-9.3.token", "slurm-c1-6.0.token",
+      "slurm-c1-6.token",   "slurm-c1-5.0.token", "slurm-c1-7.4.token", "slurm-c2-6.0.token",
+      "slurm-6.0.token",    "notes.txt"};
+  static const int removed[] = {1, 0, 0, 1, 1, 0, 0, 0, 0, 0};
+  for (int i = 0; i < 10; i++)
+    put_file(dir, names[i], "x\n", 0600);
+  struct mr_slurm_step s = {.job_id = 9, .step_id = 2};
+  snprintf(s.token_file, sizeof s.token_file, "%s/slurm-c1-9.2.token", dir);
+  setenv("SLURM_CLUSTER_NAME", "c1", 1);
+  ck_assert_int_eq(mr_slurm_clean_tokens(&s), 3);
+  for (int i = 0; i < 10; i++)
+    ck_assert_msg(exists(dir, names[i]) == !removed[i], "%s %s", names[i],
+                  removed[i] ? "kept" : "removed");
+  /* a controller that cannot be reached: the live jobs unknown */
+  put_file(bin, "squeue", "#!/bin/sh\necho 'slurm_load_jobs error' >&2\nexit 1\n", 0700);
+  put_file(dir, "slurm-c1-6.0.token", "x\n", 0600);
+  put_file(dir, "slurm-c1-9.0.token", "x\n", 0600);
+  ck_assert_int_eq(mr_slurm_clean_tokens(&s), 1);
+  ck_assert(exists(dir, "slurm-c1-6.0.token"));
+  ck_assert(!exists(dir, "slurm-c1-9.0.token"));
+  unsetenv("SLURM_CLUSTER_NAME");
+}
+END_TEST
+
 static void slurm_env(const char *const *kv) {
   static const char *const all[] = {"SLURM_JOB_ID", "SLURM_JOBID", "SLURM_STEP_ID",
                                     "SLURM_STEPID", "SLURM_NNODES", "SLURM_JOB_NUM_NODES",
                                     "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS",
                                     "SLURM_NTASKS", "SLURM_NODEID", "SLURM_STEP_NODELIST",
-                                    "SLURM_JOB_NODELIST", "SLURM_NODELIST"};
+                                    "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+                                    "SLURM_CLUSTER_NAME", "SLURM_CPUS_PER_TASK",
+                                    "SLURM_CPUS_ON_NODE", "SLURM_JOB_CPUS_PER_NODE",
+                                    "SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS"};
   for (size_t i = 0; i < sizeof all / sizeof *all; i++)
     unsetenv(all[i]);
   for (int i = 0; kv[i] != NULL; i += 2)
@@ -638,7 +726,40 @@ START_TEST(test_nodes_slurm_step_environment) {
   ck_assert_int_eq(s.nnodes, 3);
   ck_assert_int_eq(s.node_rank, 1);
   ck_assert_str_eq(s.master, "gpu010:23456"); /* 20000 + 123456 % 20000 */
-  ck_assert_str_eq(s.token_file, "/home/u/.cache/meshrun/slurm-123456.token");
+  ck_assert_str_eq(s.token_file, "/home/u/.cache/meshrun/slurm-123456.0.token");
+  ck_assert_str_eq(s.host, "gpu010");
+  ck_assert_str_eq(s.host_from, "SLURM_STEP_NODELIST \"gpu[010-012]\"");
+  ck_assert_int_eq(s.cpus, 0); /* the allocation said nothing */
+  ck_assert_int_eq(s.gpus, -1);
+  /* what it gives the node: a task's CPUs before the node's, the node's
+   * entry of the job's per-node list, the GPUs as a count or a list */
+  slurm_env((const char *const[]){"SLURM_JOB_ID", "5", "SLURM_STEP_ID", "3",
+                                   "SLURM_STEP_NUM_NODES", "3", "SLURM_NODEID", "2",
+                                   "SLURM_STEP_NODELIST", "n[1-3]", "SLURM_CLUSTER_NAME", "c1",
+                                   "SLURM_JOB_CPUS_PER_NODE", "8(x2),6", "SLURM_STEP_GPUS",
+                                   "0,2,3", NULL});
+  ck_assert_int_eq(mr_slurm_step(&s), 0);
+  ck_assert_int_eq(s.cpus, 6);
+  ck_assert_str_eq(s.cpus_var, "SLURM_JOB_CPUS_PER_NODE");
+  ck_assert_int_eq(s.gpus, 3);
+  ck_assert_str_eq(s.token_file, "/home/u/.cache/meshrun/slurm-c1-5.3.token");
+  setenv("SLURM_CPUS_ON_NODE", "4", 1);
+  setenv("SLURM_GPUS_ON_NODE", "1", 1);
+  ck_assert_int_eq(mr_slurm_step(&s), 0);
+  ck_assert_int_eq(s.cpus, 4);
+  ck_assert_int_eq(s.gpus, 1);
+  setenv("SLURM_CPUS_PER_TASK", "2", 1);
+  ck_assert_int_eq(mr_slurm_step(&s), 0);
+  ck_assert_int_eq(s.cpus, 2);
+  ck_assert_str_eq(s.cpus_var, "SLURM_CPUS_PER_TASK");
+  /* the batch script's shell owns all of the node's: not a task's */
+  unsetenv("SLURM_STEP_ID");
+  ck_assert_int_eq(mr_slurm_step(&s), 0);
+  ck_assert_int_eq(s.cpus, 4);
+  setenv("SLURM_CPUS_ON_NODE", "four", 1);
+  ck_assert_int_eq(mr_slurm_step(&s), MR_EINVAL);
+  ck_assert_msg(strstr(mr_error_message(), "SLURM_CPUS_ON_NODE is \"four\"") != NULL, "%s",
+                mr_error_message());
   /* srun -n 16 on 2 nodes: a launcher a GPU */
   slurm_env((const char *const[]){"SLURM_JOB_ID", "9", "SLURM_STEP_ID", "1",
                                    "SLURM_STEP_NUM_NODES", "2", "SLURM_STEP_NUM_TASKS", "16",
@@ -724,17 +845,32 @@ START_TEST(test_nodes_slurm_step_needs_no_flags) {
                       {"MESHRUN_COMM_TRANSPORT=tcp", home, ids, "SLURM_STEP_ID=0",
                        "SLURM_STEP_NUM_NODES=2", "SLURM_STEP_NUM_TASKS=2", "SLURM_NODEID=1",
                        list, NULL}};
+  /* files a launcher killed before it could remove them left: one of an
+   * earlier controller that gave out the same job id (node 1 may read it
+   * before node 0 replaces it) and one of an older meshrun */
+  char tok[300], old[300];
+  snprintf(tok, sizeof tok, "%s/.cache", dir);
+  mkdir(tok, 0700);
+  snprintf(tok, sizeof tok, "%s/.cache/meshrun", dir);
+  mkdir(tok, 0700);
+  snprintf(tok, sizeof tok, "%s/.cache/meshrun/slurm-%ld.0.token", dir, id);
+  snprintf(old, sizeof old, "%s/.cache/meshrun/slurm-%ld.token", dir, id);
+  for (int i = 0; i < 2; i++) {
+    FILE *f = fopen(i == 0 ? tok : old, "w");
+    fputs("00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n", f);
+    fclose(f);
+    chmod(i == 0 ? tok : old, 0600);
+  }
   char *none[] = {NULL};
-  char *out = pair_as_one(dir, env, none), want[200];
+  char *out = pair_as_one(dir, env, none), want[500];
   snprintf(want, sizeof want, "meshrun: Slurm job %ld: node 1 of 2, node 0 at 127.0.0.1:%ld, "
-           "job token in %s/.cache/meshrun/slurm-%ld.token", id, MR_SLURM_PORT_BASE + id %
-           MR_SLURM_PORT_SPAN, dir, id);
+           "job token in %s", id, MR_SLURM_PORT_BASE + id % MR_SLURM_PORT_SPAN, tok);
   ck_assert_msg(strstr(out, want) != NULL, "no \"%s\" in:\n%s", want, out);
   free(out);
-  /* the job's token file went with it; its folder stays */
-  char tok[300];
-  snprintf(tok, sizeof tok, "%s/.cache/meshrun/slurm-%ld.token", dir, id);
+  /* the job's token file went with it, the stale ones before it; the
+   * folder stays */
   ck_assert_int_ne(access(tok, F_OK), 0);
+  ck_assert_int_ne(access(old, F_OK), 0);
   *strrchr(tok, '/') = '\0';
   ck_assert_int_eq(access(tok, F_OK), 0);
 }
@@ -769,6 +905,8 @@ static Suite *nodes_suite(void) {
   tcase_add_test(tc, test_nodes_rank_count_mismatch);
   tcase_add_test(tc, test_nodes_bad_flags);
   tcase_add_test(tc, test_nodes_slurm_first_host);
+  tcase_add_test(tc, test_nodes_slurm_per_node_counts);
+  tcase_add_test(tc, test_nodes_slurm_stale_tokens_removed);
   tcase_add_test(tc, test_nodes_slurm_step_environment);
   tcase_add_test(tc, test_nodes_slurm_step_needs_no_flags);
   tcase_add_test(tc, test_nodes_indexed_job_pod_is_the_node);

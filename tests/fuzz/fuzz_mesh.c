@@ -3,11 +3,12 @@
  * placement and a DistAttr of 1..4 mesh dims — whatever parses is printed
  * and parsed back, which must give the same value — and as a Slurm host
  * list, whose first host must be a non-empty host name that is itself a
- * host list naming it. */
+ * host list naming it, and as a per-node count list (SLURM_JOB_CPUS_PER_NODE). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/error.h"
 #include "compiler/mesh.h"
 #include "launcher/slurm.h"
 
@@ -47,6 +48,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (n == 0 || n >= sizeof host || strpbrk(host, "[],") != NULL ||
         mr_slurm_first_host(host, again, sizeof again) != 0 || strcmp(host, again) != 0)
       abort();
+  }
+  /* a per-node count list: counts are never negative, and the list has
+   * them for nodes 0..N-1 and none past */
+  int ended = 0;
+  for (long k = 0; k < 64; k++) {
+    long c = -1;
+    int rc = mr_slurm_per_node(s, k, &c);
+    if ((rc == 0 && (ended || c < 0)) || (rc != 0 && rc != MR_EINVAL))
+      abort();
+    ended |= rc != 0;
   }
   free(s);
   return 0;
