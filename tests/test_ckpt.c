@@ -168,6 +168,148 @@ START_TEST(test_ckpt_killed_ranks_resume_bitwise) {
 }
 END_TEST
 
+/* Each step's loss record of metrics file `path` (as printed: %.9g, so a
+ * float's every bit) into loss[step] (1..max); returns the number of
+ * records, and fails the test where one step's records differ. */
+static int step_losses(const char *path, char loss[][32], int max) {
+  char *m = mr_t_slurp(path);
+  int n = 0;
+  char *save = NULL;
+  for (char *line = strtok_r(m, "\n", &save); line != NULL; line = strtok_r(NULL, "\n", &save)) {
+    char *st = strstr(line, "\"step\": "), *l = strstr(line, "\"loss\": ");
+    if (st == NULL || l == NULL)
+      continue;
+    int step = atoi(st + 8);
+    ck_assert_int_ge(step, 1);
+    ck_assert_int_le(step, max);
+    char v[32];
+    snprintf(v, sizeof v, "%.*s", (int)strcspn(l + 8, ",}"), l + 8);
+    if (loss[step][0] == '\0')
+      snprintf(loss[step], sizeof loss[step], "%s", v);
+    ck_assert_msg(strcmp(loss[step], v) == 0, "%s: step %d's loss %s, and %s before", path,
+                  step, v, loss[step]);
+    n++;
+  }
+  free(m);
+  return n;
+}
+
+/* Waits up to a minute for a step record of group restart `restart`
+ * past the first `from` bytes of the metrics (the group running again);
+ * returns the size read. */
+static long metrics_grown(const char *path, long from, int restart) {
+  char tag[32];
+  snprintf(tag, sizeof tag, "\"restart\": %d}", restart);
+  for (double end = mr_t_now() + 60; mr_t_now() < end; usleep(2000)) {
+    char *m = mr_t_slurp(path);
+    long n = (long)strlen(m);
+    int found = n > from && strstr(m + from, tag) != NULL;
+    free(m);
+    if (found)
+      return n;
+  }
+  ck_abort_msg("%s: no step of restart %d within 60 s", path, restart);
+  return -1;
+}
+
+/* Waits for a checkpoint being written: a step folder with a rank's file
+ * and no COMPLETE yet; returns whether it saw one. */
+static int save_in_flight(const char *ckroot, int steps, int every) {
+  for (int tries = 0; tries < 3000; tries++, usleep(1000))
+    for (int st = every; st <= steps; st += every) {
+      char d[200], f[260], mk[260];
+      mr_ckpt_step_dir(ckroot, st, d, sizeof d);
+      snprintf(f, sizeof f, "%s/rank-0.safetensors", d);
+      snprintf(mk, sizeof mk, "%s/COMPLETE", d);
+      if (access(f, F_OK) == 0 && access(mk, F_OK) != 0)
+        return 1;
+    }
+  return 0;
+}
+
+/* Chaos, bounded: twelve SIGKILLs of one to three of the four ranks of a
+ * dp2 x tp2 job at random moments, every third while a checkpoint is
+ * being written, and, half way, of the launcher itself, followed by the
+ * same command again.  Every loss any run logged is bitwise the
+ * uninterrupted run's for that step, and so are the final weights. */
+START_TEST(test_ckpt_chaos_kills_resume_bitwise) {
+  enum { STEPS = 60, EVERY = 3, KILLS = 12 };
+  const char *s = "\"auto_mode\": \"manual\", \"data_parallel\": {\"degree\": 2}, "
+                  "\"tensor_parallel\": {\"degree\": 2}";
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job_s(dir, "ref.json", STEPS, EVERY, "ck-ref", s);
+  write_job_s(dir, "chaos.json", STEPS, EVERY, "ck-chaos", s);
+  ck_assert_int_eq(run_to_end(dir, "ref.json", "ref", 4), 0);
+  static char delay[] = "MESHRUN_TEST_CKPT_DELAY_MS=40"; /* saves in flight for a while */
+  char *env[] = {delay, NULL};
+  char metrics[200], ckroot[160];
+  snprintf(metrics, sizeof metrics, "%s/chaos/metrics.jsonl", dir);
+  snprintf(ckroot, sizeof ckroot, "%s/ck-chaos", dir);
+  struct mr_tproc p;
+  start(&p, dir, "chaos.json", "chaos", 4, 3 * KILLS, env);
+  srand(4242);
+  int kills = 0, ranks_killed = 0, during_saves = 0, launcher_killed = 0, restart = 0;
+  long seen = metrics_grown(metrics, 0, 0);
+  while (kills < KILLS) {
+    usleep((useconds_t)(1000 * (rand() % 30)));
+    if (kills % 3 == 2)
+      during_saves += save_in_flight(ckroot, STEPS, EVERY);
+    pid_t kids[8];
+    int n = mr_t_children(p.pid, kids, 8);
+    if (n < 4)
+      break; /* the job ended (or is between groups): no kill to land */
+    if (kills == KILLS / 2 && !launcher_killed) {
+      kill(p.pid, SIGKILL);
+      mr_t_wait(&p, 30);
+      for (int i = 0; i < n; i++) { /* its workers end with it */
+        for (double end = mr_t_now() + 5; !mr_t_gone(kids[i]) && mr_t_now() < end;)
+          usleep(2000);
+        ck_assert_msg(mr_t_gone(kids[i]), "worker %d outlived its launcher", kids[i]);
+      }
+      launcher_killed = 1;
+      restart = -1; /* the same command again: its first group is restart 0 */
+      start(&p, dir, "chaos.json", "chaos", 4, 3 * KILLS, env);
+    } else {
+      int k = 1 + rand() % 3;
+      for (int i = 0; i < k; i++) { /* k distinct ranks */
+        int j = i + rand() % (n - i);
+        pid_t t = kids[i];
+        kids[i] = kids[j], kids[j] = t;
+        kill(kids[i], SIGKILL);
+      }
+      ranks_killed += k;
+    }
+    kills++;
+    seen = metrics_grown(metrics, seen, ++restart);
+  }
+  int code = mr_t_wait(&p, 180);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(code == 0, "the chaos run failed (%d):\n%s", code, err);
+  free(err);
+  ck_assert_msg(kills == KILLS && launcher_killed && during_saves >= 2,
+                "only %d kills (%d during saves, launcher %d) landed", kills, during_saves,
+                launcher_killed);
+  char ref[STEPS + 1][32], got[STEPS + 1][32];
+  memset(ref, 0, sizeof ref);
+  char rm[200];
+  snprintf(rm, sizeof rm, "%s/ref/metrics.jsonl", dir);
+  ck_assert_int_eq(step_losses(rm, ref, STEPS), STEPS);
+  /* the chaos run's records, steps trained again after each restart
+   * included, against the reference's: one table for both */
+  memcpy(got, ref, sizeof got);
+  int records = step_losses(metrics, got, STEPS);
+  ck_assert_int_gt(records, STEPS); /* steps were trained again */
+  char a[200], b[200];
+  snprintf(a, sizeof a, "%s/ref/model.safetensors", dir);
+  snprintf(b, sizeof b, "%s/chaos/model.safetensors", dir);
+  ck_assert_msg(mr_t_same_file(a, b), "final weights differ from the uninterrupted run");
+  fprintf(stderr, "# chaos: %d kills (%d ranks, %d during a save, the launcher once), %d loss "
+          "records, every one the uninterrupted run's\n", kills, ranks_killed, during_saves,
+          records);
+}
+END_TEST
+
 /* A rank killed mid-run leaves its peers blocked in a collective on it:
  * the launcher's stop breaks their waits off, so the group stops at once
  * instead of after the 3 s stop grace (and a SIGKILL), and restarts from
@@ -1029,6 +1171,9 @@ static Suite *ckpt_suite(void) {
   TCase *tc = mr_t_tcase("recovery");
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, test_ckpt_killed_ranks_resume_bitwise);
+#ifndef __SANITIZE_ADDRESS__ /* a minute of restarts there; the kills' paths are the test above's */
+  tcase_add_test(tc, test_ckpt_chaos_kills_resume_bitwise);
+#endif
   tcase_add_test(tc, test_ckpt_killed_rank_group_stops_at_once);
   tcase_add_test(tc, test_ckpt_corrupt_or_incomplete_checkpoint_skipped);
   tcase_add_test(tc, test_ckpt_all_corrupt_refused_before_any_rank);

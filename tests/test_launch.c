@@ -316,15 +316,21 @@ START_TEST(test_launch_paused_launcher_blames_no_rank) {
 }
 END_TEST
 
+/* A 500-step job of nproc ranks launched in a new folder dir[64] and
+ * running: every rank registered; its workers' pids into kids[16]. */
+static void launch_running(struct mr_tproc *p, char dir[64], int nproc, pid_t kids[16]) {
+  mr_t_tmpdir(dir, 64);
+  launch(p, dir, nproc, "500", NULL);
+  wait_registered(dir, nproc);
+  ck_assert_int_eq(mr_t_children(p->pid, kids, 16), nproc);
+}
+
 START_TEST(test_launch_no_orphans_after_launcher_sigkill) {
   char dir[64];
-  mr_t_tmpdir(dir, sizeof dir);
   struct mr_tproc p;
-  launch(&p, dir, 3, "500", NULL);
-  wait_registered(dir, 3);
   pid_t kids[16];
-  int n = mr_t_children(p.pid, kids, 16);
-  ck_assert_int_eq(n, 3);
+  const int n = 3;
+  launch_running(&p, dir, n, kids);
   kill(p.pid, SIGKILL);
   mr_t_wait(&p, 5);
   double end = mr_t_now() + 2.0;
@@ -401,13 +407,10 @@ END_TEST
 
 START_TEST(test_launch_sigterm_stops_every_worker) {
   char dir[64];
-  mr_t_tmpdir(dir, sizeof dir);
   struct mr_tproc p;
-  launch(&p, dir, 2, "500", NULL);
-  wait_registered(dir, 2);
   pid_t kids[16];
-  int n = mr_t_children(p.pid, kids, 16);
-  ck_assert_int_eq(n, 2);
+  const int n = 2;
+  launch_running(&p, dir, n, kids);
   kill(p.pid, SIGTERM);
   int code = mr_t_wait(&p, 10);
   ck_assert_int_eq(code, 128 + SIGTERM);
@@ -422,13 +425,10 @@ END_TEST
  * the launcher, and the job trains to its end. */
 START_TEST(test_launch_worker_ignores_a_sigterm_not_from_its_launcher) {
   char dir[64];
-  mr_t_tmpdir(dir, sizeof dir);
   struct mr_tproc p;
-  launch(&p, dir, 2, "500", NULL);
-  wait_registered(dir, 2);
   pid_t kids[16];
-  int n = mr_t_children(p.pid, kids, 16);
-  ck_assert_int_eq(n, 2);
+  const int n = 2;
+  launch_running(&p, dir, n, kids);
   for (int i = 0; i < n; i++)
     kill(kids[i], SIGTERM);
   int code = mr_t_wait(&p, 120);
