@@ -33,6 +33,7 @@
 #include "launcher/rebalance.h"
 #include "launcher/sockdir.h"
 #include "launcher/strategy_choice.h"
+#include "launcher/tb_events.h"
 #include "common/shm_name.h"
 
 void mr__co_rendezvous_free(struct rendezvous *r) {
@@ -834,10 +835,14 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
     snprintf(mbuf, sizeof mbuf, "%s/metrics.jsonl", opts->log_dir);
     mpath = mbuf;
   }
+  int64_t tb_written = mpath != NULL ? mr_tb_written(opts->log_dir, mpath) : 0;
   if (mpath != NULL && (co->metrics = fopen(mpath, "a")) == NULL) {
     MR_ERROR("launch", "metrics file %s: %s", mpath, strerror(errno));
     goto close_loop;
   }
+  /* TensorBoard's view of the same records; a run without one trains on */
+  if (mpath != NULL && mr_tb_open(opts->log_dir, tb_written, &co->tb) < 0)
+    MR_WARN("launch", "%s: no TensorBoard scalars for this run", mr_error_message());
   if (mr_ranks_init(&co->ranks, &co->loop, opts->nproc, co->node_ranks, 0, opts->log_dir, co,
                     on_rank_exit) < 0) {
     MR_ERROR("launch", "%s", mr_error_message());
@@ -869,6 +874,7 @@ close_loop:
   mr__co_pending_clear(co);
   if (co->metrics != NULL)
     fclose(co->metrics);
+  mr_tb_close(co->tb);
   if (co->token_fd >= 0)
     close(co->token_fd);
   if (co->sock_dir[0] != '\0')

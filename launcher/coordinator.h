@@ -57,6 +57,8 @@ struct mr_launch_opts {
   const uint64_t *program_digests; // [nproc] each rank's program as the
                                    // launcher checked it; NULL: unchecked
   double predicted_step_s;      // the planner's step time for the job's plan
+  double peak_device_s;         // a step's model FLOPs over one device's peak
+                                //   FLOP/s (MFU = this / (step time x ranks))
                                 // (0: none); the closing summary sets the
                                 // measured one beside it
 };

@@ -136,6 +136,7 @@ struct coordinator {
   int64_t preempt_step;     // the newest step any rank had reached then: the
                             // checkpoint that ends the job is of it or later
   FILE *metrics;
+  struct mr_tb_writer *tb;  // TensorBoard's event file beside the metrics
   int64_t last_step_printed;
   int failure_reported;
   char failure[16384];      // why the current group is stopping

@@ -550,6 +550,8 @@ static int run_coordinator(const struct launch_args *a, const char *worker, stru
       .devices = devices,
       .program_digests = choice->program_digests,
       .predicted_step_s = planned ? choice->chosen.cost.step_time_s : 0,
+      .peak_device_s =
+          planned ? choice->chosen.cost.mfu * choice->chosen.cost.step_time_s * (double)world : 0,
   };
   int code = mr_coordinator_run(&opts);
   /* the job's own token file (Slurm's default) goes with the job: every

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/checksum.h"
 #include "common/ckpt.h"
@@ -19,6 +20,7 @@
 #include "common/rpc.h"
 #include "common/tunable.h"
 #include "launcher/coordinator_internal.h"
+#include "launcher/tb_events.h"
 
 /* Welcome for rank (a node's launcher: 0, mesh NULL; START gives it its
  * ranks). */
@@ -350,6 +352,52 @@ static void json_field(FILE *f, const char *key, double v, const char *fmt) {
     fputs("null", f);
 }
 
+#define TB_RANKS_MAX 64 // memory a rank is a scalar of its own up to this world
+
+/* The step's scalars into TensorBoard's event file: what metrics.jsonl
+ * holds, with MFU and the predicted step time beside the measured. */
+static void tb_step(struct coordinator *co, const Meshrun__Metrics *m, uint64_t peak,
+                    uint64_t rss) {
+  if (co->tb == NULL)
+    return;
+  const char *tags[16 + TB_RANKS_MAX];
+  double vals[16 + TB_RANKS_MAX];
+  char rank_tags[TB_RANKS_MAX][40];
+  int n = 0;
+#define TB(tag, v)                                                                        \
+  do {                                                                                    \
+    if (isfinite(v))                                                                      \
+      tags[n] = (tag), vals[n++] = (v);                                                   \
+  } while (0)
+  TB("train/loss", m->loss);
+  TB("train/lr", m->lr);
+  TB("train/grad_norm", m->grad_norm);
+  TB("train/loss_scale", m->loss_scale);
+  TB("train/restarts", (double)co->restart);
+  if (!isnan(m->val_loss))
+    TB("eval/val_loss", m->val_loss);
+  TB("perf/tokens_per_s", m->tokens_per_s);
+  TB("perf/step_time_s", m->step_time_s);
+  TB("perf/comm_wait_s", m->comm_wait_s);
+  if (co->predicted_s > 0)
+    TB("perf/predicted_step_s", co->predicted_s);
+  if (co->opts->peak_device_s > 0 && m->step_time_s > 0)
+    TB("perf/mfu", co->opts->peak_device_s / (m->step_time_s * co->world));
+  TB("memory/peak_mib", (double)peak / 1048576.0);
+  TB("memory/rss_peak_mib", (double)rss / 1048576.0);
+  for (int i = 0; i < co->world && co->world <= TB_RANKS_MAX; i++) {
+    snprintf(rank_tags[i], sizeof rank_tags[i], "memory/peak_mib/rank_%d", i);
+    TB(rank_tags[i], (double)co->ranks.r[i].peak_memory / 1048576.0);
+  }
+#undef TB
+  struct timespec t;
+  clock_gettime(CLOCK_REALTIME, &t);
+  if (mr_tb_scalars(co->tb, (int64_t)m->step, (double)t.tv_sec + (double)t.tv_nsec * 1e-9, tags,
+                    vals, n) < 0)
+    MR_WARN("launch", "%s: no more TensorBoard scalars for this run (training goes on)",
+            mr_error_message());
+}
+
 #define WARMUP_STEPS 2 // a group's first steps allocate and fill caches
 
 /* Keeps rank 0's step time for the closing summary. */
@@ -424,6 +472,7 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
     fprintf(co->metrics, ", \"restart\": %d}\n", co->restart);
     fflush(co->metrics);
   }
+  tb_step(co, m, peak, rss);
   mr_ranks_progress(&co->ranks, m, peak,
                     co->opts->job != NULL ? co->opts->job->train.steps : 0,
                     co->opts->job != NULL ? co->opts->job->train.log_interval_steps : 1);
