@@ -8,7 +8,6 @@ logits` on the same directory.
 
 Usage: check_hf_export.py MESHRUN_BIN
 Exit 77 (skipped) when torch or transformers cannot be had here."""
-import importlib
 import json
 import os
 import shutil
@@ -17,45 +16,19 @@ import subprocess
 import sys
 import tempfile
 
+import pydeps
+
 SKIP = 77
 
 
-def have_transformers():
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
 def ensure_transformers():
-    if have_transformers():
-        return True
     try:
         import torch  # noqa: F401
     except Exception:
         print("SKIP: torch is not importable by %s (Debian: apt-get install python3-torch)"
               % sys.executable)
         return False
-    target = os.path.join(os.environ.get("MESHRUN_BUILD_DIR", tempfile.gettempdir()), "pydeps")
-    sys.path.insert(0, target)
-    if have_transformers():
-        return True
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", target,
-           "--break-system-packages", "transformers==4.40.2"]
-    try:
-        subprocess.run(cmd, check=True, timeout=300)
-    except Exception as e:
-        print("SKIP: could not install transformers from PyPI (%s)" % e)
-        return False
-    # the folder did not exist when it went on sys.path: forget that
-    sys.path_importer_cache.pop(target, None)
-    importlib.invalidate_caches()
-    if not have_transformers():
-        print("SKIP: transformers installed in %s but not importable" % target)
-        return False
-    return True
+    return pydeps.ensure(["transformers"], "transformers==4.40.2")
 
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,

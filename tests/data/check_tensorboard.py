@@ -17,7 +17,6 @@ metrics.jsonl:
 
 Exits 77 (skip) where tensorboard cannot be had."""
 import glob
-import importlib
 import json
 import os
 import random
@@ -28,6 +27,8 @@ import sys
 import tempfile
 import time
 
+import pydeps
+
 SKIP = 77
 STEPS = 14
 
@@ -37,31 +38,6 @@ def fail(msg, out=""):
     if out:
         print(out[-4000:])
     sys.exit(1)
-
-
-def ensure_tensorboard():
-    target = os.path.join(os.environ.get("MESHRUN_BUILD_DIR", tempfile.gettempdir()), "pydeps")
-    sys.path.insert(0, target)
-    try:
-        import tensorboard  # noqa: F401
-        return True
-    except ImportError:
-        pass
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", target,
-           "--break-system-packages", "tensorboard==2.21.0"]
-    try:
-        subprocess.run(cmd, check=True, timeout=300)
-    except Exception as e:
-        print("SKIP: could not install tensorboard from PyPI (%s)" % e)
-        return False
-    sys.path_importer_cache.pop(target, None)
-    importlib.invalidate_caches()
-    try:
-        import tensorboard  # noqa: F401,F811
-    except ImportError as e:
-        print("SKIP: tensorboard installed in %s but not importable (%s)" % (target, e))
-        return False
-    return True
 
 
 def crc32c(data):
@@ -141,7 +117,7 @@ def records_with(path, cond):
 
 def main():
     meshrun = os.path.abspath(sys.argv[1])
-    if not ensure_tensorboard():
+    if not pydeps.ensure(["tensorboard"], "tensorboard==2.21.0"):
         sys.exit(SKIP)
     from tensorboard.backend.event_processing import event_file_loader
     from tensorboard.compat.proto import event_pb2
