@@ -168,6 +168,8 @@ START_TEST(test_ckpt_killed_ranks_resume_bitwise) {
 }
 END_TEST
 
+#ifndef __SANITIZE_ADDRESS__ /* a minute of restarts there; the kills' paths are
+                              * test_ckpt_killed_ranks_resume_bitwise's */
 /* Each step's loss record of metrics file `path` (as printed: %.9g, so a
  * float's every bit) into loss[step] (1..max); returns the number of
  * records, and fails the test where one step's records differ. */
@@ -309,6 +311,7 @@ START_TEST(test_ckpt_chaos_kills_resume_bitwise) {
           records);
 }
 END_TEST
+#endif
 
 /* A rank killed mid-run leaves its peers blocked in a collective on it:
  * the launcher's stop breaks their waits off, so the group stops at once
@@ -1171,7 +1174,7 @@ static Suite *ckpt_suite(void) {
   TCase *tc = mr_t_tcase("recovery");
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, test_ckpt_killed_ranks_resume_bitwise);
-#ifndef __SANITIZE_ADDRESS__ /* a minute of restarts there; the kills' paths are the test above's */
+#ifndef __SANITIZE_ADDRESS__
   tcase_add_test(tc, test_ckpt_chaos_kills_resume_bitwise);
 #endif
   tcase_add_test(tc, test_ckpt_killed_rank_group_stops_at_once);
