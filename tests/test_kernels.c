@@ -5,6 +5,7 @@
 #include "check_main.h"
 #include "kernels_ref.h"
 
+#include "common/dtype.h"
 #include "common/error.h"
 #include "worker/backend/cpu/xent_vocab.h"
 
@@ -114,6 +115,66 @@ START_TEST(test_kernels_gemm_threads_bitwise_equal) {
   }
   for (int t = 0; t < 3; t++)
     mr_pool_free(p[t]);
+}
+END_TEST
+
+/* The bf16 matmul (AVX512_BF16) against the double reference of its
+ * operands rounded to bf16 by the formula (common/dtype.h, round to
+ * nearest even): every transpose, K across its 384-deep blocks and odd
+ * (the last pair half empty), N and M at the panel and micro-kernel
+ * edges, alpha and beta, beta = 0 over NaNs, padded leading dimensions;
+ * and the same bits on 1 and 3 threads.  Where the CPU has no
+ * AVX512_BF16 it must say so, not compute. */
+START_TEST(test_kernels_gemm_bf16_against_rounded_reference) {
+  struct mr_pool *p1 = ref_pool(1), *p3 = ref_pool(3);
+  float one = 1;
+  if (!mr_cpu_has_bf16_gemm()) {
+    ck_assert_int_eq(mr_cpu_gemm_bf16(p1, false, false, 1, 1, 1, 1, &one, 1, &one, 1, 0, &one, 1),
+                     MR_ENOTSUP);
+    fprintf(stderr, "# no AVX512_BF16 here: the bf16 matmul is refused, as it must be\n");
+    mr_pool_free(p1);
+    mr_pool_free(p3);
+    return;
+  }
+  static const int shapes[][3] = {/* M, N, K */
+    {13, 97, 769}, {7, 65, 385}, {6, 64, 384}, {5, 31, 383}, {1, 33, 1}, {12, 32, 2},
+    {133, 37, 29}, {300, 260, 64}};
+  uint64_t seed = 11;
+  for (size_t si = 0; si < MR_ARRAY_LEN(shapes); si++)
+    for (int tr = 0; tr < 4; tr++) {
+      int M = shapes[si][0], N = shapes[si][1], K = shapes[si][2];
+      bool ta = tr & 1, tb = tr & 2;
+      int lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 1, ldc = N + 2;
+      size_t na = (size_t)lda * (ta ? K : M), nb = (size_t)ldb * (tb ? N : K);
+      float *A = ref_randf(na, &seed, 1), *B = ref_randf(nb, &seed, 1);
+      float *Ar = ref_copyf(A, na), *Br = ref_copyf(B, nb);
+      for (size_t i = 0; i < na; i++)
+        Ar[i] = mr_bf16_to_f32(mr_f32_to_bf16(A[i]));
+      for (size_t i = 0; i < nb; i++)
+        Br[i] = mr_bf16_to_f32(mr_f32_to_bf16(B[i]));
+      float beta = tr == 3 ? 0.0f : 2.0f;
+      float *C = ref_randf((size_t)ldc * M, &seed, 1);
+      if (beta == 0)
+        for (size_t i = 0; i < (size_t)ldc * M; i++)
+          C[i] = NAN;
+      float *C3 = ref_copyf(C, (size_t)ldc * M);
+      double *want = malloc(sizeof(double) * (size_t)M * N);
+      gemm_ref(ta, tb, M, N, K, 0.5, Ar, lda, Br, ldb, beta, C, ldc, want);
+      ck_assert_int_eq(
+          mr_cpu_gemm_bf16(p1, ta, tb, M, N, K, 0.5f, A, lda, B, ldb, beta, C, ldc), 0);
+      ck_assert_int_eq(
+          mr_cpu_gemm_bf16(p3, ta, tb, M, N, K, 0.5f, A, lda, B, ldb, beta, C3, ldc), 0);
+      for (int i = 0; i < M; i++) {
+        char what[64];
+        snprintf(what, sizeof what, "bf16 gemm %dx%dx%d t%d row %d", M, N, K, tr, i);
+        ref_close(what, C + (size_t)i * ldc, want + (size_t)i * N, (size_t)N, 1e-5, 1e-5);
+        ck_assert_msg(memcmp(C + (size_t)i * ldc, C3 + (size_t)i * ldc, (size_t)N * 4) == 0,
+                      "%s: 3 threads differ from 1", what);
+      }
+      free(A), free(B), free(Ar), free(Br), free(C), free(C3), free(want);
+    }
+  mr_pool_free(p1);
+  mr_pool_free(p3);
 }
 END_TEST
 
@@ -719,6 +780,7 @@ static Suite *kernels_suite(void) {
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, test_kernels_gemm_all_transposes_and_splits);
   tcase_add_test(tc, test_kernels_gemm_threads_bitwise_equal);
+  tcase_add_test(tc, test_kernels_gemm_bf16_against_rounded_reference);
   tcase_add_test(tc, test_kernels_gemm_block_edges);
   tcase_add_test(tc, test_kernels_linear_fwd_bwd_finite_differences);
   tcase_add_test(tc, test_kernels_add_bias_scale);

@@ -76,8 +76,7 @@ static int round_inputs(struct mr_cpu_ctx *c, const struct mr_graph *g,
   for (int i = 0; i < n; i++) {
     size_t k = (size_t)NEL(g, ids[i]);
     if (c->amp == MR_AMP_ROUND_BF16)
-      for (size_t j = 0; j < k; j++)
-        s[j] = mr_bf16_to_f32(mr_f32_to_bf16(src[i][j]));
+      MR_TRY(mr_cpu_round_bf16(c->pool, s, src[i], k));
     else
       mr__round_f16_n(s, src[i], k);
     src[i] = s;
@@ -94,9 +93,18 @@ static int k_matmul(void *ctx, const struct mr_graph *g, const struct mr_op *op,
   int n = tb ? ROWS(g, bi) : COLS(g, bi);
   const float *src[2] = {b[0], b[1]};
   float *out = b[op->n_in];
-  MR_TRY(round_inputs(ctx, g, op->in, src, 2));
-  MR_TRY(mr_cpu_gemm(POOL(ctx), ta, tb, m, n, k, 1.0f, src[0], COLS(g, ai),
-                     src[1], COLS(g, bi), mr_op_accum(op, 0) ? 1.0f : 0.0f, out, n));
+  const struct mr_cpu_ctx *c = ctx;
+  float beta = mr_op_accum(op, 0) ? 1.0f : 0.0f;
+  if (c->amp == MR_AMP_ROUND_BF16 && k > 0 && mr_cpu_has_bf16_gemm()) {
+    /* the hardware's: operands rounded as they are packed, no pass of
+     * their own */
+    MR_TRY(mr_cpu_gemm_bf16(POOL(ctx), ta, tb, m, n, k, 1.0f, src[0], COLS(g, ai), src[1],
+                            COLS(g, bi), beta, out, n));
+  } else {
+    MR_TRY(round_inputs(ctx, g, op->in, src, 2));
+    MR_TRY(mr_cpu_gemm(POOL(ctx), ta, tb, m, n, k, 1.0f, src[0], COLS(g, ai), src[1],
+                       COLS(g, bi), beta, out, n));
+  }
   if (op->n_in > 2 && op->in[2] >= 0)
     MR_TRY(mr_cpu_bias_add(POOL(ctx), out, b[2], m, n));
   return 0;

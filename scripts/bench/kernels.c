@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "common/clock.h"
+#include "common/dtype.h"
 #include "common/error.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/backend/cpu/sgemm.h"
@@ -128,6 +129,64 @@ static void bench_matmul(struct mr_pool *pool, int threads) {
   }
   printf("  all shapes, total time                 ours %.2f ms, openblas(%dT) %.2f ms: %.2fx\n",
          sum_ours * 1e3, threads, sum_blas * 1e3, sum_blas / sum_ours);
+}
+
+/* Rounds through bf16 as the runtime does without the bf16 kernel
+ * (worker/exec_extra.c's round_inputs). */
+static void round_bf16(float *dst, const float *src, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    dst[i] = mr_bf16_to_f32(mr_f32_to_bf16(src[i]));
+}
+
+/* The matmul of --amp bf16 three ways, the same run: the AVX512_BF16
+ * kernel (operands rounded as they are packed), the path without it
+ * (both operands rounded in a pass of their own, then the fp32 kernel),
+ * and fp32 alone. */
+static void bench_matmul_bf16(struct mr_pool *pool, int threads) {
+  static const struct mm shapes[] = {
+      {"h256 gate/up fwd 2048x688x256", 2048, 688, 256, 0, 1},
+      {"h256 down dx    2048x688x256", 2048, 688, 256, 0, 0},
+      {"h256 gate dW    688x256x2048", 688, 256, 2048, 1, 0},
+      {"h512 qkvo fwd   2048x512x512", 2048, 512, 512, 0, 1},
+      {"h512 gate fwd   2048x1376x512", 2048, 1376, 512, 0, 1},
+      {"h512 down dW    512x1376x2048", 512, 1376, 2048, 1, 0},
+  };
+  if (!mr_cpu_has_bf16_gemm()) {
+    printf("bf16 matmul: this CPU has no AVX512_BF16\n");
+    return;
+  }
+  printf("bf16 matmul GFLOP/s (%dT, best of %d)   bf16 kernel  rounded+fp32  fp32   "
+         "bf16/rounded  bf16/fp32\n", threads, REPS);
+  double sb = 0, se = 0, sf = 0;
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    const struct mm *m = &shapes[i];
+    size_t na = (size_t)m->M * m->K, nb = (size_t)m->K * m->N, nc = (size_t)m->M * m->N;
+    float *A = randf(na), *B = randf(nb), *C = randf(nc), *Ar = randf(na), *Br = randf(nb);
+    double tbf = 1e9, tem = 1e9, tf = 1e9;
+    for (int r = 0; r <= REPS; r++) {
+      double t0 = mr_clock_s();
+      if (mr_cpu_gemm_bf16(pool, m->ta, m->tb, m->M, m->N, m->K, 1.0f, A, m->ta ? m->M : m->K,
+                           B, m->tb ? m->K : m->N, 0.0f, C, m->N) < 0) {
+        fprintf(stderr, "bf16 gemm: %s\n", mr_error_message());
+        exit(1);
+      }
+      double t1 = mr_clock_s();
+      round_bf16(Ar, A, na);
+      round_bf16(Br, B, nb);
+      time_ours(pool, m, Ar, Br, C);
+      double t2 = mr_clock_s();
+      double t3 = time_ours(pool, m, A, B, C);
+      if (r > 0) /* the first: pack buffers, page faults */
+        tbf = fmin(tbf, t1 - t0), tem = fmin(tem, t2 - t1), tf = fmin(tf, t3);
+    }
+    double fl = 2.0 * m->M * m->N * m->K * 1e-9;
+    sb += tbf, se += tem, sf += tf;
+    printf("  %-36s %11.1f  %12.1f  %5.1f  %12.2fx  %9.2fx\n", m->what, fl / tbf, fl / tem,
+           fl / tf, tem / tbf, tf / tbf);
+    free(A); free(B); free(C); free(Ar); free(Br);
+  }
+  printf("  all shapes, total time                 bf16 %.2f ms, rounded+fp32 %.2f ms, fp32 "
+         "%.2f ms: %.2fx, %.2fx\n", sb * 1e3, se * 1e3, sf * 1e3, se / sb, sf / sb);
 }
 
 static void bench_attention(struct mr_pool *pool, int B, int T, int H, int Hkv, int D) {
@@ -409,6 +468,7 @@ int main(int argc, char **argv) {
                               : "single-threaded OpenBLAS per block of rows");
   bench_pool(pool);
   bench_matmul(pool, threads);
+  bench_matmul_bf16(pool, threads);
   printf("attention (causal; FLOPs: 4*D per query-key pair forward, 10*D backward)\n");
   bench_attention(pool, 8, 256, 8, 8, 32);
   bench_attention(pool, 8, 256, 8, 2, 32);

@@ -59,6 +59,17 @@ int mr_cpu_gemm(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K,
                 float alpha, const float *A, int lda, const float *B, int ldb,
                 float beta, float *C, int ldc);
 
+/* mr_cpu_gemm with op(A) and op(B) rounded to bf16 (round to nearest
+ * even) and their products summed in fp32: the matmul of `--amp bf16`,
+ * on AVX512_BF16 (bgemm.h), the rounding done while packing.  K >= 1.
+ * Returns MR_ENOTSUP where the CPU lacks it (mr_cpu_has_bf16_gemm). */
+int mr_cpu_gemm_bf16(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K,
+                     float alpha, const float *A, int lda, const float *B, int ldb,
+                     float beta, float *C, int ldc);
+
+/* 1 when mr_cpu_gemm_bf16 runs here. */
+int mr_cpu_has_bf16_gemm(void);
+
 /* y[M, N] = x[M, K] w[N, K]^T + b[N]; b may be NULL.  Overwrites y. */
 int mr_cpu_linear_fwd(struct mr_pool *pool, float *y, const float *x,
                       const float *w, const float *b, int M, int N, int K);
@@ -252,6 +263,9 @@ int mr_cpu_sumsq(struct mr_pool *pool, double *out, const float *x, size_t n);
 
 /* Bulk conversions (round to nearest even; common/dtype.h semantics). */
 int mr_cpu_to_bf16(struct mr_pool *pool, uint16_t *dst, const float *src, size_t n);
+/* dst[i] = src[i] rounded to bf16 (nearest even) and back, across the pool:
+ * the operands of a product that --amp bf16 rounds (dst may be src). */
+int mr_cpu_round_bf16(struct mr_pool *pool, float *dst, const float *src, size_t n);
 int mr_cpu_from_bf16(struct mr_pool *pool, float *dst, const uint16_t *src, size_t n);
 int mr_cpu_to_f16(struct mr_pool *pool, uint16_t *dst, const float *src, size_t n);
 int mr_cpu_from_f16(struct mr_pool *pool, float *dst, const uint16_t *src, size_t n);

@@ -11,6 +11,7 @@
 #include <cblas.h>
 
 #include "common/error.h"
+#include "worker/backend/cpu/bgemm.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/backend/cpu/sgemm.h"
 
@@ -82,7 +83,8 @@ struct tiled_job {
   int lda, ldb, ldc;
   float *C;
   const float *bias;
-  float *bp;       // packed op(B)
+  float *bp;       // packed op(B): floats, or bf16 pairs (bf16)
+  bool bf16;       // operands rounded to bf16 (bgemm.h)
   int panels;      // ceil(N / 64)
   int pack_per;    // panels per packing task
   int mb, nb;      // rows, columns per tile (multiples of 6 and 64)
@@ -93,8 +95,10 @@ static int pack_task(void *arg, int task, int thread) {
   (void)thread;
   const struct tiled_job *j = arg;
   int p0 = task * j->pack_per, p1 = p0 + j->pack_per;
-  mr__sgemm_pack_b(j->tb, j->K, j->N, j->B, j->ldb, j->bp, p0,
-                   p1 < j->panels ? p1 : j->panels);
+  p1 = p1 < j->panels ? p1 : j->panels;
+  if (j->bf16)
+    return mr__bgemm_pack_b(j->tb, j->K, j->N, j->B, j->ldb, (uint32_t *)j->bp, p0, p1);
+  mr__sgemm_pack_b(j->tb, j->K, j->N, j->B, j->ldb, j->bp, p0, p1);
   return 0;
 }
 
@@ -104,8 +108,12 @@ static int tile_task(void *arg, int task, int thread) {
   int i0 = task / j->col_tiles * j->mb, j0 = task % j->col_tiles * j->nb;
   int i1 = i0 + j->mb < j->M ? i0 + j->mb : j->M;
   int j1 = j0 + j->nb < j->N ? j0 + j->nb : j->N;
-  mr__sgemm_block(j->ta, j->K, j->alpha, j->A, j->lda, j->bp, j->K, j->beta, j->C,
-                  j->ldc, j->bias, i0, i1, j0, j1);
+  if (j->bf16)
+    mr__bgemm_block(j->ta, j->K, j->alpha, j->A, j->lda, (const uint32_t *)j->bp, j->beta,
+                    j->C, j->ldc, j->bias, i0, i1, j0, j1);
+  else
+    mr__sgemm_block(j->ta, j->K, j->alpha, j->A, j->lda, j->bp, j->K, j->beta, j->C,
+                    j->ldc, j->bias, i0, i1, j0, j1);
   return 0;
 }
 
@@ -128,7 +136,8 @@ static int gemm_tiled_cols(struct mr_pool *pool, struct tiled_job *j, float *bp)
   int tiles = j->row_tiles * j->col_tiles;
   /* Below ~1 MFLOP a second thread costs more than it saves. */
   if (nt == 1 || (double)M * N * K < 1e6) {
-    mr__sgemm_pack_b(j->tb, K, N, j->B, j->ldb, j->bp, 0, j->panels);
+    j->pack_per = j->panels;
+    MR_TRY(pack_task(j, 0, 0));
     for (int t = 0; t < tiles; t++)
       tile_task(j, t, 0);
     return 0;
@@ -143,14 +152,16 @@ static int gemm_tiled_cols(struct mr_pool *pool, struct tiled_job *j, float *bp)
  * vocabulary's head) go in column slices, each packed in turn. */
 #define PACK_FLOATS_MAX (2 << 20)
 
-static int gemm_tiled(struct mr_pool *pool, bool ta, bool tb, int M, int N,
+static int gemm_tiled(struct mr_pool *pool, bool bf16, bool ta, bool tb, int M, int N,
                       int K, float alpha, const float *A, int lda,
                       const float *B, int ldb, float beta, float *C, int ldc,
                       const float *bias) {
   int slice = PACK_FLOATS_MAX / K / MR__SGEMM_NR * MR__SGEMM_NR;
   slice = slice < MR__SGEMM_NR ? MR__SGEMM_NR : slice;
   slice = slice < N ? slice : N;
-  float *bp = mr__pool_shared_scratch(pool, mr__sgemm_packed_floats(K, slice) * sizeof(float));
+  size_t bytes = bf16 ? mr__bgemm_packed_words(K, slice) * sizeof(uint32_t)
+                      : mr__sgemm_packed_floats(K, slice) * sizeof(float);
+  float *bp = mr__pool_shared_scratch(pool, bytes);
   if (!bp)
     return mr_error_set(MR_ENOMEM, "gemm: %dx%d packing buffer", K, slice);
   for (int c0 = 0; c0 < N; c0 += slice) {
@@ -158,7 +169,7 @@ static int gemm_tiled(struct mr_pool *pool, bool ta, bool tb, int M, int N,
         .ta = ta, .tb = tb, .M = M, .N = N - c0 < slice ? N - c0 : slice, .K = K,
         .alpha = alpha, .beta = beta, .A = A, .lda = lda, .ldb = ldb,
         .B = B + (tb ? (size_t)c0 * (size_t)ldb : (size_t)c0), .ldc = ldc,
-        .C = C + c0, .bias = bias ? bias + c0 : NULL};
+        .C = C + c0, .bias = bias ? bias + c0 : NULL, .bf16 = bf16};
     MR_TRY(gemm_tiled_cols(pool, &j, bp));
   }
   return 0;
@@ -178,7 +189,7 @@ static int gemm_bias(struct mr_pool *pool, bool ta, bool tb, int M, int N,
   if (M == 0 || N == 0)
     return 0;
   if (K > 0 && mr__cpu_has_avx512())
-    return gemm_tiled(pool, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C,
+    return gemm_tiled(pool, false, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C,
                       ldc, bias);
   struct gemm_job j = {
       .ta = ta, .tb = tb, .M = M, .N = N, .K = K,
@@ -205,6 +216,21 @@ int mr_cpu_gemm(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K,
                 float beta, float *C, int ldc) {
   return gemm_bias(pool, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc,
                    NULL);
+}
+
+int mr_cpu_has_bf16_gemm(void) { return mr__cpu_has_avx512_bf16(); }
+
+int mr_cpu_gemm_bf16(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K,
+                     float alpha, const float *A, int lda, const float *B, int ldb,
+                     float beta, float *C, int ldc) {
+  if (!mr__cpu_has_avx512_bf16())
+    return mr_error_set(MR_ENOTSUP, "gemm: the bf16 matmul needs AVX512_BF16");
+  if (M < 0 || N < 0 || K < 1 || ldc < N || lda < (ta ? M : K) || ldb < (tb ? K : N))
+    return mr_error_set(MR_EINVAL, "gemm: M=%d N=%d K=%d with lda=%d ldb=%d ldc=%d", M, N, K,
+                        lda, ldb, ldc);
+  if (M == 0 || N == 0)
+    return 0;
+  return gemm_tiled(pool, true, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, NULL);
 }
 
 int mr_cpu_linear_fwd(struct mr_pool *pool, float *y, const float *x,

@@ -152,6 +152,21 @@ static int from_f16_range(void *arg, size_t lo, size_t hi, int thread) {
   return 0;
 }
 
+MR_CPU_BODY void round_bf16_body(float *dst, const float *src, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    dst[i] = mr_bf16_to_f32(mr_f32_to_bf16(src[i]));
+}
+static int round_bf16_range(void *arg, size_t lo, size_t hi, int thread) {
+  const struct conv_job *j = arg;
+  round_bf16_body((float *)j->dst + lo, (const float *)j->src + lo, hi - lo);
+  return 0;
+}
+
+int mr_cpu_round_bf16(struct mr_pool *pool, float *dst, const float *src, size_t n) {
+  struct conv_job j = {dst, src};
+  return mr__par_range(pool, n, MR__STREAM_CHUNK, round_bf16_range, &j);
+}
+
 int mr_cpu_to_bf16(struct mr_pool *pool, uint16_t *dst, const float *src, size_t n) {
   struct conv_job j = {dst, src};
   return mr__par_range(pool, n, MR__STREAM_CHUNK, to_bf16_range, &j);

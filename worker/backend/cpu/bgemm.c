@@ -1,0 +1,218 @@
+/* bgemm.c - the bf16 matmul on AVX512_BF16 (see bgemm.h): operands rounded
+ * to bf16 as they are packed (VCVTNE2PS2BF16, round to nearest even), a
+ * 6 x 64 micro-kernel of 24 fp32 accumulators, four panel loads and six
+ * broadcast pairs of op(A) per two k, VDPBF16PS for each. */
+#include "worker/backend/cpu/bgemm.h"
+
+#include <stddef.h>
+
+#include <immintrin.h>
+
+#include "worker/backend/cpu/sgemm.h"
+
+#define MR 6
+#define NR 64
+#define KC 384        // most k per block (even: blocks start on a pair)
+#define KCP (KC / 2)  // pairs per block
+
+#define BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+int mr__cpu_has_avx512_bf16(void) {
+  static int cached = -1;
+  int c = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+  if (c < 0) {
+    c = mr__cpu_has_avx512() && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512bf16");
+    __atomic_store_n(&cached, c, __ATOMIC_RELAXED);
+  }
+  return c;
+}
+
+size_t mr__bgemm_packed_words(int K, int N) {
+  return (size_t)((N + NR - 1) / NR) * (size_t)((K + 1) / 2) * NR;
+}
+
+static __mmask16 lanes(int n) {
+  return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
+/* 16 words of bf16 pairs: lo[c] in the low half of word c, hi[c] above. */
+BF16 static __m512i pairs16(__m512 lo, __m512 hi) {
+  __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+  __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+  return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+}
+
+BF16 int mr__bgemm_pack_b(bool tb, int K, int N, const float *B, int ldb, uint32_t *bp, int p0,
+                          int p1) {
+  int kpairs = (K + 1) / 2;
+  for (int p = p0; p < p1; p++) {
+    int j = p * NR, nv = N - j < NR ? N - j : NR;
+    uint32_t *dst = bp + (size_t)p * (size_t)kpairs * NR;
+    if (!tb) {
+      /* rows k and k + 1 of B, 16 columns at a time, side by side */
+      __mmask16 m[4];
+      for (int q = 0; q < 4; q++)
+        m[q] = lanes(nv - 16 * q);
+      for (int kp = 0; kp < kpairs; kp++) {
+        const float *lo = B + (size_t)(2 * kp) * (size_t)ldb + j;
+        int has_hi = 2 * kp + 1 < K;
+        for (int q = 0; q < 4; q++) {
+          __m512 l = _mm512_maskz_loadu_ps(m[q], lo + 16 * q);
+          __m512 h = has_hi ? _mm512_maskz_loadu_ps(m[q], lo + ldb + 16 * q) : _mm512_setzero_ps();
+          _mm512_store_si512((__m512i *)(dst + (size_t)kp * NR + 16 * q), pairs16(l, h));
+        }
+      }
+      continue;
+    }
+    /* op(B)[k, j + c] = B[(j + c) ldb + k]: a column's k and k + 1 are
+     * neighbours, so 32 of its k are 16 pairs, scattered down the panel */
+    const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                              6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(NR));
+    for (int c = 0; c < NR; c++) {
+      if (c >= nv) {
+        for (int kp = 0; kp < kpairs; kp++)
+          dst[(size_t)kp * NR + c] = 0;
+        continue;
+      }
+      const float *col = B + (size_t)(j + c) * (size_t)ldb;
+      for (int k = 0; k < K; k += 32) {
+        __m512 lo = _mm512_maskz_loadu_ps(lanes(K - k), col + k);
+        __m512 hi = _mm512_maskz_loadu_ps(lanes(K - k - 16), col + k + 16);
+        __m512i w = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        _mm512_mask_i32scatter_epi32(dst + (size_t)(k / 2) * NR + c, lanes(kpairs - k / 2), down,
+                                     w, 4);
+      }
+    }
+  }
+  return 0;
+}
+
+/* Six rows of op(A), k in [k0, k0 + kc), as pairs: row r's pair kp at
+ * ap[r * *rs + kp * *ks] (rows past mr repeat row mr - 1; an odd kc ends
+ * on a zero).  A row-major op(A) is packed row by row (rs KCP, ks 1),
+ * a transposed one k by k, the six rows' pairs side by side (rs 1, ks 6). */
+BF16 static void pack_a(bool ta, const float *A, int lda, int i, int mr, int k0, int kc,
+                        uint32_t *ap, ptrdiff_t *rs, ptrdiff_t *ks) {
+  int kcp = (kc + 1) / 2;
+  if (!ta) {
+    *rs = KCP, *ks = 1;
+    for (int r = 0; r < MR; r++) {
+      const float *row = A + (size_t)(i + (r < mr ? r : mr - 1)) * (size_t)lda + k0;
+      uint32_t *d = ap + (size_t)r * KCP;
+      /* 32 consecutive k are 16 consecutive pairs */
+      for (int k = 0; k < kc; k += 32) {
+        __m512 lo = _mm512_maskz_loadu_ps(lanes(kc - k), row + k);
+        __m512 hi = _mm512_maskz_loadu_ps(lanes(kc - k - 16), row + k + 16);
+        __m512i w = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        _mm512_mask_storeu_epi32(d + k / 2, lanes(kcp - k / 2), w);
+      }
+    }
+    return;
+  }
+  /* op(A)[i + r, k] = A[k lda + i + r]: rows k and k + 1 of A, six
+   * columns, make the six rows' pair kp */
+  *rs = 1, *ks = MR;
+  __m512i last = _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 4, 3, 2, 1, 0);
+  last = _mm512_min_epi32(last, _mm512_set1_epi32(mr - 1)); /* rows past mr: row mr - 1 */
+  __mmask16 am = lanes(mr);
+  for (int kp = 0; kp < kcp; kp++) {
+    const float *a = A + (size_t)(k0 + 2 * kp) * (size_t)lda + i;
+    __m512 lo = _mm512_maskz_loadu_ps(am, a);
+    __m512 hi = 2 * kp + 1 < kc ? _mm512_maskz_loadu_ps(am, a + lda) : _mm512_setzero_ps();
+    __m512i w = _mm512_permutexvar_epi32(last, pairs16(lo, hi));
+    _mm512_mask_storeu_epi32(ap + (size_t)kp * MR, 0x3f, w);
+  }
+}
+
+#define ACC_ROW(r)                                                             \
+  __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0, c##r##2 = c##r##0, \
+         c##r##3 = c##r##0
+#define DOT_ROW(r)                                                             \
+  do {                                                                         \
+    __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[(r) * rs]);               \
+    c##r##0 = _mm512_dpbf16_ps(c##r##0, x, b0);                                \
+    c##r##1 = _mm512_dpbf16_ps(c##r##1, x, b1);                                \
+    c##r##2 = _mm512_dpbf16_ps(c##r##2, x, b2);                                \
+    c##r##3 = _mm512_dpbf16_ps(c##r##3, x, b3);                                \
+  } while (0)
+#define STORE1(r, q)                                                           \
+  do {                                                                         \
+    float *p = c + (size_t)(r) * (size_t)ldc + 16 * (q);                       \
+    __m512 v = _mm512_mul_ps(va, c##r##q);                                     \
+    if (!first)                                                                \
+      v = _mm512_add_ps(_mm512_maskz_loadu_ps(m[q], p), v);                    \
+    else if (beta != 0.0f)                                                     \
+      v = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m[q], p), v);              \
+    if (bias)                                                                  \
+      v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m[q], bias + 16 * (q)));      \
+    _mm512_mask_storeu_ps(p, m[q], v);                                         \
+  } while (0)
+#define STORE_ROW(r)                                                           \
+  do {                                                                         \
+    if ((r) < mr) {                                                            \
+      STORE1(r, 0);                                                            \
+      STORE1(r, 1);                                                            \
+      STORE1(r, 2);                                                            \
+      STORE1(r, 3);                                                            \
+    }                                                                          \
+  } while (0)
+
+/* One 6 x 64 block of C from kcp pairs: C = alpha acc + beta C on the
+ * first K block, else C += alpha acc; bias with the last. */
+BF16 static void kernel_6x64(int kcp, const uint32_t *ap, ptrdiff_t rs, ptrdiff_t ks,
+                             const uint32_t *b, float *c, int ldc, int mr, const __mmask16 *m,
+                             float alpha, float beta, int first, const float *bias) {
+  ACC_ROW(0);
+  ACC_ROW(1);
+  ACC_ROW(2);
+  ACC_ROW(3);
+  ACC_ROW(4);
+  ACC_ROW(5);
+  const uint32_t *a = ap;
+  for (int kp = 0; kp < kcp; kp++, a += ks, b += NR) {
+    __m512bh b0 = (__m512bh)_mm512_load_si512((const __m512i *)b),
+             b1 = (__m512bh)_mm512_load_si512((const __m512i *)(b + 16)),
+             b2 = (__m512bh)_mm512_load_si512((const __m512i *)(b + 32)),
+             b3 = (__m512bh)_mm512_load_si512((const __m512i *)(b + 48));
+    DOT_ROW(0);
+    DOT_ROW(1);
+    DOT_ROW(2);
+    DOT_ROW(3);
+    DOT_ROW(4);
+    DOT_ROW(5);
+  }
+  __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  STORE_ROW(0);
+  STORE_ROW(1);
+  STORE_ROW(2);
+  STORE_ROW(3);
+  STORE_ROW(4);
+  STORE_ROW(5);
+}
+
+BF16 void mr__bgemm_block(bool ta, int K, float alpha, const float *A, int lda, const uint32_t *bp,
+                          float beta, float *C, int ldc, const float *bias, int i0, int i1, int j0,
+                          int j1) {
+  _Alignas(64) uint32_t ap[MR * KCP];
+  size_t kpairs = (size_t)(K + 1) / 2;
+  for (int k0 = 0; k0 < K; k0 += KC) {
+    int kc = K - k0 < KC ? K - k0 : KC, first = k0 == 0;
+    const float *bs = k0 + KC >= K ? bias : NULL;
+    for (int i = i0; i < i1; i += MR) {
+      int mr = i1 - i < MR ? i1 - i : MR;
+      ptrdiff_t rs, ks;
+      pack_a(ta, A, lda, i, mr, k0, kc, ap, &rs, &ks);
+      for (int j = j0; j < j1; j += NR) {
+        int nv = j1 - j < NR ? j1 - j : NR;
+        __mmask16 m[4];
+        for (int q = 0; q < 4; q++)
+          m[q] = lanes(nv - 16 * q);
+        const uint32_t *b = bp + (size_t)(j / NR) * kpairs * NR + (size_t)(k0 / 2) * NR;
+        kernel_6x64((kc + 1) / 2, ap, rs, ks, b, C + (size_t)i * (size_t)ldc + j, ldc, mr, m,
+                    alpha, beta, first, bs ? bs + j : NULL);
+      }
+    }
+  }
+}
