@@ -125,7 +125,8 @@ static uint64_t cpu_identity(void) {
                                      "Features", NULL};
   char block[16384], value[4096], id[8192];
   mr_cpuinfo_block(block, sizeof block);
-  size_t off = (size_t)snprintf(id, sizeof id, "v1 cores %d memory %llu", mr_cpu_cores(),
+  /* v2: the spec holds the bf16 matmul's own rate */
+  size_t off = (size_t)snprintf(id, sizeof id, "v2 cores %d memory %llu", mr_cpu_cores(),
                                 (unsigned long long)mr_host_memory_bytes());
   for (int i = 0; keys[i] != NULL && off < sizeof id; i++) {
     mr_cpuinfo_value(block, keys[i], value, sizeof value);

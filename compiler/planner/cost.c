@@ -211,14 +211,19 @@ static void layer_times(const struct mr_workload *w, const struct mr_cluster *c,
                         const struct mr_strategy *s, struct mr_layer_times *lt) {
   const struct mr_model_config *m = w->model;
   enum mr_amp_dtype dt = s->amp_dtype;
-  double wb = elem_bytes(dt), t = s->tp, b = s->micro_batch_size;
+  /* CPU ranks keep every activation in fp32 under amp (it rounds the
+   * values, not the storage): the memory-bound ops move fp32's bytes */
+  double wb = c->host_is_device ? 4.0 : elem_bytes(dt), t = s->tp, b = s->micro_batch_size;
   double S = (double)w->seq_len, h = m->hidden_size, a = m->num_attention_heads;
   double f = m->intermediate_size, V = m->vocab_size, d = h / a;
   double kv = (double)m->num_key_value_heads * d;
   double T = b * S;
   double n_up = m->family == MR_MODEL_LLAMA ? 2.0 : 1.0;
-  double g_att = mr_cost_gemm_time(c, dt, b * a / t, S, S, d) +
-                 mr_cost_gemm_time(c, dt, b * a / t, S, d, S);
+  /* CPU ranks (the host is the device) run attention's products in fp32
+   * kernels whatever the amp type: only their matmuls have bf16 kernels */
+  enum mr_amp_dtype dt_att = c->host_is_device ? MR_AMP_FP32 : dt;
+  double g_att = mr_cost_gemm_time(c, dt_att, b * a / t, S, S, d) +
+                 mr_cost_gemm_time(c, dt_att, b * a / t, S, d, S);
   double gemm = mr_cost_gemm_time(c, dt, 1, T, (h + 2 * kv) / t, h) + g_att +
                 mr_cost_gemm_time(c, dt, 1, T, h, h / t) +
                 mr_cost_gemm_time(c, dt, 1, T, n_up * f / t, h) +
