@@ -8,6 +8,7 @@
 
 #include <immintrin.h>
 
+#include "worker/backend/cpu/gemm_tile.h"
 #include "worker/backend/cpu/sgemm.h"
 
 #define MR 6
@@ -126,9 +127,6 @@ BF16 static void pack_a(bool ta, const float *A, int lda, int i, int mr, int k0,
   }
 }
 
-#define ACC_ROW(r)                                                             \
-  __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0, c##r##2 = c##r##0, \
-         c##r##3 = c##r##0
 #define DOT_ROW(r)                                                             \
   do {                                                                         \
     __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[(r) * rs]);               \
@@ -137,39 +135,13 @@ BF16 static void pack_a(bool ta, const float *A, int lda, int i, int mr, int k0,
     c##r##2 = _mm512_dpbf16_ps(c##r##2, x, b2);                                \
     c##r##3 = _mm512_dpbf16_ps(c##r##3, x, b3);                                \
   } while (0)
-#define STORE1(r, q)                                                           \
-  do {                                                                         \
-    float *p = c + (size_t)(r) * (size_t)ldc + 16 * (q);                       \
-    __m512 v = _mm512_mul_ps(va, c##r##q);                                     \
-    if (!first)                                                                \
-      v = _mm512_add_ps(_mm512_maskz_loadu_ps(m[q], p), v);                    \
-    else if (beta != 0.0f)                                                     \
-      v = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m[q], p), v);              \
-    if (bias)                                                                  \
-      v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m[q], bias + 16 * (q)));      \
-    _mm512_mask_storeu_ps(p, m[q], v);                                         \
-  } while (0)
-#define STORE_ROW(r)                                                           \
-  do {                                                                         \
-    if ((r) < mr) {                                                            \
-      STORE1(r, 0);                                                            \
-      STORE1(r, 1);                                                            \
-      STORE1(r, 2);                                                            \
-      STORE1(r, 3);                                                            \
-    }                                                                          \
-  } while (0)
 
 /* One 6 x 64 block of C from kcp pairs: C = alpha acc + beta C on the
  * first K block, else C += alpha acc; bias with the last. */
 BF16 static void kernel_6x64(int kcp, const uint32_t *ap, ptrdiff_t rs, ptrdiff_t ks,
                              const uint32_t *b, float *c, int ldc, int mr, const __mmask16 *m,
                              float alpha, float beta, int first, const float *bias) {
-  ACC_ROW(0);
-  ACC_ROW(1);
-  ACC_ROW(2);
-  ACC_ROW(3);
-  ACC_ROW(4);
-  ACC_ROW(5);
+  ACC_TILE();
   const uint32_t *a = ap;
   for (int kp = 0; kp < kcp; kp++, a += ks, b += NR) {
     __m512bh b0 = (__m512bh)_mm512_load_si512((const __m512i *)b),
@@ -183,13 +155,7 @@ BF16 static void kernel_6x64(int kcp, const uint32_t *ap, ptrdiff_t rs, ptrdiff_
     DOT_ROW(4);
     DOT_ROW(5);
   }
-  __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
-  STORE_ROW(0);
-  STORE_ROW(1);
-  STORE_ROW(2);
-  STORE_ROW(3);
-  STORE_ROW(4);
-  STORE_ROW(5);
+  STORE_TILE(alpha, beta);
 }
 
 BF16 void mr__bgemm_block(bool ta, int K, float alpha, const float *A, int lda, const uint32_t *bp,

@@ -9,6 +9,7 @@
 
 #include <immintrin.h>
 
+#include "worker/backend/cpu/gemm_tile.h"
 #include "common/tunable.h"
 #include "worker/backend/cpu/simd.h"
 
@@ -115,9 +116,6 @@ AVX512 void mr__sgemm_pack_b(bool tb, int K, int N, const float *B, int ldb,
  * outside the masks are computed but not stored.  first: this is the
  * first K block (C = alpha acc + beta C), else C += alpha acc; bias (only
  * with the last K block) is added on top. */
-#define ACC_ROW(r)                                                             \
-  __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = c##r##0, c##r##2 = c##r##0, \
-         c##r##3 = c##r##0
 #define FMA_ROW(r)                                                             \
   do {                                                                         \
     __m512 x = _mm512_set1_ps(a##r[ka]);                                       \
@@ -126,27 +124,6 @@ AVX512 void mr__sgemm_pack_b(bool tb, int K, int N, const float *B, int ldb,
     c##r##2 = _mm512_fmadd_ps(x, b2, c##r##2);                                 \
     c##r##3 = _mm512_fmadd_ps(x, b3, c##r##3);                                 \
   } while (0)
-#define STORE1(r, q)                                                           \
-  do {                                                                         \
-    float *p = c + (size_t)(r) * (size_t)ldc + 16 * (q);                       \
-    __m512 v = _mm512_mul_ps(va, c##r##q);                                     \
-    if (!first)                                                                \
-      v = _mm512_add_ps(_mm512_maskz_loadu_ps(m[q], p), v);                    \
-    else if (beta != 0.0f)                                                     \
-      v = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m[q], p), v);              \
-    if (bias)                                                                  \
-      v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m[q], bias + 16 * (q)));      \
-    _mm512_mask_storeu_ps(p, m[q], v);                                         \
-  } while (0)
-#define STORE_ROW(r)                                                           \
-  do {                                                                         \
-    if ((r) < mr) {                                                            \
-      STORE1(r, 0);                                                            \
-      STORE1(r, 1);                                                            \
-      STORE1(r, 2);                                                            \
-      STORE1(r, 3);                                                            \
-    }                                                                          \
-  } while (0)
 
 AVX512 static void kernel_6x64(int kc, const float *a0, const float *a1,
                                const float *a2, const float *a3,
@@ -154,12 +131,7 @@ AVX512 static void kernel_6x64(int kc, const float *a0, const float *a1,
                                const float *b, float *c, int ldc, int mr,
                                const __mmask16 *m, float alpha, float beta,
                                int first, const float *bias) {
-  ACC_ROW(0);
-  ACC_ROW(1);
-  ACC_ROW(2);
-  ACC_ROW(3);
-  ACC_ROW(4);
-  ACC_ROW(5);
+  ACC_TILE();
   /* C is read at the end (a later K block, or beta: a gradient added into
    * its accumulator): fetched while the products run */
   if (!first || beta != 0.0f)
@@ -177,13 +149,7 @@ AVX512 static void kernel_6x64(int kc, const float *a0, const float *a1,
     FMA_ROW(4);
     FMA_ROW(5);
   }
-  __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
-  STORE_ROW(0);
-  STORE_ROW(1);
-  STORE_ROW(2);
-  STORE_ROW(3);
-  STORE_ROW(4);
-  STORE_ROW(5);
+  STORE_TILE(alpha, beta);
 }
 
 /* The same for a panel with at most 32 valid columns (attention's head
