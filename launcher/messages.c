@@ -374,8 +374,7 @@ static void tb_step(struct coordinator *co, const Meshrun__Metrics *m, uint64_t 
   TB("train/grad_norm", m->grad_norm);
   TB("train/loss_scale", m->loss_scale);
   TB("train/restarts", (double)co->restart);
-  if (!isnan(m->val_loss))
-    TB("eval/val_loss", m->val_loss);
+  TB("eval/val_loss", m->val_loss); /* NaN: no evaluation this step */
   TB("perf/tokens_per_s", m->tokens_per_s);
   TB("perf/step_time_s", m->step_time_s);
   TB("perf/comm_wait_s", m->comm_wait_s);

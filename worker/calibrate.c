@@ -284,10 +284,11 @@ int mr_calibrate_spec(long ranks, const char *base, int quiet, char **text) {
     rc = gemm_rate(pool, false, 1024, 1024, 1024, &big);
   if (rc == 0)
     rc = gemm_rate(pool, false, 2048, 128, 128, &small);
-  if (rc == 0 && mr_cpu_has_bf16_gemm())
+  if (rc == 0 && mr_cpu_has_bf16_gemm()) {
     rc = gemm_rate(pool, true, 1024, 1024, 1024, &big_bf16);
-  if (rc == 0 && mr_cpu_has_bf16_gemm())
-    rc = gemm_rate(pool, true, 2048, 128, 128, &small_bf16);
+    if (rc == 0)
+      rc = gemm_rate(pool, true, 2048, 128, 128, &small_bf16);
+  }
   mr_pool_free(pool);
   if (rc < 0) {
     cJSON_Delete(spec);
@@ -342,9 +343,8 @@ int mr_calibrate_spec(long ranks, const char *base, int quiet, char **text) {
   /* one matmul efficiency for every type: bf16's peak is fp32's scaled
    * by the two kernels' measured rates */
   double ratio = big_bf16 > big && small_bf16 > 0 ? sqrt(big_bf16 / big * small_bf16 / small) : 1;
-  double peak_bf16 = ratio > 1 ? peak * ratio : peak;
   set_num(pf, "fp32", peak);
-  set_num(pf, "bf16", peak_bf16);
+  set_num(pf, "bf16", peak * (ratio > 1 ? ratio : 1));
   set_num(pf, "fp16", peak);
   if (ratio > 1)
     snprintf(src, sizeof src, "FMA loop, 12 chains of 16-wide (AVX-512) fused multiply-adds, "

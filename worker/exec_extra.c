@@ -95,16 +95,13 @@ static int k_matmul(void *ctx, const struct mr_graph *g, const struct mr_op *op,
   float *out = b[op->n_in];
   const struct mr_cpu_ctx *c = ctx;
   float beta = mr_op_accum(op, 0) ? 1.0f : 0.0f;
-  if (c->amp == MR_AMP_ROUND_BF16 && k > 0 && mr_cpu_has_bf16_gemm()) {
-    /* the hardware's: operands rounded as they are packed, no pass of
-     * their own */
-    MR_TRY(mr_cpu_gemm_bf16(POOL(ctx), ta, tb, m, n, k, 1.0f, src[0], COLS(g, ai), src[1],
-                            COLS(g, bi), beta, out, n));
-  } else {
+  /* bf16 on the hardware's kernel rounds the operands as it packs them:
+   * no pass of their own */
+  int hw = c->amp == MR_AMP_ROUND_BF16 && k > 0 && mr_cpu_has_bf16_gemm();
+  if (!hw)
     MR_TRY(round_inputs(ctx, g, op->in, src, 2));
-    MR_TRY(mr_cpu_gemm(POOL(ctx), ta, tb, m, n, k, 1.0f, src[0], COLS(g, ai), src[1],
-                       COLS(g, bi), beta, out, n));
-  }
+  MR_TRY((hw ? mr_cpu_gemm_bf16 : mr_cpu_gemm)(POOL(ctx), ta, tb, m, n, k, 1.0f, src[0],
+                                               COLS(g, ai), src[1], COLS(g, bi), beta, out, n));
   if (op->n_in > 2 && op->in[2] >= 0)
     MR_TRY(mr_cpu_bias_add(POOL(ctx), out, b[2], m, n));
   return 0;

@@ -175,12 +175,17 @@ static int gemm_tiled(struct mr_pool *pool, bool bf16, bool ta, bool tb, int M, 
   return 0;
 }
 
-static int gemm_bias(struct mr_pool *pool, bool ta, bool tb, int M, int N,
-                     int K, float alpha, const float *A, int lda,
-                     const float *B, int ldb, float beta, float *C, int ldc,
-                     const float *bias) {
-  if (M < 0 || N < 0 || K < 0)
-    return mr_error_set(MR_EINVAL, "gemm: negative size M=%d N=%d K=%d", M, N, K);
+/* Both matmuls: the sizes checked, then fp32 (AVX-512 tiles, else
+ * OpenBLAS by rows) or bf16 (bgemm.h tiles, K >= 1). */
+static int gemm_any(struct mr_pool *pool, bool bf16, bool ta, bool tb, int M, int N,
+                    int K, float alpha, const float *A, int lda,
+                    const float *B, int ldb, float beta, float *C, int ldc,
+                    const float *bias) {
+  if (bf16 && !mr__cpu_has_avx512_bf16())
+    return mr_error_set(MR_ENOTSUP, "gemm: the bf16 matmul needs AVX512_BF16");
+  if (M < 0 || N < 0 || K < (bf16 ? 1 : 0))
+    return mr_error_set(MR_EINVAL, "gemm: size M=%d N=%d K=%d: expected none negative%s", M,
+                        N, K, bf16 ? " and K >= 1" : "");
   if (ldc < N || lda < (ta ? M : K) || ldb < (tb ? K : N))
     if (M > 0 && N > 0)
       return mr_error_set(MR_EINVAL,
@@ -188,8 +193,8 @@ static int gemm_bias(struct mr_pool *pool, bool ta, bool tb, int M, int N,
                           "for M=%d N=%d K=%d)", lda, ldb, ldc, M, N, K);
   if (M == 0 || N == 0)
     return 0;
-  if (K > 0 && mr__cpu_has_avx512())
-    return gemm_tiled(pool, false, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C,
+  if (bf16 || (K > 0 && mr__cpu_has_avx512()))
+    return gemm_tiled(pool, bf16, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C,
                       ldc, bias);
   struct gemm_job j = {
       .ta = ta, .tb = tb, .M = M, .N = N, .K = K,
@@ -214,8 +219,7 @@ static int gemm_bias(struct mr_pool *pool, bool ta, bool tb, int M, int N,
 int mr_cpu_gemm(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K,
                 float alpha, const float *A, int lda, const float *B, int ldb,
                 float beta, float *C, int ldc) {
-  return gemm_bias(pool, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc,
-                   NULL);
+  return gemm_any(pool, false, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, NULL);
 }
 
 int mr_cpu_has_bf16_gemm(void) { return mr__cpu_has_avx512_bf16(); }
@@ -223,31 +227,23 @@ int mr_cpu_has_bf16_gemm(void) { return mr__cpu_has_avx512_bf16(); }
 int mr_cpu_gemm_bf16(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K,
                      float alpha, const float *A, int lda, const float *B, int ldb,
                      float beta, float *C, int ldc) {
-  if (!mr__cpu_has_avx512_bf16())
-    return mr_error_set(MR_ENOTSUP, "gemm: the bf16 matmul needs AVX512_BF16");
-  if (M < 0 || N < 0 || K < 1 || ldc < N || lda < (ta ? M : K) || ldb < (tb ? K : N))
-    return mr_error_set(MR_EINVAL, "gemm: M=%d N=%d K=%d with lda=%d ldb=%d ldc=%d", M, N, K,
-                        lda, ldb, ldc);
-  if (M == 0 || N == 0)
-    return 0;
-  return gemm_tiled(pool, true, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, NULL);
+  return gemm_any(pool, true, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, NULL);
 }
 
 int mr_cpu_linear_fwd(struct mr_pool *pool, float *y, const float *x,
                       const float *w, const float *b, int M, int N, int K) {
-  return gemm_bias(pool, false, true, M, N, K, 1.0f, x, K, w, K, 0.0f, y, N, b);
+  return gemm_any(pool, false, false, true, M, N, K, 1.0f, x, K, w, K, 0.0f, y, N, b);
 }
 
 int mr_cpu_linear_bwd_x(struct mr_pool *pool, float *dx, const float *dy,
                         const float *w, int M, int N, int K, bool accum) {
-  return gemm_bias(pool, false, false, M, K, N, 1.0f, dy, N, w, K,
-                   accum ? 1.0f : 0.0f, dx, K, NULL);
+  return gemm_any(pool, false, false, false, M, K, N, 1.0f, dy, N, w, K,
+                  accum ? 1.0f : 0.0f, dx, K, NULL);
 }
 
 int mr_cpu_linear_bwd_w(struct mr_pool *pool, float *dw, float *db,
                         const float *dy, const float *x, int M, int N, int K) {
-  MR_TRY(gemm_bias(pool, true, false, N, K, M, 1.0f, dy, N, x, K, 1.0f, dw, K,
-                   NULL));
+  MR_TRY(gemm_any(pool, false, true, false, N, K, M, 1.0f, dy, N, x, K, 1.0f, dw, K, NULL));
   if (db)
     MR_TRY(mr_cpu_bias_grad(pool, db, dy, M, N));
   return 0;
