@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/error.h"
@@ -64,5 +65,21 @@ int mr_file_write_text(const char *path, const char *text, int flags) {
   }
   if ((flags & MR_FILE_ATOMIC) && (flags & MR_FILE_DURABLE))
     return sync_folder(path);
+  return 0;
+}
+
+int mr_mkdir_p(const char *path) {
+  char tmp[4096];
+  snprintf(tmp, sizeof tmp, "%s", path);
+  for (char *p = tmp + 1; *p != '\0'; p++) {
+    if (*p != '/')
+      continue;
+    *p = '\0';
+    if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+      return mr_error_set(mr_from_errno(errno), "mkdir %s: %s", tmp, strerror(errno));
+    *p = '/';
+  }
+  if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+    return mr_error_set(mr_from_errno(errno), "mkdir %s: %s", tmp, strerror(errno));
   return 0;
 }

@@ -24,4 +24,7 @@ enum {
  * system's reason (a temporary is removed). */
 int mr_file_write_text(const char *path, const char *text, int flags);
 
+/* mkdir -p.  Returns 0 or an MR_E code with a message. */
+int mr_mkdir_p(const char *path);
+
 #endif

@@ -491,6 +491,7 @@ static cJSON *job_to_json(const struct mr_job *job, const cJSON *src) {
     cJSON_DeleteItemFromObjectCaseSensitive(ck, "dir");
     cJSON_AddStringToObject(ck, "dir", job->checkpoint.dir);
   }
+  cJSON_DeleteItemFromObjectCaseSensitive(out, "trace"); /* how it is watched, not what */
   if (job->cluster != NULL) {
     cJSON_DeleteItemFromObjectCaseSensitive(out, "cluster");
     cJSON_AddStringToObject(out, "cluster", job->cluster);
@@ -516,8 +517,8 @@ int mr_job_parse(const char *text, const char *name, const char *dir,
     mr_jv_error(&jv, "", NULL, "expected a JSON object with at least model and data");
     goto done;
   }
-  static const char *const keys[] = {"model", "data", "train", "strategy",
-                                     "shard_rules", "checkpoint", "cluster", NULL};
+  static const char *const keys[] = {"model", "data", "train", "strategy", "shard_rules",
+                                     "checkpoint", "cluster", "trace", NULL};
   mr_jv_only_keys(&jv, root, "", keys);
 
   const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
@@ -574,6 +575,19 @@ int mr_job_parse(const char *text, const char *name, const char *dir,
   const char *cluster = NULL;
   if (mr_jv_str(&jv, root, "", "cluster", &cluster) == 1)
     job->cluster = resolve(job->dir, cluster);
+  if (mr_jv_obj(&jv, root, "", "trace", &o) == 1) {
+    static const char *const tkeys[] = {"dir", "steps", NULL};
+    mr_jv_only_keys(&jv, o, "trace", tkeys);
+    const char *s = NULL;
+    if (mr_jv_str(&jv, o, "trace", "dir", &s) == 1)
+      job->trace.dir = resolve(job->dir, s);
+    else if (cJSON_GetObjectItemCaseSensitive(o, "dir") == NULL)
+      mr_jv_error(&jv, "trace", "dir", "missing (the folder the ranks' timelines go to)");
+    if (mr_jv_str(&jv, o, "trace", "steps", &s) == 1 &&
+        mr_job_steps_range(NULL, s, job->train.steps, &job->trace.first,
+                           &job->trace.last) < 0)
+      mr_jv_error(&jv, "trace", "steps", "%s", mr_error_message());
+  }
 
   if (jv.n_errors == 0 && job->model.family == MR_MODEL_GPT2 &&
       job->train.seq_len > job->model.max_position_embeddings)
@@ -640,6 +654,30 @@ void mr_job_close(struct mr_job *job) {
   free(job->strategy.dp_micro);
   free(job->checkpoint.dir);
   free(job->cluster);
+  free(job->trace.dir);
   free(job->text);
   memset(job, 0, sizeof *job);
+}
+
+int mr_job_steps_range(const char *what, const char *text, int64_t steps, int64_t *first,
+                       int64_t *last) {
+  const char *w = what != NULL ? what : "", *sep = what != NULL ? ": " : "";
+  long long a = 0, b = 0;
+  int used = 0;
+  if (sscanf(text, "%lld:%lld%n", &a, &b, &used) == 2 && text[used] == '\0') {
+    /* A:B */
+  } else if (sscanf(text, "%lld%n", &a, &used) == 1 && text[used] == '\0') {
+    b = a;
+  } else {
+    return mr_error_set(MR_EINVAL, "%s%sexpected FIRST:LAST (steps, e.g. 5:7), got \"%s\"",
+                        w, sep, text);
+  }
+  if (a < 1 || b < a)
+    return mr_error_set(MR_EINVAL, "%s%sexpected 1 <= FIRST <= LAST, got \"%s\"", w, sep,
+                        text);
+  if (b > steps)
+    return mr_error_set(MR_EINVAL, "%s%s\"%s\" is outside the run: it trains steps 1 to %lld",
+                        w, sep, text, (long long)steps);
+  *first = a, *last = b;
+  return 0;
 }

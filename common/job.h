@@ -79,6 +79,11 @@ struct mr_shard_rule {
   int n_placements;
 };
 
+struct mr_trace_config {        // not part of the computation: left out of text
+  char *dir;                    // NULL: no trace
+  int64_t first, last;          // 0: a few steps after each group's warm-up
+};
+
 struct mr_checkpoint_config {
   char *dir;                    // NULL: no checkpoints
   int64_t save_interval_steps;  // 0: only on demand
@@ -98,6 +103,7 @@ struct mr_job {
   int n_shard_rules;
   struct mr_checkpoint_config checkpoint;
   char *cluster;                // resolved path or NULL (measure this machine)
+  struct mr_trace_config trace;
   char *text;                   // the job, re-serialized with paths resolved
 };
 
@@ -110,6 +116,12 @@ int mr_job_load(const char *path, struct mr_job *job);
  * `dir` resolves relative paths. */
 int mr_job_parse(const char *text, const char *name, const char *dir,
                  struct mr_job *job);
+
+/* "A:B" (steps A to B, inclusive) or "A" (that step) of a run of `steps`
+ * into first and last.  Returns 0, or MR_EINVAL with a message naming
+ * what (e.g. "--trace-steps"; NULL: nothing) and the value. */
+int mr_job_steps_range(const char *what, const char *text, int64_t steps, int64_t *first,
+                       int64_t *last);
 
 /* Frees everything job owns.  A zeroed job is fine. */
 void mr_job_close(struct mr_job *job);

@@ -97,6 +97,12 @@ int mr_rpc_validate(const Meshrun__Envelope *env) {
                           env->control->world_size);
     return 0;
   case MESHRUN__ENVELOPE__MSG_PLAN:
+    if (env->plan->trace_dir != NULL && env->plan->trace_dir[0] != '\0' &&
+        (env->plan->trace_first < 1 || env->plan->trace_last < env->plan->trace_first))
+      return mr_error_set(MR_EPROTO, "plan traces steps %lld..%lld",
+                          (long long)env->plan->trace_first, (long long)env->plan->trace_last);
+    return 0;
+  case MESHRUN__ENVELOPE__MSG_CLOCK_PROBE:
   case MESHRUN__ENVELOPE__MSG_HEARTBEAT:
   case MESHRUN__ENVELOPE__MSG_METRICS:
   case MESHRUN__ENVELOPE__MSG_RENDEZVOUS_DONE:
@@ -130,6 +136,7 @@ const char *mr_rpc_name(const Meshrun__Envelope *env) {
   case MESHRUN__ENVELOPE__MSG_CONTROL: return "control";
   case MESHRUN__ENVELOPE__MSG_RENDEZVOUS: return "rendezvous";
   case MESHRUN__ENVELOPE__MSG_RENDEZVOUS_DONE: return "rendezvous_done";
+  case MESHRUN__ENVELOPE__MSG_CLOCK_PROBE: return "clock_probe";
   default: return "unknown";
   }
 }

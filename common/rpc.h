@@ -16,7 +16,7 @@
 #include "meshrun.pb-c.h"
 #include "common/frame.h"
 
-#define MR_PROTOCOL_VERSION 1u
+#define MR_PROTOCOL_VERSION 2u
 
 /* Packs env into a freshly allocated frame (header + payload).  The caller
  * frees *frame.  Returns 0, MR_ETOOBIG or MR_ENOMEM. */

@@ -81,6 +81,9 @@
   XX(PROFILE, "MESHRUN_PROFILE", "0",                                        \
      "1: each rank times its instructions (the device synchronized after "  \
      "each) and logs seconds per step by instruction and op kind")          \
+  XX(TRACE_MAX_MB, "MESHRUN_TRACE_MAX_MB", "256",                            \
+     "the events a rank's trace (meshrun launch --trace) keeps, MiB; "      \
+     "beyond it they are counted and left out")                             \
   XX(TEST_PLAN_DIGEST, "MESHRUN_TEST_PLAN_DIGEST", "-1",                     \
      "test hook: the launcher sends this rank a wrong program digest")      \
   XX(TEST_COMM_TRACE, "MESHRUN_TEST_COMM_TRACE", "",                        \

@@ -12,6 +12,7 @@
 
 #include "common/ckpt.h"
 #include "common/error.h"
+#include "common/file.h"
 #include "common/job.h"
 #include "common/jsonv.h"
 #include "common/tunable.h"
@@ -106,22 +107,6 @@ int mr_cli_cache_dir(char *buf, size_t len) {
   else
     return mr_error_set(MR_ENOENT, "the cache folder: neither XDG_CACHE_HOME nor HOME is set");
   return mr_mkdir_p(buf);
-}
-
-int mr_mkdir_p(const char *path) {
-  char tmp[4096];
-  snprintf(tmp, sizeof tmp, "%s", path);
-  for (char *p = tmp + 1; *p != '\0'; p++) {
-    if (*p != '/')
-      continue;
-    *p = '\0';
-    if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
-      return mr_error_set(mr_from_errno(errno), "mkdir %s: %s", tmp, strerror(errno));
-    *p = '/';
-  }
-  if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
-    return mr_error_set(mr_from_errno(errno), "mkdir %s: %s", tmp, strerror(errno));
-  return 0;
 }
 
 void mr_cli_job_defaults(struct mr_job *job) {

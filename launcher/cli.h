@@ -61,9 +61,6 @@ void mr_cli_job_defaults(struct mr_job *job);
  * instead for this machine, measured: calibrate.h.) */
 const char *mr_default_cluster(void);
 
-/* mkdir -p.  Returns 0 or an MR_E code with a message. */
-int mr_mkdir_p(const char *path);
-
 /* meshrun's cache folder, $XDG_CACHE_HOME/meshrun or ~/.cache/meshrun,
  * made if missing; written into buf.  Returns 0, MR_ENOENT when neither
  * variable is set, or mkdir's error. */

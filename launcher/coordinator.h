@@ -61,6 +61,10 @@ struct mr_launch_opts {
                                 //   FLOP/s (MFU = this / (step time x ranks))
                                 // (0: none); the closing summary sets the
                                 // measured one beside it
+  const char *trace_dir;        // every rank's timeline into this folder,
+                                // merged into trace.json at the end; NULL none
+  int64_t trace_first, trace_last; // the steps traced; 0: a few after each
+                                   // group's first (launcher/trace_merge.h)
 };
 
 /* Splits a --bind value "HOST:PORT" (an IPv4 or IPv6 address, "[::1]"

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/file.h"
 #include "common/job.h"
 #include "common/log.h"
 #include "common/tokens.h"
@@ -21,6 +22,7 @@
 #include "launcher/strategy_choice.h"
 #include "common/discovery.h"
 #include "launcher/measure.h"
+#include "launcher/trace_merge.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -44,6 +46,9 @@ static void usage(FILE *f) {
           "                         then restart (default 300; 0 turns it off)\n"
           "  --bind HOST:PORT       TCP address for remote workers (default 127.0.0.1:0;\n"
           "                         0.0.0.0 and --master's port across nodes)\n"
+          "  --trace DIR            a timeline of every rank (Chrome / Perfetto JSON):\n"
+          "                         DIR/rank-N.json, merged into DIR/trace.json at the end\n"
+          "  --trace-steps A:B      the steps traced (default: 3 after each group's warm-up)\n"
           "  --selfcheck            run the built-in end-to-end check instead of the job\n"
           "\n"
           "Across nodes (the same command on each; node 0 plans and coordinates):\n"
@@ -126,6 +131,9 @@ struct launch_args {
   double hb, hang, join_timeout;
   const char *log_dir, *metrics, *bind, *master, *token_file;
   const char *devices_spec, *device, *job_path;
+  const char *trace_dir, *trace_steps;
+  int64_t trace_first, trace_last; // 0: the default
+  char trace_buf[4096];
   int selfcheck, nnodes_given, rank_given;
   struct mr_slurm_step slurm;   // the Slurm step around us, if any
   char master_host[256];        // --master split
@@ -152,6 +160,8 @@ static int parse_flags(int argc, char **argv, struct launch_args *a) {
       {"master", required_argument, NULL, 'M'},
       {"token-file", required_argument, NULL, 'T'},
       {"join-timeout", required_argument, NULL, 'J'},
+      {"trace", required_argument, NULL, 'P'},
+      {"trace-steps", required_argument, NULL, 'Q'},
       {"help", no_argument, NULL, '?'},
       {NULL, 0, NULL, 0}};
   optind = 1;
@@ -225,6 +235,12 @@ static int parse_flags(int argc, char **argv, struct launch_args *a) {
     case 'J':
       if (mr_cli_num("launch", "--join-timeout", optarg, 0.1, 1e7, &a->join_timeout) < 0)
         return 2;
+      break;
+    case 'P':
+      a->trace_dir = optarg;
+      break;
+    case 'Q':
+      a->trace_steps = optarg;
       break;
     default:
       if (optopt == 0 && strcmp(argv[optind - 1], "--help") == 0) {
@@ -525,6 +541,41 @@ static int run_agent(const struct launch_args *a, const char *worker) {
   return mr_agent_run(&ao);
 }
 
+/* The trace the flags (else the job's trace section) ask for, into a; -1
+ * to go on, else the exit code.  A folder that cannot be made is said
+ * once, and the job runs without a trace. */
+static int trace_args(struct launch_args *a, const struct mr_job *job) {
+  if (a->trace_steps != NULL && a->trace_dir == NULL && job->trace.dir == NULL) {
+    fprintf(stderr, "meshrun launch: --trace-steps %s: expected --trace DIR too (or the job's "
+            "trace.dir)\n", a->trace_steps);
+    return 2;
+  }
+  if (a->trace_steps != NULL && job->text != NULL &&
+      mr_job_steps_range("--trace-steps", a->trace_steps, job->train.steps, &a->trace_first,
+                         &a->trace_last) < 0) {
+    fprintf(stderr, "meshrun launch: %s\n", mr_error_message());
+    return 2;
+  }
+  if (a->trace_steps == NULL)
+    a->trace_first = job->trace.first, a->trace_last = job->trace.last;
+  const char *dir = a->trace_dir != NULL ? a->trace_dir : job->trace.dir;
+  a->trace_dir = NULL;
+  if (dir == NULL || a->selfcheck || job->text == NULL)
+    return -1;
+  const char *why = NULL;
+  if (mr_mkdir_p(dir) < 0)
+    why = mr_error_message();
+  else if (access(dir, W_OK) != 0 || realpath(dir, a->trace_buf) == NULL)
+    why = strerror(errno);
+  if (why != NULL) {
+    fprintf(stderr, "meshrun launch: warning: --trace %s: %s; the job runs without a trace\n",
+            dir, why);
+    return -1;
+  }
+  a->trace_dir = a->trace_buf;
+  return -1;
+}
+
 /* Node 0: the coordinator, with the plan made for world ranks. */
 static int run_coordinator(const struct launch_args *a, const char *worker, struct mr_job *job,
                            const struct mr_devices *devices,
@@ -552,8 +603,21 @@ static int run_coordinator(const struct launch_args *a, const char *worker, stru
       .predicted_step_s = planned ? choice->chosen.cost.step_time_s : 0,
       .peak_device_s =
           planned ? choice->chosen.cost.mfu * choice->chosen.cost.step_time_s * (double)world : 0,
+      .trace_dir = a->trace_dir,
+      .trace_first = a->trace_first,
+      .trace_last = a->trace_last,
   };
+  if (a->trace_dir != NULL)
+    mr_trace_clear(a->trace_dir);
   int code = mr_coordinator_run(&opts);
+  if (a->trace_dir != NULL) {
+    int n = mr_trace_merge(a->trace_dir);
+    if (n < 0)
+      fprintf(stderr, "meshrun launch: warning: the merged trace: %s\n", mr_error_message());
+    else if (n > 0)
+      printf("meshrun: trace of %d rank%s: %s/trace.json (chrome://tracing or "
+             "ui.perfetto.dev)\n", n, n == 1 ? "" : "s", a->trace_dir);
+  }
   /* the job's own token file (Slurm's default) goes with the job: every
    * node read it when it joined */
   if (a->token_file != NULL && a->token_file == a->slurm.token_file)
@@ -579,6 +643,10 @@ int mr_cmd_launch(int argc, char **argv) {
   }
   if (a.job_path != NULL)
     mr_cli_job_defaults(&job);
+  if ((code = trace_args(&a, &job)) >= 0) {
+    mr_job_close(&job);
+    return code;
+  }
   /* node 0 finds a finished job so before any node joins, and exits */
   if (a.node_rank > 0 && a.job_path != NULL && mr_cli_job_complete(&job)) {
     mr_job_close(&job);

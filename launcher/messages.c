@@ -21,6 +21,7 @@
 #include "common/tunable.h"
 #include "launcher/coordinator_internal.h"
 #include "launcher/tb_events.h"
+#include "launcher/trace_merge.h"
 
 /* Welcome for rank (a node's launcher: 0, mesh NULL; START gives it its
  * ranks). */
@@ -74,6 +75,14 @@ static void send_welcome_and_plan(struct coordinator *co, struct mr_conn *c,
   }
   plan.steps = o->selfcheck ? mr_tunable_int(MR_TUNABLE_SELFCHECK_STEPS)
                             : (o->job != NULL ? o->job->train.steps : 0);
+  int64_t first, last;
+  if (o->trace_dir != NULL && !o->selfcheck &&
+      mr_trace_steps_for(o->trace_first, o->trace_last, co->resume_step, plan.steps, &first,
+                         &last)) {
+    plan.trace_dir = (char *)o->trace_dir;
+    plan.trace_first = first;
+    plan.trace_last = last;
+  }
   Meshrun__Envelope penv = MESHRUN__ENVELOPE__INIT;
   penv.msg_case = MESHRUN__ENVELOPE__MSG_PLAN;
   penv.plan = &plan;
@@ -504,6 +513,16 @@ static void on_message(void *ctx, struct mr_conn *c, const Meshrun__Envelope *en
   case MESHRUN__ENVELOPE__MSG_RENDEZVOUS:
     on_rendezvous(co, c, env->rendezvous);
     break;
+  case MESHRUN__ENVELOPE__MSG_CLOCK_PROBE: { /* answered at once: the round trip is its bound */
+    Meshrun__ClockProbe echo = MESHRUN__CLOCK_PROBE__INIT;
+    echo.worker_ns = env->clock_probe->worker_ns;
+    echo.coordinator_ns = (uint64_t)mr_clock_ns();
+    Meshrun__Envelope out = MESHRUN__ENVELOPE__INIT;
+    out.msg_case = MESHRUN__ENVELOPE__MSG_CLOCK_PROBE;
+    out.clock_probe = &echo;
+    mr_conn_send(c, &out);
+    break;
+  }
   default: {
     char why[96];
     snprintf(why, sizeof why, "unexpected %s from a worker", mr_rpc_name(env));

@@ -1,5 +1,6 @@
 /* checkpoint.c - saving and loading a rank's checkpoint pieces. */
 #include "worker/checkpoint.h"
+#include "worker/trace.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -95,7 +96,13 @@ struct mr_ckpt_saver {
   char *index;                   // rank 0: index.json text
   struct copy_piece *copies;     // the snapshot's copy, cut in pieces
   int n_copies, cap_copies;
+  struct mr_trace *trace;        // the writes on the timeline; NULL: none
+  int trace_held;                // this write is on it (mr_trace_hold)
 };
+
+void mr_ckpt_saver_set_trace(struct mr_ckpt_saver *s, struct mr_trace *trace) {
+  s->trace = trace;
+}
 
 int mr_ckpt_saver_new(int rank, int world_size, const struct mr_job *job,
                       struct mr_ckpt_saver **out) {
@@ -172,6 +179,8 @@ static char *index_text(const struct mr_ckpt_saver *s, const struct mr_lowered *
 /* The writer thread: the rank's file, fsync, checksums, then the report. */
 static void *write_main(void *arg) {
   struct mr_ckpt_saver *s = arg;
+  int64_t t0 = mr_trace_now();
+  size_t bytes = 0;
   char dir[4096];
   mr_ckpt_step_dir(s->job->checkpoint.dir, s->step, dir, sizeof dir);
   int rc = mkdir_one(s->job->checkpoint.dir);
@@ -196,6 +205,7 @@ static void *write_main(void *arg) {
     for (int i = 0; rc == 0 && i < s->n; i++) {
       const struct snapshot_piece *p = &s->pieces[i];
       rc = mr_st_writer_add(w, p->name, MR_F32, 1, &p->count, p->data);
+      bytes += (size_t)p->count * sizeof(float);
       char *pj = rc == 0 ? mr_ckpt_piece_json(p->ndim, p->off, p->len, p->begin, p->count)
                          : NULL;
       if (rc == 0 && pj == NULL)
@@ -237,6 +247,13 @@ static void *write_main(void *arg) {
     snprintf(s->error, sizeof s->error, "%s", mr_error_message());
   } else if (s->reporter.checkpoint_written != NULL) {
     s->reporter.checkpoint_written(s->reporter.ctx, s->step, names, sha_ptrs, nfiles);
+  }
+  if (s->trace_held) {
+    char args[96];
+    snprintf(args, sizeof args, "\"bytes\": %zu%s", bytes, rc < 0 ? ", \"failed\": true" : "");
+    mr_trace_slice(s->trace, MR_TRACE_CHECKPOINT, "checkpoint", "checkpoint write", t0,
+                   mr_trace_now(), args);
+    mr_trace_release(s->trace);
   }
   s->result = rc;
   atomic_store(&s->written, 1);
@@ -367,8 +384,12 @@ int mr_ckpt_save(struct mr_ckpt_saver *s, struct mr_runtime *rt, int64_t step,
   if (s->rank == 0 && (s->index = index_text(s, mr_runtime_lowered(rt))) == NULL)
     return MR_ENOMEM;
   atomic_store(&s->written, 0);
-  if (pthread_create(&s->thread, NULL, write_main, s) != 0)
+  s->trace_held = mr_trace_hold(s->trace);
+  if (pthread_create(&s->thread, NULL, write_main, s) != 0) {
+    if (s->trace_held)
+      mr_trace_release(s->trace);
     return mr_error_set(MR_ESYS, "cannot start the checkpoint writer");
+  }
   s->in_flight = 1;
   return 0;
 }

@@ -39,6 +39,10 @@ struct mr_ckpt_saver;
 int mr_ckpt_saver_new(int rank, int world_size, const struct mr_job *job,
                       struct mr_ckpt_saver **out);
 
+/* Puts the writer's files on trace's timeline (borrowed; NULL: none). */
+struct mr_trace;
+void mr_ckpt_saver_set_trace(struct mr_ckpt_saver *s, struct mr_trace *trace);
+
 /* Snapshots rt's state after step `step` and starts writing it under
  * job->checkpoint.dir; waits first for a save still in flight.  When the
  * files are durable, reporter->checkpoint_written is called (from the

@@ -17,6 +17,7 @@
 #include "common/log.h"
 #include "common/rpc.h"
 #include "common/tunable.h"
+#include "worker/trace.h"
 
 struct mr_rdv_result {
   Meshrun__Envelope *env;      // a RendezvousDone, owned
@@ -40,6 +41,12 @@ int mr_client_send(struct mr_client *c, const Meshrun__Envelope *env) {
   return rc;
 }
 
+static const char *case_name(Meshrun__Envelope__MsgCase m) {
+  Meshrun__Envelope e = MESHRUN__ENVELOPE__INIT;
+  e.msg_case = m;
+  return mr_rpc_name(&e);
+}
+
 static int expect(struct mr_client *c, Meshrun__Envelope__MsgCase want,
                   Meshrun__Envelope **out) {
   int timeout = (int)mr_tunable_int(MR_TUNABLE_CONNECT_TIMEOUT_MS);
@@ -56,8 +63,7 @@ static int expect(struct mr_client *c, Meshrun__Envelope__MsgCase want,
       continue;
     }
     int rc = mr_error_set(MR_EPROTO, "expected %s from the coordinator, got %s",
-                          want == MESHRUN__ENVELOPE__MSG_WELCOME ? "welcome" : "plan",
-                          mr_rpc_name(env));
+                          case_name(want), mr_rpc_name(env));
     mr_rpc_free(env);
     return rc;
   }
@@ -126,6 +132,31 @@ int mr_client_connect(struct mr_client *c, const char *address,
   mr_rpc_free(w);
   MR_TRY(expect(c, MESHRUN__ENVELOPE__MSG_PLAN, &c->plan_env));
   c->plan = c->plan_env->plan;
+  return 0;
+}
+
+#define CLOCK_PROBES 8
+
+int mr_client_clock_offset(struct mr_client *c, int64_t *offset_ns, uint64_t *error_ns) {
+  struct mr_clock_sample smp[CLOCK_PROBES];
+  for (int i = 0; i < CLOCK_PROBES; i++) {
+    Meshrun__ClockProbe probe = MESHRUN__CLOCK_PROBE__INIT;
+    smp[i].t0 = mr_clock_ns();
+    probe.worker_ns = (uint64_t)smp[i].t0;
+    Meshrun__Envelope env = MESHRUN__ENVELOPE__INIT;
+    env.msg_case = MESHRUN__ENVELOPE__MSG_CLOCK_PROBE;
+    env.clock_probe = &probe;
+    MR_TRY(mr_client_send(c, &env));
+    Meshrun__Envelope *got;
+    MR_TRY(expect(c, MESHRUN__ENVELOPE__MSG_CLOCK_PROBE, &got));
+    smp[i].t1 = mr_clock_ns();
+    smp[i].peer = (int64_t)got->clock_probe->coordinator_ns;
+    if (got->clock_probe->worker_ns != probe.worker_ns) /* not this probe's answer */
+      smp[i].t1 = smp[i].t0 - 1;
+    mr_rpc_free(got);
+  }
+  if (mr_clock_offset(smp, CLOCK_PROBES, offset_ns, error_ns) < 0)
+    return mr_error_set(MR_EPROTO, "the coordinator's clock answers did not match the probes");
   return 0;
 }
 

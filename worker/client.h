@@ -55,6 +55,11 @@ struct mr_client {
   Meshrun__Envelope *plan_env;
 };
 
+/* The coordinator's monotonic clock minus this process's, from a few
+ * round trips (the shortest one's midpoint), and its bound: half that
+ * round trip.  Call between connect and start. */
+int mr_client_clock_offset(struct mr_client *c, int64_t *offset_ns, uint64_t *error_ns);
+
 /* Connects to address ("unix:PATH" / "tcp:HOST:PORT"), authenticates with
  * token and registers as requested_rank (-1: any).  On success c holds the
  * rank and the plan.  Returns 0, MR_EAUTH, MR_ECLOSED, or another error. */

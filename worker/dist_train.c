@@ -11,6 +11,7 @@
 #include "compiler/spmd/lower.h"
 #include "worker/checkpoint.h"
 #include "worker/runtime.h"
+#include "worker/trace.h"
 #include "worker/train.h"
 
 int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
@@ -32,9 +33,12 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
     goto out;
   }
   mr_runtime_set_reporter(rt, env->reporter);
+  mr_runtime_set_trace(rt, env->trace);
   MR_TRY_GOTO(rc, mr_train_open_metrics(env, &mf), out);
   if (job->checkpoint.dir != NULL)
     MR_TRY_GOTO(rc, mr_ckpt_saver_new(env->rank, env->world_size, job, &saver), out);
+  if (saver != NULL)
+    mr_ckpt_saver_set_trace(saver, env->trace);
   int64_t first = 1;
   if (env->resume_dir != NULL) {
     int64_t done_step;
@@ -70,6 +74,7 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
     if (env->reporter->stop_requested && env->reporter->stop_requested(env->reporter->ctx))
       break;
     struct mr_step_report r;
+    mr_trace_step_begin(env->trace, s);
     MR_TRY_GOTO(rc, mr_runtime_step(rt, s, &r), out);
     int64_t ev = job->train.eval_interval_steps;
     if (ev > 0 && (s % ev == 0 || s == job->train.steps))
@@ -84,10 +89,15 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
       MR_TRY_GOTO(rc, mr_runtime_agree(rt, asked, &asked), out);
     /* the last step too: the job relaunched is complete, not trained again
      * from the interval's last save */
-    if (saver != NULL && ((every > 0 && s % every == 0) || asked || s == job->train.steps))
+    if (saver != NULL && ((every > 0 && s % every == 0) || asked || s == job->train.steps)) {
+      int64_t t0 = mr_trace_now();
       MR_TRY_GOTO(rc, mr_ckpt_save(saver, rt, s, env->reporter), out);
-    else
+      mr_trace_slice(env->trace, MR_TRACE_COMPUTE, "checkpoint", "checkpoint snapshot", t0,
+                     mr_trace_now(), "");
+    } else {
       MR_TRY_GOTO(rc, mr_ckpt_saver_poll(saver), out);
+    }
+    mr_trace_step_end(env->trace, s);
   }
   if (saver != NULL)
     MR_TRY_GOTO(rc, mr_ckpt_saver_wait(saver), out);

@@ -25,6 +25,7 @@
 #include "worker/exec_extra.h"
 #include "worker/backend/backend.h"
 #include "worker/selfcheck.h"
+#include "worker/trace.h"
 
 static struct mr_client client;
 
@@ -81,6 +82,33 @@ static int read_token(uint8_t token[MR_TOKEN_BYTES]) {
 static const char *comm_blocked(void *ctx, char *buf, size_t len) {
   struct mr_comm *comm = ctx;
   return comm->ops->blocked(comm, buf, len);
+}
+
+/* The coordinator's clock against ours, when the plan asks for a trace. */
+static struct {
+  int64_t offset_ns;
+  uint64_t error_ns;
+} trace_clock;
+
+/* The plan's trace of chosen steps, on the coordinator's clock; NULL when
+ * none is asked for (or none can be made: training goes on). */
+static struct mr_trace *plan_trace(const struct mr_client *c, const Meshrun__Plan *plan) {
+  if (plan->trace_dir == NULL || plan->trace_dir[0] == '\0')
+    return NULL;
+  char host[256] = "";
+  gethostname(host, sizeof host - 1);
+  struct mr_trace_opts o = {
+      .dir = plan->trace_dir,
+      .rank = c->rank,
+      .world_size = c->world_size,
+      .first = plan->trace_first,
+      .last = plan->trace_last,
+      .clock_offset_ns = trace_clock.offset_ns,
+      .clock_error_ns = trace_clock.error_ns,
+      .host = host,
+      .max_mb = (int)mr_tunable_int(MR_TUNABLE_TRACE_MAX_MB),
+  };
+  return mr_trace_new(&o);
 }
 
 /* A training plan: the job travels in the plan as its canonical text, with
@@ -148,8 +176,10 @@ static int run_training(struct mr_client *c) {
       .resume_dir = plan->resume_dir != NULL && plan->resume_dir[0] != '\0' ? plan->resume_dir
                                                                              : NULL,
       .program_digest = plan->program_digest,
+      .trace = plan_trace(c, plan),
   };
   rc = mr_dist_train_run(&job, &env, be, comm);
+  mr_trace_free(env.trace);
   mr_client_set_blocked_probe(c, NULL, NULL);
   if (comm != NULL)
     comm->ops->close(comm);
@@ -173,6 +203,11 @@ static int run(void) {
                              env_int("MESHRUN_RESTART", 0));
   memset(token, 0, sizeof token);
   MR_TRY(rc);
+  const char *tdir = client.plan->trace_dir;
+  if (tdir != NULL && tdir[0] != '\0' &&
+      mr_client_clock_offset(&client, &trace_clock.offset_ns, &trace_clock.error_ns) < 0)
+    MR_WARN("trace", "rank %d: %s; the trace is on this rank's own clock", client.rank,
+            mr_error_message());
   if (getenv("MESHRUN_LAUNCHER_PID") == NULL) {
     char prefix[32];
     snprintf(prefix, sizeof prefix, "rank %d", client.rank);

@@ -59,6 +59,8 @@ struct mr_reporter {
   void (*checkpoint_wait)(void *ctx, int waiting);
 };
 
+struct mr_trace;
+
 /* Where a job runs: given to the job by the worker runtime. */
 struct mr_run_env {
   int rank;
@@ -72,6 +74,7 @@ struct mr_run_env {
   const char *resume_dir;       // checkpoint folder to start from; NULL: none
   uint64_t program_digest;      // the launcher's digest of this rank's
                                 // program; 0: not checked
+  struct mr_trace *trace;       // the timeline of chosen steps; NULL: none
 };
 
 #endif

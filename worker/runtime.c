@@ -12,6 +12,7 @@
 #include "common/tunable.h"
 #include "worker/backend/cpu/pool.h"
 #include "worker/runtime_internal.h"
+#include "worker/trace.h"
 
 /* ---- memory ---- */
 
@@ -290,6 +291,8 @@ void mr_runtime_set_reporter(struct mr_runtime *rt, const struct mr_reporter *re
   rt->rep = rep;
 }
 
+void mr_runtime_set_trace(struct mr_runtime *rt, struct mr_trace *trace) { rt->trace = trace; }
+
 const struct mr_rank_program *mr_runtime_program(const struct mr_runtime *rt) { return &rt->p; }
 
 struct mr_loss_scaler *mr_runtime_scaler(struct mr_runtime *rt) { return &rt->scaler; }
@@ -350,6 +353,55 @@ static int profile(struct mr_runtime *rt, const struct mr_ins *in, double t0) {
   return 0;
 }
 
+/* The trace's slice of instruction in, run since t0 (the device done with
+ * what it queued, so the slice is the work's). */
+static int trace_ins(struct mr_runtime *rt, const struct mr_ins *in, int64_t t0) {
+  MR_TRY(rt->be->ops->synchronize(rt->be, NULL));
+  const struct mr_graph *g = &rt->L->model.graph;
+  const char *cat = "runtime", *name = mr_ins_kind_name(in->kind);
+  char buf[96], args[160] = "";
+  if (in->pass >= 0)
+    snprintf(args, sizeof args, "\"micro\": %d", in->micro);
+  size_t n = strlen(args);
+  const char *sep = n ? ", " : "";
+  switch (in->kind) {
+  case MR_INS_KERNEL: {
+    const struct mr_op *op = &g->ops[in->op];
+    cat = op->backward ? "backward" : "forward";
+    name = mr_op_def(op->kind)->name;
+    if (op->n_out > 0 && op->out[0] >= 0 && op->out[0] < g->n_tensors)
+      snprintf(args + n, sizeof args - n, "%s\"op\": %d, \"out\": \"%s\"", sep, in->op,
+               g->tensors[op->out[0]].name);
+    break;
+  }
+  case MR_INS_RECV: /* waiting for the stage before: the pipeline's bubble */
+    cat = "bubble";
+    snprintf(buf, sizeof buf, "recv from rank %d", in->peer);
+    name = buf;
+    break;
+  case MR_INS_SEND:
+    cat = "pipeline";
+    snprintf(buf, sizeof buf, "send to rank %d", in->peer);
+    name = buf;
+    break;
+  case MR_INS_GATHER:
+  case MR_INS_RESHARD:
+  case MR_INS_GRAD:
+  case MR_INS_GRAD_WAIT:
+  case MR_INS_SYNC_WAIT:
+  case MR_INS_PARAM_SYNC:
+    cat = "comm";
+    break;
+  case MR_INS_OPTIMIZER:
+    cat = "optimizer";
+    break;
+  default:
+    break;
+  }
+  mr_trace_slice(rt->trace, MR_TRACE_COMPUTE, cat, name, t0, mr_trace_now(), args);
+  return 0;
+}
+
 /* The largest v[k] > 0 not yet taken (marking it), or -1. */
 static int next_largest(const double *v, char *taken, int n) {
   int best = -1;
@@ -402,10 +454,12 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
   rt->loss_sum = 0;
   rt->loss_n = 0;
   int rc = 0, passes_done = 0;
+  int tracing = mr_trace_recording(rt->trace);
   double passes_t0 = mr_clock_s();
   for (int i = 0; i < p->n_step && rc == 0; i++) {
     const struct mr_ins *in = &p->step[i];
     double ti = rt->prof_op != NULL ? mr_clock_s() : 0;
+    int64_t tt = tracing ? mr_trace_now() : 0;
     if (in->kind == MR_INS_SYNC_WAIT && !passes_done) { /* the schedule's passes are done */
       passes_done = 1;
       r->micro_work_s = fmax(0.0, mr_clock_s() - passes_t0 - rt->comm_wait_s);
@@ -427,6 +481,8 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
     }
     if (rc == 0 && rt->prof_op != NULL)
       rc = profile(rt, in, ti);
+    if (rc == 0 && tracing)
+      rc = trace_ins(rt, in, tt);
     if (rc == 0)
       mr__rt_done(rt, i);
   }
@@ -449,6 +505,7 @@ int mr_runtime_eval(struct mr_runtime *rt, double *loss) {
   int64_t nb = rt->job->train.eval_batches > 0 ? rt->job->train.eval_batches : 1;
   double sum = 0;
   int rc = 0;
+  int64_t t0 = mr_trace_now();
   for (int64_t b = 0; b < nb && rc == 0; b++) {
     rt->loss_sum = 0;
     rt->loss_n = 0;
@@ -472,6 +529,12 @@ int mr_runtime_eval(struct mr_runtime *rt, double *loss) {
     sum += l;
   }
   *loss = sum / (double)nb;
+  if (rc == 0 && mr_trace_recording(rt->trace)) {
+    rc = rt->be->ops->synchronize(rt->be, NULL);
+    char args[48];
+    snprintf(args, sizeof args, "\"batches\": %lld", (long long)nb);
+    mr_trace_slice(rt->trace, MR_TRACE_COMPUTE, "eval", "eval", t0, mr_trace_now(), args);
+  }
   return rc;
 }
 

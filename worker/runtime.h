@@ -46,6 +46,11 @@ int mr_runtime_profile(const struct mr_runtime *rt, char *buf, size_t n);
 /* Optional: where to report the instruction being waited on. */
 void mr_runtime_set_reporter(struct mr_runtime *rt, const struct mr_reporter *rep);
 
+/* Records every instruction of the steps trace chooses (borrowed; NULL:
+ * none, the default). */
+struct mr_trace;
+void mr_runtime_set_trace(struct mr_runtime *rt, struct mr_trace *trace);
+
 /* Runs optimizer step `step` (1-based); fills r (loss: the step's mean
  * over every micro-batch, on every rank).  Returns 0 or an error. */
 int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *r);

@@ -58,6 +58,7 @@ struct mr_runtime {
   int overlap;                  // MESHRUN_GRAD_SYNC_OVERLAP
   double comm_wait_s;           // this step
   const struct mr_reporter *rep;
+  struct mr_trace *trace;       // NULL: no timeline
   int64_t cur_step;
   struct mr_rt_param *views;
   double *prof_op;              // MESHRUN_PROFILE: s per op kind, else NULL

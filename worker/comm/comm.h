@@ -24,6 +24,7 @@
 
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "common/dtype.h"
 #include "worker/comm/bootstrap.h"
@@ -41,6 +42,8 @@ struct mr_comm {
 };
 struct mr_comm_group {
   struct mr_comm *comm;
+  const char *label;  // "model{0,1,2,3}": its name and global ranks
+  uint64_t issued;    // operations started on it (the dispatchers count)
 };
 struct mr_comm_req {
   struct mr_comm *comm;
@@ -121,54 +124,106 @@ struct mr_comm_ops {
  * otherwise (MESHRUN_COMM_TRANSPORT=tcp forces TCP). */
 const struct mr_comm_ops *mr_comm_cpu_ops(void);
 
+/* What a timeline of the process is told about its operations (the
+ * worker's trace): start when one was issued, with the bytes of the whole
+ * operation (for a reduce-scatter or an all-gather, the n blocks), the
+ * group rank of the peer (-1 for a collective) and its number on the group
+ * (equal on every member); end when its wait returned.  r identifies the
+ * operation from start to end only. */
+struct mr_comm_tracer {
+  void *ctx;
+  void (*start)(void *ctx, const struct mr_comm_group *g, const char *op, size_t bytes,
+                int peer, uint64_t seq, const struct mr_comm_req *r);
+  void (*end)(void *ctx, const struct mr_comm_req *r, int rc);
+};
+
+/* Installs the process's tracer (NULL: none, the default); the caller keeps
+ * it alive and sets it while no operation is in flight. */
+void mr_comm_set_tracer(const struct mr_comm_tracer *t);
+
+extern const struct mr_comm_tracer *mr__comm_tracer;
+
+static inline int mr__comm_started(struct mr_comm_group *g, int rc, const char *op,
+                                   size_t count, enum mr_dtype dt, int peer,
+                                   struct mr_comm_req **req) {
+  if (rc != 0)
+    return rc;
+  uint64_t seq = g->issued++;
+  const struct mr_comm_tracer *t = mr__comm_tracer;
+  if (t != NULL)
+    t->start(t->ctx, g, op, count * mr_dtype_size(dt), peer, seq, *req);
+  return 0;
+}
+
+static inline size_t mr__comm_n(struct mr_comm_group *g) {
+  return (size_t)g->comm->ops->group_size(g);
+}
+
 /* Dispatchers, so callers write mr_comm_all_reduce(g, ...). */
 static inline int mr_comm_all_reduce(struct mr_comm_group *g, const void *s,
                                      void *r, size_t n, enum mr_dtype dt,
                                      enum mr_red_op op,
                                      struct mr_comm_req **req) {
-  return g->comm->ops->all_reduce(g, s, r, n, dt, op, req);
+  return mr__comm_started(g, g->comm->ops->all_reduce(g, s, r, n, dt, op, req), "AllReduce",
+                          n, dt, -1, req);
 }
 static inline int mr_comm_reduce_scatter(struct mr_comm_group *g,
                                          const void *s, void *r, size_t n,
                                          enum mr_dtype dt, enum mr_red_op op,
                                          struct mr_comm_req **req) {
-  return g->comm->ops->reduce_scatter(g, s, r, n, dt, op, req);
+  return mr__comm_started(g, g->comm->ops->reduce_scatter(g, s, r, n, dt, op, req),
+                          "ReduceScatter", n * mr__comm_n(g), dt, -1, req);
 }
 static inline int mr_comm_all_gather(struct mr_comm_group *g, const void *s,
                                      void *r, size_t n, const size_t *counts,
                                      enum mr_dtype dt,
                                      struct mr_comm_req **req) {
-  return g->comm->ops->all_gather(g, s, r, n, counts, dt, req);
+  size_t all = n * mr__comm_n(g);
+  if (counts != NULL) {
+    all = 0;
+    for (size_t i = 0; i < mr__comm_n(g); i++)
+      all += counts[i];
+  }
+  return mr__comm_started(g, g->comm->ops->all_gather(g, s, r, n, counts, dt, req),
+                          "AllGather", all, dt, -1, req);
 }
 static inline int mr_comm_broadcast(struct mr_comm_group *g, void *buf,
                                     size_t n, enum mr_dtype dt, int root,
                                     struct mr_comm_req **req) {
-  return g->comm->ops->broadcast(g, buf, n, dt, root, req);
+  return mr__comm_started(g, g->comm->ops->broadcast(g, buf, n, dt, root, req), "Broadcast",
+                          n, dt, -1, req);
 }
 static inline int mr_comm_all_to_all(struct mr_comm_group *g, const void *s,
                                      void *r, size_t n, enum mr_dtype dt,
                                      struct mr_comm_req **req) {
-  return g->comm->ops->all_to_all(g, s, r, n, dt, req);
+  return mr__comm_started(g, g->comm->ops->all_to_all(g, s, r, n, dt, req), "AllToAll",
+                          n * mr__comm_n(g), dt, -1, req);
 }
 static inline int mr_comm_send(struct mr_comm_group *g, const void *buf,
                                size_t n, enum mr_dtype dt, int peer,
                                struct mr_comm_req **req) {
-  return g->comm->ops->send(g, buf, n, dt, peer, req);
+  return mr__comm_started(g, g->comm->ops->send(g, buf, n, dt, peer, req), "Send", n, dt,
+                          peer, req);
 }
 static inline int mr_comm_recv(struct mr_comm_group *g, void *buf, size_t n,
                                enum mr_dtype dt, int peer,
                                struct mr_comm_req **req) {
-  return g->comm->ops->recv(g, buf, n, dt, peer, req);
+  return mr__comm_started(g, g->comm->ops->recv(g, buf, n, dt, peer, req), "Recv", n, dt,
+                          peer, req);
 }
 static inline int mr_comm_barrier(struct mr_comm_group *g,
                                   struct mr_comm_req **req) {
-  return g->comm->ops->barrier(g, req);
+  return mr__comm_started(g, g->comm->ops->barrier(g, req), "Barrier", 0, MR_F32, -1, req);
 }
 static inline int mr_comm_test(struct mr_comm_req *r, int *done) {
   return r->comm->ops->test(r, done);
 }
 static inline int mr_comm_wait(struct mr_comm_req *r) {
-  return r->comm->ops->wait(r);
+  const struct mr_comm_tracer *t = mr__comm_tracer;
+  int rc = r->comm->ops->wait(r);
+  if (t != NULL)
+    t->end(t->ctx, r, rc); /* r is freed: only its address is used */
+  return rc;
 }
 
 /* Every communicator of this process watches *flag (set by the rank's

@@ -525,6 +525,7 @@ static int cpu_group_new(struct mr_comm *cc, const char *name,
   if (g == NULL)
     return mr_error_set(MR_ENOMEM, "comm group %s: out of memory", name);
   g->base.comm = cc;
+  g->base.label = g->desc;
   g->cpu = c;
   g->n = n;
   g->me = -1;

@@ -329,6 +329,7 @@ static int nc_group_new(struct mr_comm *cc, const char *name, const int *ranks, 
   if (g == NULL)
     return mr_error_set(MR_ENOMEM, "nccl group %s: out of memory", name);
   g->base.comm = cc;
+  g->base.label = g->desc;
   g->c = c;
   g->n = n;
   g->me = -1;
