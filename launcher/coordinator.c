@@ -31,6 +31,7 @@
 #include "launcher/plan_work.h"
 #include "launcher/ranks.h"
 #include "launcher/rebalance.h"
+#include "launcher/run_log.h"
 #include "launcher/sockdir.h"
 #include "launcher/strategy_choice.h"
 #include "launcher/tb_events.h"
@@ -156,6 +157,9 @@ void mr__co_group_fail(struct coordinator *co, int rank, const char *fmt, ...) {
   va_end(ap);
   co->failed_rank = rank;
   MR_ERROR("launch", "%s", co->failure);
+  const struct mr_rank *r = rank >= 0 ? &co->ranks.r[rank] : NULL;
+  mr_run_log_failure(co->run_log, co->restart, rank, co->failure, r != NULL && r->exited,
+                     r != NULL ? r->exit_status : 0, r != NULL ? r->term_signal : 0);
   mr__co_begin_stop(co);
 }
 
@@ -315,9 +319,34 @@ static void set_world(struct coordinator *co, int world) {
   mr_ranks_renumber(&co->ranks, world, 0);
 }
 
+/* Every rank's peak memory and resident size into the run's events, when
+ * they moved. */
+void mr__co_log_memory(struct coordinator *co, int64_t step) {
+  uint64_t *peak = calloc(2 * (size_t)co->world, sizeof *peak);
+  if (peak == NULL)
+    return;
+  for (int i = 0; i < co->world; i++)
+    peak[i] = co->ranks.r[i].peak_memory, peak[co->world + i] = co->ranks.r[i].rss_peak;
+  mr_run_log_memory(co->run_log, co->restart, step, peak, peak + co->world, co->world);
+  free(peak);
+}
+
+/* The plan the group runs into the run's events, with where its steps
+ * begin in the metrics file. */
+static void log_plan(struct coordinator *co) {
+  struct stat sb;
+  struct mr_run_log_plan p = {
+      .restart = co->restart, .world = co->world, .nodes = co->n_group_nodes,
+      .plan_text = co->plan_text, .predicted_s = co->predicted_s,
+      .peak_device_s = co->opts->peak_device_s,
+      .metrics_at = co->metrics != NULL && fstat(fileno(co->metrics), &sb) == 0 ? sb.st_size : 0};
+  mr_run_log_plan(co->run_log, &p);
+}
+
 /* Starts the group's workers, here and on its other nodes. */
 static int spawn_group(struct coordinator *co) {
   group_enter(co, GROUP_RUNNING);
+  log_plan(co);
   struct mr_spawn_env env = {
       .worker_bin = co->opts->worker_bin,
       .coord_address = co->unix_address,
@@ -416,6 +445,7 @@ static int start_group(struct coordinator *co) {
   int rc = choose_resume(co);
   if (rc < 0) { /* no rank starts on checkpoints it cannot read, nor over them */
     MR_ERROR("ckpt", "%s", mr_error_of(rc));
+    snprintf(co->failure, sizeof co->failure, "%s", mr_error_of(rc));
     finish(co, 2);
     return rc;
   }
@@ -447,6 +477,9 @@ static void finish(struct coordinator *co, int code) {
     return;
   group_enter(co, GROUP_FINISHED);
   co->exit_code = code;
+  mr__co_log_memory(co, mr__co_newest_step(co));
+  mr_run_log_end(co->run_log, code, co->restart, co->failures,
+                 code > 128 ? strsignal(code - 128) : co->failure);
   uv_timer_stop(&co->tick);
   uv_close((uv_handle_t *)&co->tick, NULL);
   uv_close((uv_handle_t *)&co->unix_server, NULL);
@@ -487,6 +520,11 @@ static void group_stopped(struct coordinator *co) {
             : co->regroup == REGROUP_DP_BALANCE
                 ? "with the data-parallel ranks' micro-batches re-balanced"
                                              : "without the slow node");
+    static const char *const causes[] = {[REGROUP_NODES] = "nodes", [REGROUP_BALANCE] = "balance",
+                                         [REGROUP_DP_BALANCE] = "dp_balance",
+                                         [REGROUP_SLOW_NODE] = "slow_node"};
+    mr_run_log_restart(co->run_log, co->restart + 1, causes[co->regroup], co->failures,
+                       co->opts->max_restarts, (double)(mr_clock_ms() - co->state_ms) / 1000.0);
     co->regroup = REGROUP_NONE;
     co->restart++;
     start_group(co);
@@ -501,6 +539,8 @@ static void group_stopped(struct coordinator *co) {
     MR_WARN("launch", "restarting the group (restart %d of %d; it stopped in %.2f s)%s",
             co->failures, co->opts->max_restarts,
             (double)(mr_clock_ms() - co->state_ms) / 1000.0, backoff > 0 ? " after a pause" : "");
+    mr_run_log_restart(co->run_log, co->restart, "failure", co->failures, co->opts->max_restarts,
+                       (double)(mr_clock_ms() - co->state_ms) / 1000.0);
     co->restart_at_ms = mr_clock_ms() + backoff;
     if (backoff <= 0)
       start_group(co);
@@ -843,6 +883,11 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   /* TensorBoard's view of the same records; a run without one trains on */
   if (mpath != NULL && mr_tb_open(opts->log_dir, tb_written, &co->tb) < 0)
     MR_WARN("launch", "%s: no TensorBoard scalars for this run", mr_error_message());
+  /* what happens to the run, for `meshrun report`; likewise */
+  if (!opts->selfcheck && mr_run_log_open(opts->log_dir, &co->run_log) < 0)
+    MR_WARN("launch", "%s: no record of the run's plan, failures and restarts",
+            mr_error_message());
+  mr_run_log_start(co->run_log, co->job_id, opts->nproc, co->nnodes, opts->max_restarts);
   if (mr_ranks_init(&co->ranks, &co->loop, opts->nproc, co->node_ranks, 0, opts->log_dir, co,
                     on_rank_exit) < 0) {
     MR_ERROR("launch", "%s", mr_error_message());
@@ -875,6 +920,7 @@ close_loop:
   if (co->metrics != NULL)
     fclose(co->metrics);
   mr_tb_close(co->tb);
+  mr_run_log_close(co->run_log);
   if (co->token_fd >= 0)
     close(co->token_fd);
   if (co->sock_dir[0] != '\0')

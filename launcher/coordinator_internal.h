@@ -137,6 +137,7 @@ struct coordinator {
                             // checkpoint that ends the job is of it or later
   FILE *metrics;
   struct mr_tb_writer *tb;  // TensorBoard's event file beside the metrics
+  struct mr_run_log *run_log; // run.jsonl: plans, failures, restarts, memory
   int64_t last_step_printed;
   int failure_reported;
   char failure[16384];      // why the current group is stopping
@@ -186,6 +187,10 @@ void mr__co_send_node_control(struct coordinator *co, int k, Meshrun__Control__K
 /* The plan the next groups run becomes text (with its programs' digests),
  * owned by the coordinator from then on. */
 void mr__co_adopt_plan(struct coordinator *co, char *text, uint64_t *digests, double predicted_s);
+
+/* Every rank's peak memory and resident size into run.jsonl when they
+ * moved (launcher/run_log.h), as of rank 0's step. */
+void mr__co_log_memory(struct coordinator *co, int64_t step);
 
 /* Frees one rendezvous and what it gathered. */
 void mr__co_rendezvous_free(struct rendezvous *r);

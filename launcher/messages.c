@@ -481,6 +481,7 @@ static void on_metrics(struct coordinator *co, struct mr_conn *c,
     fflush(co->metrics);
   }
   tb_step(co, m, peak, rss);
+  mr__co_log_memory(co, m->step);
   mr_ranks_progress(&co->ranks, m, peak,
                     co->opts->job != NULL ? co->opts->job->train.steps : 0,
                     co->opts->job != NULL ? co->opts->job->train.log_interval_steps : 1);
