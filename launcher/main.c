@@ -10,6 +10,7 @@
 #include "launcher/cli.h"
 #include "launcher/export.h"
 #include "launcher/prepare_data.h"
+#include "launcher/report.h"
 #include "launcher/explain.h"
 
 static void usage(FILE *f) {
@@ -24,6 +25,8 @@ static void usage(FILE *f) {
           "                      a checkpoint as a Hugging Face model directory\n"
           "  sample WEIGHTS --prompt TEXT\n"
           "                      generate text from trained weights\n"
+          "  report RUN_DIR      a run's curves, plan, memory and failures as one HTML\n"
+          "                      page (--format md: as text)\n"
           "  plan JOB.json       choose, rank and explain a parallel strategy\n"
           "  calibrate           measure this machine, write a cluster spec\n"
           "  explain JOB.json --mesh data=2,model=4\n"
@@ -80,6 +83,8 @@ int main(int argc, char **argv) {
     return mr_cmd_export(argc - 1, argv + 1);
   if (strcmp(cmd, "sample") == 0 || strcmp(cmd, "logits") == 0)
     return exec_worker(argc - 1, argv + 1);
+  if (strcmp(cmd, "report") == 0)
+    return mr_cmd_report(argc - 1, argv + 1);
   if (strcmp(cmd, "plan") == 0)
     return mr_cmd_plan(argc - 1, argv + 1);
   if (strcmp(cmd, "calibrate") == 0)
