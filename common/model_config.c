@@ -11,41 +11,124 @@
 
 #define BIG ((int64_t)1 << 40)
 
+/* The families built, by model_type and architectures[0]; and families
+ * people train that are not built, refused by name. */
+static const struct family {
+  const char *type, *arch;
+  enum mr_model_family family;
+} families[] = {
+    {"llama", "LlamaForCausalLM", MR_MODEL_LLAMA},
+    {"gpt2", "GPT2LMHeadModel", MR_MODEL_GPT2},
+};
+static const char *const not_built[][2] = {
+    {"qwen2", "Qwen2ForCausalLM"},     {"qwen3", "Qwen3ForCausalLM"},
+    {"mistral", "MistralForCausalLM"}, {"mixtral", "MixtralForCausalLM"},
+    {"gemma", "GemmaForCausalLM"},     {"gemma2", "Gemma2ForCausalLM"},
+    {"gemma3_text", "Gemma3ForCausalLM"}, {"phi3", "Phi3ForCausalLM"},
+    {"olmo2", "Olmo2ForCausalLM"},     {"gpt_neox", "GPTNeoXForCausalLM"},
+};
+#define SUPPORTED "supported: model_type \"llama\" (LlamaForCausalLM), \"gpt2\" (GPT2LMHeadModel)"
+
+/* The family config obj describes: model_type and architectures[0], where
+ * given, must name the same built one. */
 static int detect_family(struct mr_jv *jv, const cJSON *obj,
                          enum mr_model_family *family) {
   const cJSON *arch = cJSON_GetObjectItemCaseSensitive(obj, "architectures");
   const cJSON *type = cJSON_GetObjectItemCaseSensitive(obj, "model_type");
-  if (cJSON_IsArray(arch) && cJSON_GetArraySize(arch) > 0) {
-    const cJSON *a0 = cJSON_GetArrayItem(arch, 0);
-    if (cJSON_IsString(a0)) {
-      if (strcmp(a0->valuestring, "LlamaForCausalLM") == 0) {
-        *family = MR_MODEL_LLAMA;
-        return 0;
-      }
-      if (strcmp(a0->valuestring, "GPT2LMHeadModel") == 0) {
-        *family = MR_MODEL_GPT2;
-        return 0;
-      }
-      mr_jv_error(jv, "", "architectures",
-                  "expected \"LlamaForCausalLM\" or \"GPT2LMHeadModel\", got \"%s\"",
-                  a0->valuestring);
-      return -1;
-    }
+  const char *a = NULL, *t = NULL;
+  if (cJSON_IsArray(arch) && cJSON_IsString(cJSON_GetArrayItem(arch, 0)))
+    a = cJSON_GetArrayItem(arch, 0)->valuestring;
+  else if (arch != NULL && !cJSON_IsNull(arch))
+    return mr_jv_error(jv, "", "architectures", "expected a list of class names; " SUPPORTED),
+           -1;
+  if (cJSON_IsString(type))
+    t = type->valuestring;
+  else if (type != NULL && !cJSON_IsNull(type))
+    return mr_jv_error(jv, "", "model_type", "expected a string; " SUPPORTED), -1;
+  if (a == NULL && t == NULL)
+    return mr_jv_error(jv, "", "model_type", "missing (and no architectures); " SUPPORTED), -1;
+  for (size_t i = 0; i < sizeof families / sizeof *families; i++) {
+    const struct family *f = &families[i];
+    int ta = t != NULL && strcmp(t, f->type) == 0, aa = a != NULL && strcmp(a, f->arch) == 0;
+    if (!ta && !aa)
+      continue;
+    if (t != NULL && a != NULL && !(ta && aa))
+      return mr_jv_error(jv, "", ta ? "architectures" : "model_type",
+                         "\"%s\" does not go with %s \"%s\" (expected \"%s\")",
+                         ta ? a : t, ta ? "model_type" : "architectures", ta ? t : a,
+                         ta ? f->arch : f->type),
+             -1;
+    *family = f->family;
+    return 0;
   }
-  if (cJSON_IsString(type)) {
-    if (strcmp(type->valuestring, "llama") == 0) {
-      *family = MR_MODEL_LLAMA;
-      return 0;
-    }
-    if (strcmp(type->valuestring, "gpt2") == 0) {
-      *family = MR_MODEL_GPT2;
-      return 0;
-    }
+  for (size_t i = 0; i < sizeof not_built / sizeof *not_built; i++)
+    if ((t != NULL && strcmp(t, not_built[i][0]) == 0) ||
+        (a != NULL && strcmp(a, not_built[i][1]) == 0))
+      return mr_jv_error(jv, "", t != NULL ? "model_type" : "architectures",
+                         "\"%s\" (%s) is not built in meshrun; " SUPPORTED,
+                         t != NULL ? t : a, not_built[i][1]),
+             -1;
+  return mr_jv_error(jv, "", t != NULL ? "model_type" : "architectures",
+                     "unknown model \"%s\"; " SUPPORTED, t != NULL ? t : a),
+         -1;
+}
+
+/* Fields the shape comes from: a config that leaves one out is refused
+ * rather than given transformers' default (a 7B model's). */
+static void require(struct mr_jv *jv, const cJSON *obj, const char *const *keys) {
+  for (; *keys != NULL; keys++)
+    if (cJSON_GetObjectItemCaseSensitive(obj, *keys) == NULL)
+      mr_jv_error(jv, "", *keys, "missing (the model's shape is not assumed)");
+}
+
+/* Dropout is not built: a non-zero rate would be ignored, so it is refused. */
+static void no_dropout(struct mr_jv *jv, const cJSON *obj, const char *const *keys) {
+  for (; *keys != NULL; keys++) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, *keys);
+    if (v == NULL || cJSON_IsNull(v) || (cJSON_IsNumber(v) && v->valuedouble == 0))
+      continue;
+    char shown[96];
+    if (cJSON_IsNumber(v))
+      snprintf(shown, sizeof shown, "%g", v->valuedouble);
+    else
+      mr_jv_show(v, shown, sizeof shown);
+    mr_jv_error(jv, "", *keys, "dropout is not built, got %s (0 or 0.0 trains without it)",
+                shown);
   }
-  mr_jv_error(jv, "", "model_type",
-              "expected \"llama\" or \"gpt2\" (or architectures "
-              "[\"LlamaForCausalLM\"] / [\"GPT2LMHeadModel\"])");
-  return -1;
+}
+
+/* RoPE's base and kind, in transformers 4.x form (rope_theta, rope_scaling)
+ * or 5.x (rope_parameters {rope_type, rope_theta}); only the plain kind
+ * ("default") is built, anything else is refused by name. */
+static void read_rope(struct mr_jv *jv, const cJSON *obj, double *theta) {
+  const cJSON *params = cJSON_GetObjectItemCaseSensitive(obj, "rope_parameters");
+  const cJSON *scaling = cJSON_GetObjectItemCaseSensitive(obj, "rope_scaling");
+  int top = mr_jv_num(jv, obj, "", "rope_theta", 1e-9, 1e12, theta) == 1;
+  const struct {
+    const cJSON *o;
+    const char *name;
+  } forms[] = {{params, "rope_parameters"}, {scaling, "rope_scaling"}};
+  for (int k = 0; k < 2; k++) {
+    const cJSON *o = forms[k].o;
+    if (o == NULL || cJSON_IsNull(o))
+      continue;
+    if (!cJSON_IsObject(o)) {
+      mr_jv_error(jv, "", forms[k].name, "expected an object");
+      continue;
+    }
+    double t;
+    if (mr_jv_num(jv, o, forms[k].name, "rope_theta", 1e-9, 1e12, &t) == 1) {
+      if (top && t != *theta)
+        mr_jv_error(jv, forms[k].name, "rope_theta", "%g, but the top-level rope_theta is %g",
+                    t, *theta);
+      *theta = t;
+    }
+    const char *kind = NULL;
+    const char *key = cJSON_GetObjectItemCaseSensitive(o, "rope_type") ? "rope_type" : "type";
+    if (mr_jv_str(jv, o, forms[k].name, key, &kind) == 1 && strcmp(kind, "default") != 0)
+      mr_jv_error(jv, forms[k].name, key,
+                  "\"%s\" is not built (supported: \"default\", plain RoPE)", kind);
+  }
 }
 
 static void expect_string(struct mr_jv *jv, const cJSON *obj, const char *key,
@@ -79,6 +162,13 @@ int mr_model_config_parse(const cJSON *obj, const char *where,
   }
   if (detect_family(&jv, obj, &c.family) < 0)
     goto done;
+  static const char *const llama_shape[] = {"vocab_size", "hidden_size", "intermediate_size",
+                                            "num_hidden_layers", "num_attention_heads", NULL};
+  static const char *const gpt2_shape[] = {"vocab_size", "n_embd", "n_layer", "n_head", NULL};
+  static const char *const llama_dropout[] = {"attention_dropout", NULL};
+  static const char *const gpt2_dropout[] = {"attn_pdrop", "resid_pdrop", "embd_pdrop", NULL};
+  require(&jv, obj, c.family == MR_MODEL_LLAMA ? llama_shape : gpt2_shape);
+  no_dropout(&jv, obj, c.family == MR_MODEL_LLAMA ? llama_dropout : gpt2_dropout);
   c.initializer_range = 0.02;
   mr_jv_num(&jv, obj, "", "initializer_range", 0, 10, &c.initializer_range);
   if (c.family == MR_MODEL_LLAMA) {
@@ -101,10 +191,9 @@ int mr_model_config_parse(const cJSON *obj, const char *where,
       mr_jv_int(&jv, obj, "", "num_key_value_heads", 1, 100000, &c.num_key_value_heads);
     mr_jv_int(&jv, obj, "", "max_position_embeddings", 1, BIG, &c.max_position_embeddings);
     mr_jv_num(&jv, obj, "", "rms_norm_eps", 0, 1, &c.rms_norm_eps);
-    mr_jv_num(&jv, obj, "", "rope_theta", 1e-9, 1e12, &c.rope_theta);
+    read_rope(&jv, obj, &c.rope_theta);
     mr_jv_bool(&jv, obj, "", "tie_word_embeddings", &c.tie_word_embeddings);
     expect_string(&jv, obj, "hidden_act", "silu");
-    expect_absent(&jv, obj, "rope_scaling", "plain RoPE only");
     expect_absent(&jv, obj, "attention_bias", "LLaMA projections have no bias");
     expect_absent(&jv, obj, "mlp_bias", "LLaMA projections have no bias");
     if (c.num_attention_heads > 0 && c.num_key_value_heads > 0 &&

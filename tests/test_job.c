@@ -262,29 +262,87 @@ START_TEST(test_job_data_parallel_micro_batches) {
 }
 END_TEST
 
+/* A LLaMA config of the shape fields, with `extra` members after them. */
+static const char *llama_with(const char *extra) {
+  static char buf[500];
+  snprintf(buf, sizeof buf, "{\"model_type\": \"llama\", \"vocab_size\": 256, \"hidden_size\": 64,"
+           " \"intermediate_size\": 128, \"num_hidden_layers\": 2, \"num_attention_heads\": 4%s%s}",
+           extra[0] ? ", " : "", extra);
+  return buf;
+}
+
+/* Every refusal names the file, the field, its value and what is built. */
 START_TEST(test_model_config_errors_name_key) {
   struct mr_model_config c;
-  const char *cases[][2] = {
-      {"{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_attention_heads\": 5}",
+  char cases[][2][512] = {
+      {"{\"model_type\": \"llama\", \"vocab_size\": 8, \"hidden_size\": 64, \"intermediate_size\": 8,"
+       " \"num_hidden_layers\": 1, \"num_attention_heads\": 5}",
        "num_attention_heads: expected a divisor of the hidden size (64), got 5"},
-      {"{\"model_type\": \"llama\", \"num_attention_heads\": 8, \"num_key_value_heads\": 3}",
-       "num_key_value_heads: expected a divisor of num_attention_heads (8), got 3"},
-      {"{\"model_type\": \"bert\"}", "model_type: expected \"llama\" or \"gpt2\""},
-      {"{\"model_type\": \"llama\", \"hidden_act\": \"gelu\"}", "hidden_act: only \"silu\" is supported"},
+      {"", "num_key_value_heads: expected a divisor of num_attention_heads (4), got 3"},
+      {"{\"model_type\": \"bert\"}", "model_type: unknown model \"bert\"; supported: model_type "
+       "\"llama\" (LlamaForCausalLM), \"gpt2\" (GPT2LMHeadModel)"},
+      {"{\"model_type\": \"bert\", \"architectures\": [\"LlamaForCausalLM\"]}",
+       "model_type: \"bert\" does not go with architectures \"LlamaForCausalLM\" (expected \"llama\")"},
+      {"{\"model_type\": \"qwen2\", \"architectures\": [\"Qwen2ForCausalLM\"]}",
+       "model_type: \"qwen2\" (Qwen2ForCausalLM) is not built in meshrun; supported:"},
+      {"{\"architectures\": [\"MistralForCausalLM\"]}",
+       "architectures: \"MistralForCausalLM\" (MistralForCausalLM) is not built"},
+      {"", "hidden_act: only \"silu\" is supported, got \"gelu\""},
       {"{\"model_type\": \"gpt2\", \"n_embd\": \"big\"}", "n_embd: expected a positive integer, got \"big\""},
-      {"{\"model_type\": \"llama\", \"rope_scaling\": {\"type\": \"linear\"}}", "rope_scaling: not supported"},
+      {"{\"model_type\": \"llama\", \"num_attention_heads\": 4}",
+       "hidden_size: missing (the model's shape is not assumed)"},
+      {"{\"model_type\": \"gpt2\", \"n_embd\": 64, \"n_head\": 4, \"vocab_size\": 9}",
+       "n_layer: missing (the model's shape is not assumed)"},
+      {"", "rope_scaling.rope_type: \"llama3\" is not built (supported: \"default\", plain RoPE)"},
+      {"", "rope_scaling.type: \"linear\" is not built"},
+      {"", "rope_parameters.rope_type: \"dynamic\" is not built"},
+      {"", "rope_parameters.rope_theta: 500000, but the top-level rope_theta is 10000"},
+      {"", "attention_dropout: dropout is not built, got 0.1 (0 or 0.0 trains without it)"},
+      {"{\"model_type\": \"gpt2\", \"n_embd\": 64, \"n_head\": 4, \"n_layer\": 1, \"vocab_size\": 9,"
+       " \"attn_pdrop\": 0.1, \"resid_pdrop\": 0.0, \"embd_pdrop\": 0.2}",
+       "embd_pdrop: dropout is not built, got 0.2"},
   };
+  const char *extras[] = {"", "\"num_key_value_heads\": 3", "", "", "", "", "\"hidden_act\": \"gelu\"",
+                          "", "", "", "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}",
+                          "\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}",
+                          "\"rope_parameters\": {\"rope_type\": \"dynamic\", \"rope_theta\": 10000}",
+                          "\"rope_theta\": 10000, \"rope_parameters\": {\"rope_type\": \"default\","
+                          " \"rope_theta\": 500000}",
+                          "\"attention_dropout\": 0.1", ""};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    if (cases[i][0][0] == '\0')
+      snprintf(cases[i][0], sizeof cases[i][0], "%s", llama_with(extras[i]));
     struct mr_job job;
     char text[1024];
-    snprintf(text, sizeof text, "{\"model\": %s, \"data\": {\"train\": \"t\"}}", cases[i][0]);
+    snprintf(text, sizeof text, "{\"model\": %.900s, \"data\": {\"train\": \"t\"}}",
+             cases[i][0]);
     ck_assert_int_eq(mr_job_parse(text, "j.json", ".", &job), MR_EJOB);
-    ck_assert_msg(strstr(mr_error_message(), cases[i][1]) != NULL, "case %zu: %s", i,
-                  mr_error_message());
+    ck_assert_msg(strstr(mr_error_message(), "j.json: model: ") != NULL &&
+                      strstr(mr_error_message(), cases[i][1]) != NULL,
+                  "case %zu: %s", i, mr_error_message());
   }
-  /* GPT-2 defaults as in transformers' GPT2Config */
+  /* RoPE's base in either form: transformers 4.x's top level, 5.x's
+   * rope_parameters; the plain kind either way */
+  static const char *const forms[] = {
+      "\"rope_theta\": 500000.0",
+      "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 500000.0}",
+      "\"rope_theta\": 500000.0, \"rope_scaling\": {\"rope_type\": \"default\"}",
+      "\"rope_theta\": 500000.0, \"rope_scaling\": null, \"attention_dropout\": 0.0"};
+  for (size_t i = 0; i < sizeof forms / sizeof *forms; i++) {
+    struct mr_job job;
+    char text[1024];
+    snprintf(text, sizeof text, "{\"model\": %s, \"data\": {\"train\": \"t\"}}",
+             llama_with(forms[i]));
+    ck_assert_msg(mr_job_parse(text, "j.json", ".", &job) == 0, "%s: %s", forms[i],
+                  mr_error_message());
+    ck_assert_double_eq(job.model.rope_theta, 500000.0);
+    mr_job_close(&job);
+  }
+  /* GPT-2 small: the shape given, the rest as transformers' GPT2Config */
   struct mr_job job;
-  ck_assert_int_eq(mr_job_parse("{\"model\": {\"architectures\": [\"GPT2LMHeadModel\"]},"
+  ck_assert_int_eq(mr_job_parse("{\"model\": {\"architectures\": [\"GPT2LMHeadModel\"],"
+                                " \"vocab_size\": 50257, \"n_embd\": 768, \"n_layer\": 12,"
+                                " \"n_head\": 12, \"attn_pdrop\": 0.0},"
                                 " \"data\": {\"train\": \"t\"}, \"train\": {\"seq_len\": 1024}}",
                                 "j.json", ".", &job), 0);
   c = job.model;
@@ -299,7 +357,8 @@ START_TEST(test_model_config_errors_name_key) {
   ck_assert_int_eq(mr_model_param_count(&c), 124439808);
   mr_job_close(&job);
   /* seq_len beyond GPT-2's positions is caught */
-  ck_assert_int_eq(mr_job_parse("{\"model\": {\"model_type\": \"gpt2\", \"n_positions\": 64},"
+  ck_assert_int_eq(mr_job_parse("{\"model\": {\"model_type\": \"gpt2\", \"n_positions\": 64,"
+                                " \"vocab_size\": 9, \"n_embd\": 8, \"n_layer\": 1, \"n_head\": 2},"
                                 " \"data\": {\"train\": \"t\"}, \"train\": {\"seq_len\": 65}}",
                                 "j.json", ".", &job), MR_EJOB);
   ck_assert_ptr_nonnull(strstr(mr_error_message(), "train.seq_len: expected at most the model's n_positions (64)"));
@@ -359,6 +418,20 @@ START_TEST(test_cli_bad_job_files_exit_2_naming_file_and_field) {
   ck_assert_int_eq(launch_job(dir, "{\"model\": {\"model_type\": \"llama\"}, \"data\": {\"train\": \"t\"},"
                                    " \"optimizer\": {}}", &err), 2);
   ck_assert_msg(strstr(err, "job.json: optimizer: unknown field") != NULL, "%s", err);
+  free(err);
+  /* a Llama 3.x config.json (RoPE scaled "llama3", not built): exit 2 naming
+   * the file, the field and its value */
+  char cfg[160];
+  snprintf(cfg, sizeof cfg, "%s/config.json", dir);
+  FILE *cf = fopen(cfg, "w");
+  fprintf(cf, "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", "
+          "\"vocab_size\": 256, \"hidden_size\": 64, \"intermediate_size\": 128, "
+          "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"rope_theta\": 500000.0, "
+          "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 32.0}}");
+  fclose(cf);
+  ck_assert_int_eq(launch_job(dir, "{\"model\": \"config.json\", \"data\": {\"train\": \"t\"}}", &err), 2);
+  ck_assert_msg(strstr(err, "config.json: rope_scaling.rope_type: \"llama3\" is not built "
+                            "(supported: \"default\", plain RoPE)") != NULL, "%s", err);
   free(err);
   ck_assert_int_eq(launch_job(dir, "{\"model\": \"nope/config.json\", \"data\": {\"train\": \"t\"}}", &err), 2);
   ck_assert_msg(strstr(err, "nope/config.json: No such file or directory") != NULL, "%s", err);

@@ -175,17 +175,21 @@ START_TEST(test_model_config_defaults_and_errors) {
   ck_assert_double_eq(c.rope_theta, 10000.0);
   ck_assert_int_eq(c.max_position_embeddings, 2048);
   ck_assert_int_eq(c.tie_word_embeddings, 0);
-  ck_assert_int_eq(parse("{\"model_type\":\"gpt2\",\"n_embd\":64,\"n_head\":4}", &c), 0);
+  ck_assert_int_eq(parse("{\"model_type\":\"gpt2\",\"n_embd\":64,\"n_head\":4,"
+                         "\"n_layer\":2,\"vocab_size\":300}", &c), 0);
   ck_assert_int_eq(c.family, MR_MODEL_GPT2);
   ck_assert_int_eq(c.intermediate_size, 256);
-  ck_assert_int_eq(c.vocab_size, 50257);
+  ck_assert_int_eq(c.vocab_size, 300);
+  ck_assert_int_eq(c.max_position_embeddings, 1024);
   ck_assert_double_eq(c.layer_norm_epsilon, 1e-5);
-  ck_assert_int_eq(parse("{\"architectures\":[\"LlamaForCausalLM\"],"
+  ck_assert_int_eq(parse("{\"architectures\":[\"LlamaForCausalLM\"],\"vocab_size\":8,"
+                         "\"intermediate_size\":8,\"num_hidden_layers\":1,"
                          "\"hidden_size\":100,\"num_attention_heads\":8}", &c),
                    MR_EJOB);
   ck_assert_ptr_nonnull(strstr(mr_error_message(), "num_attention_heads"));
-  ck_assert_int_eq(parse("{\"architectures\":[\"LlamaForCausalLM\"],"
-                         "\"num_key_value_heads\":5}", &c), MR_EJOB);
+  ck_assert_int_eq(parse("{\"architectures\":[\"LlamaForCausalLM\"],\"vocab_size\":8,"
+                         "\"intermediate_size\":8,\"num_hidden_layers\":1,\"hidden_size\":64,"
+                         "\"num_attention_heads\":8,\"num_key_value_heads\":5}", &c), MR_EJOB);
   ck_assert_ptr_nonnull(strstr(mr_error_message(), "num_key_value_heads"));
   ck_assert_int_eq(parse("{\"architectures\":[\"LlamaForCausalLM\"],"
                          "\"hidden_size\":\"big\"}", &c), MR_EJOB);
