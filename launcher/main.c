@@ -25,6 +25,8 @@ static void usage(FILE *f) {
           "                      a checkpoint as a Hugging Face model directory\n"
           "  sample WEIGHTS --prompt TEXT\n"
           "                      generate text from trained weights\n"
+          "  logits WEIGHTS --text TEXT --out FILE\n"
+          "                      raw logits of trained weights on a text\n"
           "  report RUN_DIR      a run's curves, plan, memory and failures as one HTML\n"
           "                      page (--format md: as text)\n"
           "  plan JOB.json       choose, rank and explain a parallel strategy\n"

@@ -14,6 +14,7 @@
 #include "common/tokens.h"
 #include "worker/sample.h"
 #include "worker/train.h"
+#include "worker/weights.h"
 
 static const char *sentence = "the quick brown fox jumps over the lazy dog. ";
 static char dir[256], data[300], weights[300];
@@ -100,6 +101,38 @@ START_TEST(test_sample_seeded_and_bad_input) {
   ck_assert_int_eq(mr_sample_main(6, bad), 2);
   char *none[] = {"sample", "--prompt", "x", NULL};
   ck_assert_int_eq(mr_sample_main(3, none), 2);
+  char *help[] = {"sample", "--help", NULL};
+  ck_assert_int_eq(mr_sample_main(2, help), 0);
+}
+END_TEST
+
+/* A folder as meshrun export writes it (model.safetensors, config.json) is
+ * taken as it is: the same continuation as the file with its own config. */
+START_TEST(test_sample_from_a_model_folder) {
+  char folder[400], path[480];
+  snprintf(folder, sizeof folder, "%s/exported", dir);
+  ck_assert_int_eq(mkdir(folder, 0700), 0);
+  snprintf(path, sizeof path, "%s/model.safetensors", folder);
+  ck_assert_int_eq(link(weights, path), 0);
+  struct mr_model_config cfg;
+  ck_assert_int_eq(mr_weights_read_config(weights, &cfg), 0);
+  char *js = mr_model_config_to_json(&cfg);
+  snprintf(path, sizeof path, "%s/config.json", folder);
+  FILE *f = fopen(path, "w");
+  fputs(js, f);
+  fclose(f);
+  free(js);
+  uint8_t a[24], b[24];
+  ck_assert_int_eq(mr_sample_generate(weights, NULL, "the quick", 24, 0, 0, a), 24);
+  ck_assert_msg(mr_sample_generate(folder, NULL, "the quick", 24, 0, 0, b) == 24, "%s",
+                mr_error_message());
+  ck_assert_mem_eq(a, b, 24);
+  unlink(path);
+  ck_assert_int_lt(mr_sample_generate(folder, NULL, "the quick", 4, 0, 0, b), 0);
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "exported/config.json"));
+  snprintf(path, sizeof path, "%s/model.safetensors", folder);
+  unlink(path);
+  rmdir(folder);
 }
 END_TEST
 
@@ -110,6 +143,7 @@ Suite *train_sample_suite(void) {
   tcase_set_timeout(tc, 300);
   tcase_add_unchecked_fixture(tc, trained_llama, cleanup);
   tcase_add_test(tc, test_sample_llama_greedy_continues_training_text);
+  tcase_add_test(tc, test_sample_from_a_model_folder);
   tcase_add_test(tc, test_sample_gpt2_greedy_continues_training_text);
   tcase_add_test(tc, test_sample_seeded_and_bad_input);
   suite_add_tcase(s, tc);

@@ -16,7 +16,10 @@ int mr_logits_main(int argc, char **argv) {
   static const struct option longopts[] = {{"text", required_argument, NULL, 't'},
                                            {"out", required_argument, NULL, 'o'},
                                            {"config", required_argument, NULL, 'c'},
+                                           {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
+  static const char *const use =
+      "usage: meshrun logits WEIGHTS --text TEXT --out FILE [--config config.json]\n";
   const char *text = NULL, *out = NULL, *config = NULL;
   optind = 1;
   opterr = 0;
@@ -26,13 +29,18 @@ int mr_logits_main(int argc, char **argv) {
     case 't': text = optarg; break;
     case 'o': out = optarg; break;
     case 'c': config = optarg; break;
+    case 'h':
+      printf("%s\nThe forward pass of trained weights (a safetensors file, or a folder with\n"
+             "model.safetensors and config.json) on TEXT's bytes as token ids: the float32\n"
+             "logits, [len(TEXT), vocab_size] row-major, written to FILE.\n", use);
+      return 0;
     default:
       fprintf(stderr, "meshrun logits: unknown or incomplete option \"%s\"\n", argv[optind - 1]);
       return 2;
     }
   }
   if (optind != argc - 1 || text == NULL || out == NULL || text[0] == '\0') {
-    fprintf(stderr, "usage: meshrun logits WEIGHTS --text TEXT --out FILE [--config config.json]\n");
+    fputs(use, stderr);
     return 2;
   }
   const char *weights = argv[optind];

@@ -97,9 +97,17 @@ out:
   return rc;
 }
 
+static void usage_to(FILE *f) {
+  fprintf(f, "usage: meshrun sample WEIGHTS --prompt TEXT [--config config.json] [--tokens N]\n"
+             "                      [--temperature T] [--seed S]\n"
+             "\n"
+             "Generates --tokens bytes after the prompt from trained weights: a safetensors\n"
+             "file (meshrun's, holding its config) or a folder with model.safetensors and\n"
+             "config.json (meshrun export's).  --temperature 0 is greedy (default 0.8).\n");
+}
+
 static int usage(void) {
-  fprintf(stderr, "usage: meshrun sample WEIGHTS --prompt TEXT [--config "
-          "config.json] [--tokens N] [--temperature T] [--seed S]\n");
+  usage_to(stderr);
   return 2;
 }
 
@@ -111,7 +119,10 @@ int mr_sample_main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     char *end = NULL;
-    if (strcmp(a, "--prompt") == 0 && v) {
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      usage_to(stdout);
+      return 0;
+    } else if (strcmp(a, "--prompt") == 0 && v) {
       prompt = v, i++;
     } else if (strcmp(a, "--config") == 0 && v) {
       config = v, i++;

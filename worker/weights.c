@@ -108,6 +108,12 @@ int mr_weights_save(const struct mr_model *m, const struct mr_exec *x,
 }
 
 int mr_weights_read_config(const char *path, struct mr_model_config *cfg) {
+  struct stat st;
+  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) { /* an export's, a hub model's */
+    char cp[4200];
+    snprintf(cp, sizeof cp, "%s/config.json", path);
+    return mr_model_config_load(cp, cfg);
+  }
   struct mr_st_file *f;
   MR_TRY(open_file(path, &f));
   const char *text = mr_st_metadata(f, "config");

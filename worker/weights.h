@@ -38,7 +38,9 @@ int mr_weights_write(const struct mr_graph *g, const struct mr_model_config *cfg
  * (mr_tensor_file_shape). */
 int mr_weights_file_matches(const struct mr_st_tensor *s, const struct mr_tensor *t);
 
-/* Reads the model config stored by mr_weights_save from path's metadata. */
+/* The model config of path: the one mr_weights_save stored in a file's
+ * metadata, or a folder's config.json (what meshrun export writes, and
+ * Hugging Face models ship). */
 int mr_weights_read_config(const char *path, struct mr_model_config *cfg);
 
 #endif
