@@ -143,20 +143,27 @@ void mr_comm_set_tracer(const struct mr_comm_tracer *t);
 
 extern const struct mr_comm_tracer *mr__comm_tracer;
 
+/* After a start: counts the operation on g and tells the tracer, if one is
+ * installed, its bytes: count elements, times the group's size where
+ * `blocks` (the n blocks of a reduce-scatter, all-gather, all-to-all), or
+ * the sum of counts[] where given.  Without a tracer only the count. */
 static inline int mr__comm_started(struct mr_comm_group *g, int rc, const char *op,
-                                   size_t count, enum mr_dtype dt, int peer,
-                                   struct mr_comm_req **req) {
+                                   size_t count, const size_t *counts, int blocks,
+                                   enum mr_dtype dt, int peer, struct mr_comm_req **req) {
   if (rc != 0)
     return rc;
   uint64_t seq = g->issued++;
   const struct mr_comm_tracer *t = mr__comm_tracer;
-  if (t != NULL)
-    t->start(t->ctx, g, op, count * mr_dtype_size(dt), peer, seq, *req);
+  if (t != NULL) {
+    size_t n = blocks ? (size_t)g->comm->ops->group_size(g) : 1, all = count * n;
+    if (counts != NULL) {
+      all = 0;
+      for (size_t i = 0; i < n; i++)
+        all += counts[i];
+    }
+    t->start(t->ctx, g, op, all * mr_dtype_size(dt), peer, seq, *req);
+  }
   return 0;
-}
-
-static inline size_t mr__comm_n(struct mr_comm_group *g) {
-  return (size_t)g->comm->ops->group_size(g);
 }
 
 /* Dispatchers, so callers write mr_comm_all_reduce(g, ...). */
@@ -165,55 +172,50 @@ static inline int mr_comm_all_reduce(struct mr_comm_group *g, const void *s,
                                      enum mr_red_op op,
                                      struct mr_comm_req **req) {
   return mr__comm_started(g, g->comm->ops->all_reduce(g, s, r, n, dt, op, req), "AllReduce",
-                          n, dt, -1, req);
+                          n, NULL, 0, dt, -1, req);
 }
 static inline int mr_comm_reduce_scatter(struct mr_comm_group *g,
                                          const void *s, void *r, size_t n,
                                          enum mr_dtype dt, enum mr_red_op op,
                                          struct mr_comm_req **req) {
   return mr__comm_started(g, g->comm->ops->reduce_scatter(g, s, r, n, dt, op, req),
-                          "ReduceScatter", n * mr__comm_n(g), dt, -1, req);
+                          "ReduceScatter", n, NULL, 1, dt, -1, req);
 }
 static inline int mr_comm_all_gather(struct mr_comm_group *g, const void *s,
                                      void *r, size_t n, const size_t *counts,
                                      enum mr_dtype dt,
                                      struct mr_comm_req **req) {
-  size_t all = n * mr__comm_n(g);
-  if (counts != NULL) {
-    all = 0;
-    for (size_t i = 0; i < mr__comm_n(g); i++)
-      all += counts[i];
-  }
   return mr__comm_started(g, g->comm->ops->all_gather(g, s, r, n, counts, dt, req),
-                          "AllGather", all, dt, -1, req);
+                          "AllGather", n, counts, 1, dt, -1, req);
 }
 static inline int mr_comm_broadcast(struct mr_comm_group *g, void *buf,
                                     size_t n, enum mr_dtype dt, int root,
                                     struct mr_comm_req **req) {
   return mr__comm_started(g, g->comm->ops->broadcast(g, buf, n, dt, root, req), "Broadcast",
-                          n, dt, -1, req);
+                          n, NULL, 0, dt, -1, req);
 }
 static inline int mr_comm_all_to_all(struct mr_comm_group *g, const void *s,
                                      void *r, size_t n, enum mr_dtype dt,
                                      struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->all_to_all(g, s, r, n, dt, req), "AllToAll",
-                          n * mr__comm_n(g), dt, -1, req);
+  return mr__comm_started(g, g->comm->ops->all_to_all(g, s, r, n, dt, req), "AllToAll", n,
+                          NULL, 1, dt, -1, req);
 }
 static inline int mr_comm_send(struct mr_comm_group *g, const void *buf,
                                size_t n, enum mr_dtype dt, int peer,
                                struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->send(g, buf, n, dt, peer, req), "Send", n, dt,
-                          peer, req);
+  return mr__comm_started(g, g->comm->ops->send(g, buf, n, dt, peer, req), "Send", n, NULL, 0,
+                          dt, peer, req);
 }
 static inline int mr_comm_recv(struct mr_comm_group *g, void *buf, size_t n,
                                enum mr_dtype dt, int peer,
                                struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->recv(g, buf, n, dt, peer, req), "Recv", n, dt,
-                          peer, req);
+  return mr__comm_started(g, g->comm->ops->recv(g, buf, n, dt, peer, req), "Recv", n, NULL, 0,
+                          dt, peer, req);
 }
 static inline int mr_comm_barrier(struct mr_comm_group *g,
                                   struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->barrier(g, req), "Barrier", 0, MR_F32, -1, req);
+  return mr__comm_started(g, g->comm->ops->barrier(g, req), "Barrier", 0, NULL, 0, MR_F32, -1,
+                          req);
 }
 static inline int mr_comm_test(struct mr_comm_req *r, int *done) {
   return r->comm->ops->test(r, done);
