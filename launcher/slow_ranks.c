@@ -327,6 +327,12 @@ static void node_option(struct coordinator *co, struct node_option *o) {
   memset(o, 0, sizeof *o);
   if (!mr__co_elastic(co) || n - 1 < co->opts->min_nodes)
     return;
+  /* a world the job's fixed degrees do not divide has no plan to go on with */
+  const struct mr_strategy_hint *h = &co->opts->job->strategy;
+  int64_t fixed = (int64_t)(h->dp > 0 ? h->dp : 1) * (h->tp > 0 ? h->tp : 1) *
+                  (h->pp > 0 ? h->pp : 1);
+  if ((int64_t)(co->world - co->node_ranks) % fixed != 0)
+    return;
   double *node_busy = calloc((size_t)n, sizeof *node_busy); /* by place in the group */
   if (node_busy == NULL)
     return;
