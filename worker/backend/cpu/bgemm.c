@@ -12,7 +12,7 @@
 #include "worker/backend/cpu/sgemm.h"
 
 #define MR 6
-#define NR 64
+#define NR MR__BGEMM_NR
 #define KC 384        // most k per block (even: blocks start on a pair)
 #define KCP (KC / 2)  // pairs per block
 
@@ -44,6 +44,35 @@ BF16 static __m512i pairs16(__m512 lo, __m512 hi) {
   return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
 }
 
+/* r[i] word j becomes r[j] word i: pairs of rows interleaved by words,
+ * then by word pairs, leaving each 128-bit lane L of r[4b + e] with
+ * column 4L + e of rows 4b..4b+3; those lanes are then moved across. */
+BF16 static void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4; e++) {
+    __m512i v0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44);
+    __m512i v1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xee);
+    __m512i v2 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+    __m512i v3 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xee);
+    t[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    t[4 + e] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    t[8 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+  for (int i = 0; i < 16; i++)
+    r[i] = t[i];
+}
+
 BF16 int mr__bgemm_pack_b(bool tb, int K, int N, const float *B, int ldb, uint32_t *bp, int p0,
                           int p1) {
   int kpairs = (K + 1) / 2;
@@ -67,23 +96,25 @@ BF16 int mr__bgemm_pack_b(bool tb, int K, int N, const float *B, int ldb, uint32
       continue;
     }
     /* op(B)[k, j + c] = B[(j + c) ldb + k]: a column's k and k + 1 are
-     * neighbours, so 32 of its k are 16 pairs, scattered down the panel */
-    const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
-                                                              6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(NR));
-    for (int c = 0; c < NR; c++) {
-      if (c >= nv) {
-        for (int kp = 0; kp < kpairs; kp++)
-          dst[(size_t)kp * NR + c] = 0;
-        continue;
-      }
-      const float *col = B + (size_t)(j + c) * (size_t)ldb;
+     * neighbours, so 32 of its k are 16 pairs; 16 columns' 16 pairs are
+     * turned in registers into 16 rows of the panel */
+    for (int c0 = 0; c0 < NR; c0 += 16) {
       for (int k = 0; k < K; k += 32) {
-        __m512 lo = _mm512_maskz_loadu_ps(lanes(K - k), col + k);
-        __m512 hi = _mm512_maskz_loadu_ps(lanes(K - k - 16), col + k + 16);
-        __m512i w = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-        _mm512_mask_i32scatter_epi32(dst + (size_t)(k / 2) * NR + c, lanes(kpairs - k / 2), down,
-                                     w, 4);
+        __m512i w[16];
+        for (int c = 0; c < 16; c++) {
+          if (c0 + c >= nv) {
+            w[c] = _mm512_setzero_si512();
+            continue;
+          }
+          const float *col = B + (size_t)(j + c0 + c) * (size_t)ldb + k;
+          __m512 lo = _mm512_maskz_loadu_ps(lanes(K - k), col);
+          __m512 hi = _mm512_maskz_loadu_ps(lanes(K - k - 16), col + 16);
+          w[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        }
+        transpose16(w);
+        int np = kpairs - k / 2 < 16 ? kpairs - k / 2 : 16;
+        for (int q = 0; q < np; q++)
+          _mm512_store_si512((__m512i *)(dst + (size_t)(k / 2 + q) * NR + c0), w[q]);
       }
     }
   }
@@ -136,6 +167,13 @@ BF16 static void pack_a(bool ta, const float *A, int lda, int i, int mr, int k0,
     c##r##3 = _mm512_dpbf16_ps(c##r##3, x, b3);                                \
   } while (0)
 
+#define HALF_ROW(r)                                                            \
+  do {                                                                         \
+    __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[(r) * rs]);               \
+    c##r##0 = _mm512_dpbf16_ps(c##r##0, x, b0);                                \
+    c##r##1 = _mm512_dpbf16_ps(c##r##1, x, b1);                                \
+  } while (0)
+
 /* One 6 x 64 block of C from kcp pairs: C = alpha acc + beta C on the
  * first K block, else C += alpha acc; bias with the last. */
 BF16 static void kernel_6x64(int kcp, const uint32_t *ap, ptrdiff_t rs, ptrdiff_t ks,
@@ -158,11 +196,31 @@ BF16 static void kernel_6x64(int kcp, const uint32_t *ap, ptrdiff_t rs, ptrdiff_
   STORE_TILE(alpha, beta);
 }
 
+/* The same where the block is at most 32 columns wide (attention's head
+ * dimension): two of the four panel vectors, half the multiply-adds. */
+BF16 static void kernel_6x32(int kcp, const uint32_t *ap, ptrdiff_t rs, ptrdiff_t ks,
+                             const uint32_t *b, float *c, int ldc, int mr, const __mmask16 *m,
+                             float alpha, float beta, int first, const float *bias) {
+  ACC_TILE();
+  const uint32_t *a = ap;
+  for (int kp = 0; kp < kcp; kp++, a += ks, b += NR) {
+    __m512bh b0 = (__m512bh)_mm512_load_si512((const __m512i *)b),
+             b1 = (__m512bh)_mm512_load_si512((const __m512i *)(b + 16));
+    HALF_ROW(0);
+    HALF_ROW(1);
+    HALF_ROW(2);
+    HALF_ROW(3);
+    HALF_ROW(4);
+    HALF_ROW(5);
+  }
+  STORE_TILE(alpha, beta); /* m[2] and m[3] are empty: two vectors a row */
+}
+
 BF16 void mr__bgemm_block(bool ta, int K, float alpha, const float *A, int lda, const uint32_t *bp,
-                          float beta, float *C, int ldc, const float *bias, int i0, int i1, int j0,
-                          int j1) {
+                          int kp, float beta, float *C, int ldc, const float *bias, int i0, int i1,
+                          int j0, int j1) {
   _Alignas(64) uint32_t ap[MR * KCP];
-  size_t kpairs = (size_t)(K + 1) / 2;
+  size_t kpairs = (size_t)kp;
   for (int k0 = 0; k0 < K; k0 += KC) {
     int kc = K - k0 < KC ? K - k0 : KC, first = k0 == 0;
     const float *bs = k0 + KC >= K ? bias : NULL;
@@ -176,8 +234,9 @@ BF16 void mr__bgemm_block(bool ta, int K, float alpha, const float *A, int lda, 
         for (int q = 0; q < 4; q++)
           m[q] = lanes(nv - 16 * q);
         const uint32_t *b = bp + (size_t)(j / NR) * kpairs * NR + (size_t)(k0 / 2) * NR;
-        kernel_6x64((kc + 1) / 2, ap, rs, ks, b, C + (size_t)i * (size_t)ldc + j, ldc, mr, m,
-                    alpha, beta, first, bs ? bs + j : NULL);
+        (nv <= 32 ? kernel_6x32 : kernel_6x64)((kc + 1) / 2, ap, rs, ks, b,
+                                               C + (size_t)i * (size_t)ldc + j, ldc, mr, m,
+                                               alpha, beta, first, bs ? bs + j : NULL);
       }
     }
   }

@@ -21,6 +21,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#define MR__BGEMM_NR 64 // columns of op(B) per packed panel
+
 /* 1 when the bf16 matmul runs: the CPU has AVX512_BF16 (and AVX-512F/BW)
  * and MESHRUN_CPU_SIMD is "auto".  Decided once per process. */
 int mr__cpu_has_avx512_bf16(void);
@@ -35,12 +37,14 @@ int mr__bgemm_pack_b(bool tb, int K, int N, const float *B, int ldb, uint32_t *b
                      int p1);
 
 /* C[i, j] = alpha * sum_k bf16(op(A)[i, k]) bf16(op(B)[k, j]) + beta C[i, j]
- * (+ bias[j] when not NULL) for i in [i0, i1), j in [j0, j1), op(B)
- * packed by mr__bgemm_pack_b.  op(A) is A[M, K] (lda), or A[K, M]
- * transposed when ta.  j0 is a multiple of 64; K >= 1; beta == 0 ignores
- * C's old contents. */
+ * (+ bias[j] when not NULL) for i in [i0, i1), j in [j0, j1), op(B) the
+ * first K rows of panels packed by mr__bgemm_pack_b with kp pairs each
+ * ((K' + 1) / 2 for a K' >= K; bp may point kp0 pairs into them, so a
+ * product can start at an even row of the packed operand).  op(A) is
+ * A[M, K] (lda), or A[K, M] transposed when ta.  j0 is a multiple of 64;
+ * K >= 1; beta == 0 ignores C's old contents. */
 void mr__bgemm_block(bool ta, int K, float alpha, const float *A, int lda, const uint32_t *bp,
-                     float beta, float *C, int ldc, const float *bias, int i0, int i1, int j0,
-                     int j1);
+                     int kp, float beta, float *C, int ldc, const float *bias, int i0, int i1,
+                     int j0, int j1);
 
 #endif

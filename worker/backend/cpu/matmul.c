@@ -109,8 +109,8 @@ static int tile_task(void *arg, int task, int thread) {
   int i1 = i0 + j->mb < j->M ? i0 + j->mb : j->M;
   int j1 = j0 + j->nb < j->N ? j0 + j->nb : j->N;
   if (j->bf16)
-    mr__bgemm_block(j->ta, j->K, j->alpha, j->A, j->lda, (const uint32_t *)j->bp, j->beta,
-                    j->C, j->ldc, j->bias, i0, i1, j0, j1);
+    mr__bgemm_block(j->ta, j->K, j->alpha, j->A, j->lda, (const uint32_t *)j->bp,
+                    (j->K + 1) / 2, j->beta, j->C, j->ldc, j->bias, i0, i1, j0, j1);
   else
     mr__sgemm_block(j->ta, j->K, j->alpha, j->A, j->lda, j->bp, j->K, j->beta, j->C,
                     j->ldc, j->bias, i0, i1, j0, j1);
