@@ -279,11 +279,21 @@ static struct mr_attn_shape attn_shape(const struct mr_graph *g,
   return s;
 }
 
+/* Under bf16 on the hardware's kernel the attention products round their
+ * operands as they pack them (P and dS too); elsewhere amp rounds the
+ * inputs in a pass of their own and the products run in fp32. */
+static int attn_round(void *ctx, const struct mr_graph *g, const struct mr_op *op,
+                      struct mr_attn_shape *s, const float **src, int n) {
+  const struct mr_cpu_ctx *c = ctx;
+  s->bf16 = c->amp == MR_AMP_ROUND_BF16 && mr_cpu_has_bf16_gemm();
+  return s->bf16 ? 0 : round_inputs(ctx, g, op->in, src, n);
+}
+
 static int k_attention(void *ctx, const struct mr_graph *g,
                        const struct mr_op *op, void *const *b) {
   struct mr_attn_shape s = attn_shape(g, op, op->in[0]);
   const float *src[3] = {b[0], b[1], b[2]};
-  MR_TRY(round_inputs(ctx, g, op->in, src, 3));
+  MR_TRY(attn_round(ctx, g, op, &s, src, 3));
   return mr_cpu_attention_fwd(POOL(ctx), b[3], b[4], src[0], src[1], src[2], &s);
 }
 
@@ -292,7 +302,7 @@ static int k_attention_bwd(void *ctx, const struct mr_graph *g,
                            const struct mr_op *op, void *const *b) {
   struct mr_attn_shape s = attn_shape(g, op, op->in[1]);
   const float *src[4] = {b[0], b[1], b[2], b[3]};
-  MR_TRY(round_inputs(ctx, g, op->in, src, 4));
+  MR_TRY(attn_round(ctx, g, op, &s, src, 4));
   return mr_cpu_attention_bwd(POOL(ctx), b[6], b[7], b[8], src[0], src[1],
                               src[2], src[3], b[4], b[5], &s);
 }

@@ -189,8 +189,9 @@ static void bench_matmul_bf16(struct mr_pool *pool, int threads) {
          "%.2f ms: %.2fx, %.2fx\n", sb * 1e3, se * 1e3, sf * 1e3, se / sb, sf / sb);
 }
 
-static void bench_attention(struct mr_pool *pool, int B, int T, int H, int Hkv, int D) {
-  struct mr_attn_shape s = {.B = B, .T = T, .H = H, .Hkv = Hkv, .D = D};
+static void bench_attention(struct mr_pool *pool, int B, int T, int H, int Hkv, int D,
+                            bool bf16) {
+  struct mr_attn_shape s = {.B = B, .T = T, .H = H, .Hkv = Hkv, .D = D, .bf16 = bf16};
   size_t nq = (size_t)B * T * H * D, nk = (size_t)B * T * Hkv * D;
   float *q = randf(nq), *k = randf(nk), *v = randf(nk), *o = randf(nq), *dout = randf(nq);
   float *dq = randf(nq), *dk = randf(nk), *dv = randf(nk);
@@ -208,8 +209,8 @@ static void bench_attention(struct mr_pool *pool, int B, int T, int H, int Hkv, 
   /* causal pairs: T(T+1)/2 per (b, h); 2 products of 2D flops forward,
    * 5 backward */
   double pairs = (double)B * H * T * (T + 1) / 2;
-  printf("  attention B%d T%d H%d Hkv%d D%d: forward %.1f GFLOP/s (%.2f ms), "
-         "backward %.1f GFLOP/s (%.2f ms)\n", B, T, H, Hkv, D,
+  printf("  attention B%d T%d H%d Hkv%d D%d %s: forward %.1f GFLOP/s (%.2f ms), "
+         "backward %.1f GFLOP/s (%.2f ms)\n", B, T, H, Hkv, D, bf16 ? "bf16" : "fp32",
          4.0 * D * pairs / tf * 1e-9, tf * 1e3, 10.0 * D * pairs / tb * 1e-9, tb * 1e3);
   free(q); free(k); free(v); free(o); free(dout); free(dq); free(dk); free(dv); free(lse);
 }
@@ -470,9 +471,11 @@ int main(int argc, char **argv) {
   bench_matmul(pool, threads);
   bench_matmul_bf16(pool, threads);
   printf("attention (causal; FLOPs: 4*D per query-key pair forward, 10*D backward)\n");
-  bench_attention(pool, 8, 256, 8, 8, 32);
-  bench_attention(pool, 8, 256, 8, 2, 32);
-  bench_attention(pool, 4, 256, 8, 8, 64);
+  for (int bf16 = 0; bf16 <= mr_cpu_has_bf16_gemm(); bf16++) {
+    bench_attention(pool, 8, 256, 8, 8, 32, bf16);
+    bench_attention(pool, 8, 256, 8, 2, 32, bf16);
+    bench_attention(pool, 4, 256, 8, 8, 64, bf16);
+  }
   bench_streaming(pool);
   printf("one training step's kernels, back to back (best of %d)\n", (REPS + 1) / 2);
   bench_llama_step(pool, &(struct llama){4, 256, 688, 8, 8, 256, 8, 256});

@@ -19,6 +19,7 @@
 
 #include "common/error.h"
 #include "worker/backend/cpu/attention_gemm.h"
+#include "worker/backend/cpu/bgemm.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/backend/cpu/simd.h"
 
@@ -270,6 +271,8 @@ static int check_shape(const char *what, struct mr_attn_shape *s) {
   if (!s->ldo) s->ldo = s->H * s->D;
   if (!s->ldk) s->ldk = s->Hkv * s->D;
   if (!s->ldv) s->ldv = s->Hkv * s->D;
+  if (s->bf16 && !mr__cpu_has_avx512_bf16())
+    return mr_error_set(MR_ENOTSUP, "%s: bf16 products need AVX512_BF16", what);
   if (s->ldq < s->H * s->D || s->ldo < s->H * s->D || s->ldk < s->Hkv * s->D ||
       s->ldv < s->Hkv * s->D)
     return mr_error_set(MR_EINVAL, "%s: a row stride is shorter than its row "

@@ -9,8 +9,10 @@
  * head) over the query heads reading it: P = exp(S - lse) rebuilt,
  * dP = dO V^T, dS = P (dP - rowsum(dO o O)), dQ = scale dS K,
  * dK += scale dS^T Q, dV += P^T dO.  With AVX-512, K, V, Q and dO are
- * packed once per task.  A task owns everything it writes, and every sum
- * has a fixed order, so the result is the same for any number of
+ * packed once per task.  Under bf16 (mr_attn_shape.bf16) the products are
+ * bgemm.h's: the operands, P and dS among them, rounded to bf16 as they
+ * are packed, the sums in fp32.  A task owns everything it writes, and
+ * every sum has a fixed order, so the result is the same for any number of
  * threads. */
 #include "worker/backend/cpu/attention_gemm.h"
 
@@ -21,6 +23,7 @@
 #include <immintrin.h>
 
 #include "common/error.h"
+#include "worker/backend/cpu/bgemm.h"
 #include "worker/backend/cpu/sgemm.h"
 #include "worker/backend/cpu/simd.h"
 
@@ -35,13 +38,15 @@ struct gjob {
   const float *q, *k, *v, *dout, *co;
   struct mr_pool *pool;
   int lds;   // row stride of the score buffers (T rounded up to 16)
-  size_t kt; // floats of K^T packed (D x T), also V^T; 0 without AVX-512
-  size_t kd; // floats of a T x D operand packed; 0 without AVX-512
+  size_t kt; // floats (or bf16 pair words) of K^T packed (D x T), also V^T
+  size_t kd; // the same of a T x D operand packed; both 0 without AVX-512
   int avx512;
+  bool bf16; // bgemm.h products
 };
 
 /* The right-hand operand of a product: op(B) = raw (ld) or its transpose
- * (t), and, with AVX-512, the same packed (kp rows per panel). */
+ * (t), and, with AVX-512, the same packed (kp rows, or under bf16 kp
+ * pairs of rows, per panel). */
 struct opnd {
   const float *raw;
   int ld;
@@ -54,14 +59,25 @@ struct opnd {
 static void opnd_init(struct opnd *o, const struct gjob *j, const float *raw,
                       int ld, bool t, float *packed, int K, int N) {
   o->raw = raw, o->ld = ld, o->t = t, o->packed = packed, o->kp = K;
-  if (j->avx512)
+  if (j->bf16) {
+    o->kp = (K + 1) / 2;
+    mr__bgemm_pack_b(t, K, N, raw, ld, (uint32_t *)packed, 0,
+                     (N + MR__BGEMM_NR - 1) / MR__BGEMM_NR);
+  } else if (j->avx512) {
     mr__sgemm_pack_b(t, K, N, raw, ld, packed, 0, (N + NR - 1) / NR);
+  }
 }
 
-/* C[M, N] = alpha op(A) op(B)[k0 : k0 + K, :] + beta C, on this thread. */
+/* C[M, N] = alpha op(A) op(B)[k0 : k0 + K, :] + beta C, on this thread
+ * (k0 even under bf16: a row pair is packed as one). */
 static void mm(const struct gjob *j, bool ta, int M, int N, int K, float alpha,
                const float *A, int lda, const struct opnd *b, int k0,
                float beta, float *C, int ldc) {
+  if (j->bf16) {
+    const uint32_t *bp = (const uint32_t *)b->packed + (size_t)(k0 / 2) * MR__BGEMM_NR;
+    mr__bgemm_block(ta, K, alpha, A, lda, bp, b->kp, beta, C, ldc, NULL, 0, M, 0, N);
+    return;
+  }
   if (j->avx512) {
     mr__sgemm_block(ta, K, alpha, A, lda, b->packed + (size_t)k0 * NR, b->kp,
                     beta, C, ldc, NULL, 0, M, 0, N);
@@ -213,9 +229,15 @@ static int fwd_task(void *arg, int task, int thread) {
 
 static void sizes(struct gjob *j) {
   j->avx512 = mr__cpu_has_avx512();
+  j->bf16 = j->s.bf16; /* attention.c checked the CPU */
   j->lds = (j->s.T + 15) / 16 * 16;
-  j->kt = j->avx512 ? mr__sgemm_packed_floats(j->s.D, j->s.T) : 0;
-  j->kd = j->avx512 ? mr__sgemm_packed_floats(j->s.T, j->s.D) : 0;
+  if (j->bf16) {
+    j->kt = mr__bgemm_packed_words(j->s.D, j->s.T);
+    j->kd = mr__bgemm_packed_words(j->s.T, j->s.D);
+  } else {
+    j->kt = j->avx512 ? mr__sgemm_packed_floats(j->s.D, j->s.T) : 0;
+    j->kd = j->avx512 ? mr__sgemm_packed_floats(j->s.T, j->s.D) : 0;
+  }
 }
 
 int mr__attention_fwd_gemm(struct mr_pool *pool, float *o, float *lse,

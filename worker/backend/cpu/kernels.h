@@ -169,6 +169,11 @@ struct mr_attn_shape {
                           // q and o, Hkv*D for k and v (a fused qkv buffer
                           // [B, T, (H+2Hkv)*D] is q, k, v with ld = that width)
   float scale;     // score scale, usually 1/sqrt(D); 0 means 1/sqrt(D)
+  bool bf16;       // the products of --amp bf16 on AVX512_BF16: every operand
+                   // (q, k, v, do and the probabilities and score gradients
+                   // between them) rounded to bf16 as it is packed, sums,
+                   // softmax and lse in fp32; MR_ENOTSUP where
+                   // mr_cpu_has_bf16_gemm() is 0
 };
 
 /* o = softmax(scale * q k^T, causal) v per (batch, head), query head h reading
