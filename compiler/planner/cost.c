@@ -219,11 +219,11 @@ static void layer_times(const struct mr_workload *w, const struct mr_cluster *c,
   double kv = (double)m->num_key_value_heads * d;
   double T = b * S;
   double n_up = m->family == MR_MODEL_LLAMA ? 2.0 : 1.0;
-  /* CPU ranks (the host is the device) run attention's products in fp32
-   * kernels whatever the amp type: only their matmuls have bf16 kernels */
-  enum mr_amp_dtype dt_att = c->host_is_device ? MR_AMP_FP32 : dt;
-  double g_att = mr_cost_gemm_time(c, dt_att, b * a / t, S, S, d) +
-                 mr_cost_gemm_time(c, dt_att, b * a / t, S, d, S);
+  /* attention's products run at the amp type's rate, on CPU ranks too:
+   * with AVX512_BF16 they are bf16 products, without it calibration gives
+   * bf16 fp32's peak */
+  double g_att = mr_cost_gemm_time(c, dt, b * a / t, S, S, d) +
+                 mr_cost_gemm_time(c, dt, b * a / t, S, d, S);
   double gemm = mr_cost_gemm_time(c, dt, 1, T, (h + 2 * kv) / t, h) + g_att +
                 mr_cost_gemm_time(c, dt, 1, T, h, h / t) +
                 mr_cost_gemm_time(c, dt, 1, T, n_up * f / t, h) +
