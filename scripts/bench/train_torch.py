@@ -2,10 +2,16 @@
 """train_torch.py - the peer for scripts/bench/train: the same LLaMA
 (rotate-half RoPE, grouped-query attention, SwiGLU, RMSNorm, untied head),
 the same batch shape, AdamW with torch defaults and lr 1e-3, clipping at
-1.0, float32, written directly in PyTorch.
+1.0, written directly in PyTorch, in the configurations a user picks:
+
+  eager         float32, attention written out (softmax(q k^T + mask) v)
+  sdpa          float32, F.scaled_dot_product_attention(is_causal=True)
+  bf16-sdpa     the same under torch.autocast("cpu", torch.bfloat16)
+  bf16-compile  the same, the model wrapped in torch.compile
 
   train_torch.py TOKENS.bin --hidden H --layers L --heads A --inter I
                  [--seq 256] [--batch 8] [--steps 12] [--threads 2]
+                 [--mode eager|sdpa|bf16-sdpa|bf16-compile]
 
 Prints `summary tokens_per_s=.. gflops=.. loss_first=.. loss_last=..`,
 tokens/s the median over steps after the first two (warm-up)."""
@@ -26,7 +32,11 @@ p.add_argument("--seq", type=int, default=256)
 p.add_argument("--batch", type=int, default=8)
 p.add_argument("--steps", type=int, default=12)
 p.add_argument("--threads", type=int, default=2)
+p.add_argument("--mode", default="eager",
+               choices=["eager", "sdpa", "bf16-sdpa", "bf16-compile"])
 a = p.parse_args()
+sdpa = a.mode != "eager"
+autocast = a.mode.startswith("bf16")
 torch.set_num_threads(a.threads)
 torch.manual_seed(0)
 kvh = a.kv_heads or a.heads
@@ -61,8 +71,12 @@ class Layer(torch.nn.Module):
         if kvh != H:
             k = k.repeat_interleave(H // kvh, dim=1)
             v = v.repeat_interleave(H // kvh, dim=1)
-        s = (q @ k.transpose(-1, -2)) / math.sqrt(D) + mask
-        o = (torch.softmax(s, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)
+        if sdpa:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            s = (q @ k.transpose(-1, -2)) / math.sqrt(D) + mask
+            o = torch.softmax(s, dim=-1) @ v
+        o = o.transpose(1, 2).reshape(B, T, C)
         x = x + self.o(o)
         h = rms(x, self.n2)
         return x + self.d(F.silu(self.g(h)) * self.u(h))
@@ -98,6 +112,7 @@ with open(a.tokens, "rb") as f:
 raw = torch.tensor(buf[512:], dtype=torch.int64)  # after the llm.c header
 model = Model()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+forward = torch.compile(model) if a.mode == "bf16-compile" else model
 rng = random.Random(0)
 times, losses = [], []
 for step in range(a.steps):
@@ -105,7 +120,8 @@ for step in range(a.steps):
     ids = torch.stack([raw[o:o + T] for o in off])
     tgt = torch.stack([raw[o + 1:o + T + 1] for o in off])
     t0 = time.perf_counter()
-    loss = model(ids, tgt)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = forward(ids, tgt)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -115,5 +131,5 @@ for step in range(a.steps):
 mm = a.layers * (C * H * D * 2 + 2 * C * kvh * D + 3 * C * a.inter) + C * a.vocab
 flops = 6 * mm * B * T + 12 * a.layers * B * T * T * C  # + attention scores, values
 tps = B * T / statistics.median(times[2:])
-print("summary tokens_per_s=%.1f gflops=%.2f loss_first=%.4f loss_last=%.4f"
-      % (tps, flops / (B * T) * tps / 1e9, losses[0], losses[-1]))
+print("summary tokens_per_s=%.1f gflops=%.2f loss_first=%.4f loss_last=%.4f torch=%s"
+      % (tps, flops / (B * T) * tps / 1e9, losses[0], losses[-1], torch.__version__))
