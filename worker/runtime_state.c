@@ -51,12 +51,12 @@ static void init_param(struct mr_runtime *rt, const struct mr_param_plan *pp, fl
     dst[c] = t->init == MR_INIT_ONES ? 1.0f : 0.0f;
 }
 
-static int load_param(struct mr_runtime *rt, struct mr_st_file *f, const struct mr_param_plan *pp,
-                      float *dst) {
+static int load_param(struct mr_runtime *rt, struct mr_weights_src *src,
+                      const struct mr_param_plan *pp, float *dst) {
   const struct mr_tensor *t = &rt->L->model.graph.tensors[pp->tensor];
-  const struct mr_st_tensor *s = mr_st_find(f, t->name);
-  if (!s)
-    return mr_error_set(MR_EFORMAT, "%s: tensor %s: missing", mr_st_path(f), t->name);
+  const struct mr_st_tensor *s;
+  struct mr_st_file *f;
+  MR_TRY(mr_weights_src_find(src, t->name, &s, &f));
   if (!mr_weights_file_matches(s, t))
     return mr_error_set(MR_EFORMAT, "%s: tensor %s: shape does not match the model config",
                         mr_st_path(f), t->name);
@@ -69,17 +69,10 @@ static int load_param(struct mr_runtime *rt, struct mr_st_file *f, const struct 
 /* The parameters' first values, through a host buffer. */
 int mr__rt_init_params(struct mr_runtime *rt) {
   const char *init = rt->job->train.init;
-  struct mr_st_file *f = NULL;
+  struct mr_weights_src src, *f = NULL;
   if (init != NULL && strcmp(init, "random") != 0) {
-    char full[4096];
-    snprintf(full, sizeof full, "%s/model.safetensors", init);
-    FILE *probe = fopen(full, "rb");
-    if (probe != NULL) {
-      fclose(probe);
-      MR_TRY(mr_st_open(full, &f));
-    } else {
-      MR_TRY(mr_st_open(init, &f));
-    }
+    MR_TRY(mr_weights_src_open(init, &src));
+    f = &src;
   }
   int rc = 0;
   int threads = init_threads();
@@ -108,7 +101,8 @@ int mr__rt_init_params(struct mr_runtime *rt) {
     }
     free(host);
   }
-  mr_st_free(f);
+  if (f)
+    mr_weights_src_close(f);
   return rc;
 }
 

@@ -16,8 +16,34 @@
  * same weights), ones, or zeros. */
 void mr_weights_init(const struct mr_model *m, struct mr_exec *x, uint64_t seed);
 
-/* Loads every parameter from path: a .safetensors file, or a folder holding
- * model.safetensors.  Any float dtype converts to float32.  A tensor
+/* Weights as the hub ships them: a .safetensors file; a folder holding
+ * model.safetensors; or a folder holding model.safetensors.index.json and
+ * the shards it names (opened on first use).  A tensor is found under its
+ * meshrun (Hugging Face) name or the same without, or with, the base
+ * model's prefix ("transformer." for GPT-2, "model." for LLaMA), as
+ * checkpoints of the bare base model (GPT2Model, LlamaModel) name them. */
+struct mr_weights_src {
+  char *dir;                 // the folder (sharded), or NULL
+  struct mr_st_file *single; // one file, or NULL when sharded
+  struct mr_st_index *index; // sharded: tensor -> shard
+  struct mr_st_file **shards;
+  char **shard_names;
+  int n_shards;
+};
+
+/* Opens path (any of the three forms).  A missing file, a malformed index
+ * or a shard name that is not a file in the folder is an error naming the
+ * file. */
+int mr_weights_src_open(const char *path, struct mr_weights_src *s);
+void mr_weights_src_close(struct mr_weights_src *s);
+
+/* The tensor of parameter `name` (aliases as above) and the file holding
+ * it, or MR_EFORMAT "FILE: tensor NAME: missing". */
+int mr_weights_src_find(struct mr_weights_src *s, const char *name,
+                        const struct mr_st_tensor **t, struct mr_st_file **f);
+
+/* Loads every parameter from path (mr_weights_src_open's forms).  Any float
+ * dtype converts to float32.  A tensor
  * missing or of the wrong shape is MR_EFORMAT naming the file and tensor;
  * tensors the model does not have (lm_head.weight of a tied model,
  * attention mask buffers) are ignored. */
