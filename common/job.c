@@ -466,14 +466,21 @@ static void set_defaults(struct mr_job *job) {
   job->checkpoint.keep_last = 3;
 }
 
+cJSON *mr_job_model_object(const struct mr_job *job) {
+  if (job->model_json != NULL)
+    return cJSON_Parse(job->model_json);
+  char *text = mr_model_config_to_json(&job->model); /* a job built in code */
+  cJSON *o = text ? cJSON_Parse(text) : NULL;
+  free(text);
+  return o ? o : cJSON_CreateNull();
+}
+
 static cJSON *job_to_json(const struct mr_job *job, const cJSON *src) {
   cJSON *out = cJSON_Duplicate(src, 1);
   if (out == NULL)
     return NULL;
-  char *model = mr_model_config_to_json(&job->model);
   cJSON_DeleteItemFromObjectCaseSensitive(out, "model");
-  cJSON_AddItemToObject(out, "model", model ? cJSON_Parse(model) : cJSON_CreateNull());
-  free(model);
+  cJSON_AddItemToObject(out, "model", mr_job_model_object(job));
   cJSON *data = cJSON_GetObjectItemCaseSensitive(out, "data");
   cJSON_DeleteItemFromObjectCaseSensitive(data, "train");
   cJSON_AddStringToObject(data, "train", job->data_train);
@@ -526,13 +533,19 @@ int mr_job_parse(const char *text, const char *name, const char *dir,
     mr_jv_error(&jv, "", "model", "missing (a Hugging Face config.json path, or the object)");
   } else if (cJSON_IsString(model)) {
     job->model_path = resolve(job->dir, model->valuestring);
-    if (mr_model_config_load(job->model_path, &job->model) < 0)
+    cJSON *obj = NULL;
+    if (mr_model_config_load_json(job->model_path, &job->model, &obj) < 0)
       mr_jv_error(&jv, "", "model", "%s", mr_error_message());
+    else
+      job->model_json = cJSON_PrintUnformatted(obj);
+    cJSON_Delete(obj);
   } else if (cJSON_IsObject(model)) {
     char where[512];
     snprintf(where, sizeof where, "%s: model", name);
     if (mr_model_config_parse(model, where, &job->model) < 0)
       mr_jv_error(&jv, "", "model", "%s", mr_error_message());
+    else
+      job->model_json = cJSON_PrintUnformatted(model);
   } else {
     char shown[96];
     mr_jv_error(&jv, "", "model", "expected a path or an object, got %s",
@@ -637,6 +650,7 @@ void mr_job_close(struct mr_job *job) {
   free(job->path);
   free(job->dir);
   free(job->model_path);
+  cJSON_free(job->model_json);
   free(job->data_train);
   free(job->data_val);
   free(job->train.init);

@@ -94,6 +94,9 @@ struct mr_job {
   char *path;                   // the job file as given
   char *dir;                    // its folder, for relative paths
   char *model_path;             // NULL when the model is inline
+  char *model_json;             // the model's config object as given (every
+                                // field, those meshrun does not read too):
+                                // what workers, checkpoints and export carry
   struct mr_model_config model;
   char *data_train;             // resolved path
   char *data_val;               // resolved path or NULL
@@ -122,6 +125,11 @@ int mr_job_parse(const char *text, const char *name, const char *dir,
  * what (e.g. "--trace-steps"; NULL: nothing) and the value. */
 int mr_job_steps_range(const char *what, const char *text, int64_t steps, int64_t *first,
                        int64_t *last);
+
+/* The model's config object as the job gave it (model_json), or, for a
+ * job built in code, the one mr_model_config_to_json writes.  The caller's
+ * (cJSON_Delete). */
+struct cJSON *mr_job_model_object(const struct mr_job *job);
 
 /* Frees everything job owns.  A zeroed job is fine. */
 void mr_job_close(struct mr_job *job);

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "common/error.h"
 #include "common/jsonv.h"
@@ -253,9 +254,27 @@ done:;
 
 int mr_model_config_load(const char *path, struct mr_model_config *out) {
   cJSON *obj;
+  int rc = mr_model_config_load_json(path, out, &obj);
+  cJSON_Delete(obj);
+  return rc;
+}
+
+int mr_model_config_load_json(const char *path, struct mr_model_config *out, cJSON **obj_out) {
+  *obj_out = NULL;
+  struct stat st;
+  char file[4096];
+  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) { /* a Hugging Face model folder */
+    if (snprintf(file, sizeof file, "%s/config.json", path) >= (int)sizeof file)
+      return mr_error_set(MR_EINVAL, "%s: path too long", path);
+    path = file;
+  }
+  cJSON *obj;
   MR_TRY(mr_json_load(path, &obj));
   int rc = mr_model_config_parse(obj, path, out);
-  cJSON_Delete(obj);
+  if (rc < 0)
+    cJSON_Delete(obj);
+  else
+    *obj_out = obj;
   return rc;
 }
 

@@ -38,8 +38,13 @@ struct mr_model_config {
 int mr_model_config_parse(const struct cJSON *obj, const char *where,
                           struct mr_model_config *out);
 
-/* Reads and parses a config.json file. */
+/* Reads and parses a config.json file, or the one in a model folder. */
 int mr_model_config_load(const char *path, struct mr_model_config *out);
+
+/* The same, and the file's object in *obj (the caller's, cJSON_Delete;
+ * NULL on an error). */
+int mr_model_config_load_json(const char *path, struct mr_model_config *out,
+                              struct cJSON **obj);
 
 /* Writes the config as Hugging Face config.json text (malloc'd). */
 char *mr_model_config_to_json(const struct mr_model_config *cfg);

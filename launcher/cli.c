@@ -2,6 +2,7 @@
 #include "launcher/cli.h"
 
 #include <cjson/cJSON.h>
+#include <ctype.h>
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>
@@ -44,6 +45,34 @@ int mr_cli_num(const char *cmd, const char *flag, const char *value, double min,
   }
   *out = v;
   return 0;
+}
+
+int mr_parse_bytes(const char *value, uint64_t *out) {
+  static const struct {
+    const char *unit;
+    double scale;
+  } units[] = {{"", 1},           {"B", 1},      {"KB", 1e3},         {"MB", 1e6},
+               {"GB", 1e9},       {"TB", 1e12},  {"KIB", 1024.0},     {"MIB", 1048576.0},
+               {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
+  char *end;
+  errno = 0;
+  double v = strtod(value, &end);
+  if (end == value || errno != 0 || !(v >= 0))
+    return MR_EINVAL;
+  char unit[8];
+  size_t n = strlen(end);
+  if (n >= sizeof unit)
+    return MR_EINVAL;
+  for (size_t i = 0; i <= n; i++)
+    unit[i] = (char)toupper((unsigned char)end[i]);
+  for (size_t i = 0; i < sizeof units / sizeof *units; i++) {
+    double b = v * units[i].scale;
+    if (strcmp(unit, units[i].unit) == 0 && b < 1.8e19) {
+      *out = (uint64_t)b;
+      return 0;
+    }
+  }
+  return MR_EINVAL;
 }
 
 int mr_cli_host_port(const char *value, char *host, unsigned long hn, int *port) {

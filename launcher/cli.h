@@ -4,6 +4,8 @@
 #ifndef MR_CLI_H
 #define MR_CLI_H
 
+#include <stdint.h>
+
 #include <stddef.h>
 
 int mr_cmd_launch(int argc, char **argv);
@@ -31,6 +33,12 @@ int mr_cli_int(const char *cmd, const char *flag, const char *value, long min, l
 /* Parses a number flag value in [min, max]. */
 int mr_cli_num(const char *cmd, const char *flag, const char *value, double min,
                double max, double *out);
+
+/* Parses a byte count: a whole number of bytes, or a number with a unit
+ * as transformers writes max_shard_size ("5GB", "500MB", "100KB", powers of
+ * 1000; "2GiB", "512MiB", "64KiB", powers of 1024; "B" or none: bytes).
+ * Returns 0, or MR_EINVAL (nothing printed). */
+int mr_parse_bytes(const char *value, uint64_t *out);
 
 /* Splits "HOST:PORT" (a name or address, an IPv6 one bracketed; port
  * 1..65535) into host[hn] (brackets removed) and *port.  Returns 0 or

@@ -142,9 +142,7 @@ static char *index_text(const struct mr_ckpt_saver *s, const struct mr_lowered *
   mr_mesh_format(&L->mesh, mesh, sizeof mesh);
   cJSON_AddStringToObject(o, "stage_mesh", mesh);
   cJSON_AddNumberToObject(o, "seed", (double)s->job->train.seed);
-  char *model = mr_model_config_to_json(&s->job->model);
-  cJSON_AddItemToObject(o, "model", model != NULL ? cJSON_Parse(model) : cJSON_CreateNull());
-  free(model);
+  cJSON_AddItemToObject(o, "model", mr_job_model_object(s->job));
   cJSON_AddNumberToObject(o, "data_position_step", (double)s->step);
   cJSON *ls = cJSON_AddObjectToObject(o, "loss_scaler");
   cJSON_AddNumberToObject(ls, "scale", s->scaler.scale);
