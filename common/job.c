@@ -608,6 +608,9 @@ int mr_job_parse(const char *text, const char *name, const char *dir,
                 "expected at most the model's n_positions (%lld), got %lld",
                 (long long)job->model.max_position_embeddings,
                 (long long)job->train.seq_len);
+  if (jv.n_errors == 0 && mr_model_check_seq(&job->model, job->train.seq_len) < 0)
+    mr_jv_error(&jv, "train", "seq_len", "%lld: the model's %s", (long long)job->train.seq_len,
+                mr_error_message());
   if (jv.n_errors == 0 && job->strategy.n_chunk_layers > 0) {
     int64_t sum = 0;
     for (int i = 0; i < job->strategy.n_chunk_layers; i++)

@@ -17,23 +17,27 @@
 static const struct family {
   const char *type, *arch;
   enum mr_model_family family;
+  enum mr_model_arch id;
 } families[] = {
-    {"llama", "LlamaForCausalLM", MR_MODEL_LLAMA},
-    {"gpt2", "GPT2LMHeadModel", MR_MODEL_GPT2},
+    {"llama", "LlamaForCausalLM", MR_MODEL_LLAMA, MR_ARCH_LLAMA},
+    {"gpt2", "GPT2LMHeadModel", MR_MODEL_GPT2, MR_ARCH_GPT2},
+    {"qwen2", "Qwen2ForCausalLM", MR_MODEL_LLAMA, MR_ARCH_QWEN2},
+    {"mistral", "MistralForCausalLM", MR_MODEL_LLAMA, MR_ARCH_MISTRAL},
 };
 static const char *const not_built[][2] = {
-    {"qwen2", "Qwen2ForCausalLM"},     {"qwen3", "Qwen3ForCausalLM"},
-    {"mistral", "MistralForCausalLM"}, {"mixtral", "MixtralForCausalLM"},
+    {"qwen3", "Qwen3ForCausalLM"},     {"mixtral", "MixtralForCausalLM"},
     {"gemma", "GemmaForCausalLM"},     {"gemma2", "Gemma2ForCausalLM"},
     {"gemma3_text", "Gemma3ForCausalLM"}, {"phi3", "Phi3ForCausalLM"},
     {"olmo2", "Olmo2ForCausalLM"},     {"gpt_neox", "GPTNeoXForCausalLM"},
 };
-#define SUPPORTED "supported: model_type \"llama\" (LlamaForCausalLM), \"gpt2\" (GPT2LMHeadModel)"
+#define SUPPORTED                                                                          \
+  "supported: model_type \"llama\" (LlamaForCausalLM), \"qwen2\" (Qwen2ForCausalLM), "      \
+  "\"mistral\" (MistralForCausalLM), \"gpt2\" (GPT2LMHeadModel)"
 
 /* The family config obj describes: model_type and architectures[0], where
  * given, must name the same built one. */
 static int detect_family(struct mr_jv *jv, const cJSON *obj,
-                         enum mr_model_family *family) {
+                         enum mr_model_family *family, enum mr_model_arch *id) {
   const cJSON *arch = cJSON_GetObjectItemCaseSensitive(obj, "architectures");
   const cJSON *type = cJSON_GetObjectItemCaseSensitive(obj, "model_type");
   const char *a = NULL, *t = NULL;
@@ -60,6 +64,7 @@ static int detect_family(struct mr_jv *jv, const cJSON *obj,
                          ta ? f->arch : f->type),
              -1;
     *family = f->family;
+    *id = f->id;
     return 0;
   }
   for (size_t i = 0; i < sizeof not_built / sizeof *not_built; i++)
@@ -151,6 +156,37 @@ static void expect_absent(struct mr_jv *jv, const cJSON *obj, const char *key,
     mr_jv_error(jv, "", key, "not supported (%s)", why);
 }
 
+/* What Qwen2 and Mistral change in the LLaMA graph: q/k/v biases (Qwen2
+ * always; LLaMA's attention_bias adds o_proj's), and the sliding window
+ * (Mistral's sliding_window; Qwen2's where use_sliding_window). */
+static void read_variant(struct mr_jv *jv, const cJSON *obj, struct mr_model_config *c) {
+  if (c->arch == MR_ARCH_LLAMA) {
+    int bias = 0;
+    mr_jv_bool(jv, obj, "", "attention_bias", &bias);
+    c->qkv_bias = c->o_bias = bias;
+  }
+  if (c->arch == MR_ARCH_QWEN2)
+    c->qkv_bias = 1;
+  expect_absent(jv, obj, "mlp_bias", "the MLP projections have no bias");
+  int slide = c->arch == MR_ARCH_MISTRAL;
+  if (c->arch == MR_ARCH_QWEN2)
+    mr_jv_bool(jv, obj, "", "use_sliding_window", &slide);
+  const cJSON *w = cJSON_GetObjectItemCaseSensitive(obj, "sliding_window");
+  if (slide && w != NULL && !cJSON_IsNull(w))
+    mr_jv_int(jv, obj, "", "sliding_window", 1, BIG, &c->sliding_window);
+}
+
+int mr_model_check_seq(const struct mr_model_config *cfg, int64_t seq_len) {
+  if (cfg->sliding_window > 0 && seq_len > cfg->sliding_window)
+    return mr_error_set(MR_ENOTSUP,
+                        "sliding_window: %lld, shorter than the sequence (%lld): sliding-window "
+                        "attention is not built (sequences of at most %lld tokens are full "
+                        "causal attention, and are)",
+                        (long long)cfg->sliding_window, (long long)seq_len,
+                        (long long)cfg->sliding_window);
+  return 0;
+}
+
 int mr_model_config_parse(const cJSON *obj, const char *where,
                           struct mr_model_config *out) {
   struct mr_jv jv;
@@ -161,7 +197,7 @@ int mr_model_config_parse(const cJSON *obj, const char *where,
     mr_jv_error(&jv, "", NULL, "expected a JSON object");
     goto done;
   }
-  if (detect_family(&jv, obj, &c.family) < 0)
+  if (detect_family(&jv, obj, &c.family, &c.arch) < 0)
     goto done;
   static const char *const llama_shape[] = {"vocab_size", "hidden_size", "intermediate_size",
                                             "num_hidden_layers", "num_attention_heads", NULL};
@@ -195,15 +231,15 @@ int mr_model_config_parse(const cJSON *obj, const char *where,
     read_rope(&jv, obj, &c.rope_theta);
     mr_jv_bool(&jv, obj, "", "tie_word_embeddings", &c.tie_word_embeddings);
     expect_string(&jv, obj, "hidden_act", "silu");
-    expect_absent(&jv, obj, "attention_bias", "LLaMA projections have no bias");
-    expect_absent(&jv, obj, "mlp_bias", "LLaMA projections have no bias");
+    read_variant(&jv, obj, &c);
     if (c.num_attention_heads > 0 && c.num_key_value_heads > 0 &&
         c.num_attention_heads % c.num_key_value_heads != 0)
       mr_jv_error(&jv, "", "num_key_value_heads",
                   "expected a divisor of num_attention_heads (%lld), got %lld",
                   (long long)c.num_attention_heads, (long long)c.num_key_value_heads);
     int64_t head_dim;
-    if (c.hidden_size % c.num_attention_heads == 0 &&
+    const cJSON *hd = cJSON_GetObjectItemCaseSensitive(obj, "head_dim");
+    if (hd != NULL && !cJSON_IsNull(hd) && c.hidden_size % c.num_attention_heads == 0 &&
         mr_jv_int(&jv, obj, "", "head_dim", 1, BIG, &head_dim) == 1 &&
         head_dim != c.hidden_size / c.num_attention_heads)
       mr_jv_error(&jv, "", "head_dim", "expected hidden_size / num_attention_heads = %lld",
@@ -283,9 +319,21 @@ char *mr_model_config_to_json(const struct mr_model_config *c) {
   if (o == NULL)
     return NULL;
   if (c->family == MR_MODEL_LLAMA) {
+    const struct family *f = &families[0];
+    for (size_t i = 0; i < sizeof families / sizeof *families; i++)
+      if (families[i].id == c->arch)
+        f = &families[i];
     cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
-    cJSON_AddItemToArray(arch, cJSON_CreateString("LlamaForCausalLM"));
-    cJSON_AddStringToObject(o, "model_type", "llama");
+    cJSON_AddItemToArray(arch, cJSON_CreateString(f->arch));
+    cJSON_AddStringToObject(o, "model_type", f->type);
+    if (c->arch == MR_ARCH_LLAMA)
+      cJSON_AddBoolToObject(o, "attention_bias", c->qkv_bias);
+    if (c->arch == MR_ARCH_QWEN2)
+      cJSON_AddBoolToObject(o, "use_sliding_window", c->sliding_window > 0);
+    if (c->sliding_window > 0)
+      cJSON_AddNumberToObject(o, "sliding_window", (double)c->sliding_window);
+    else if (c->arch == MR_ARCH_MISTRAL)
+      cJSON_AddNullToObject(o, "sliding_window");
     cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
     cJSON_AddNumberToObject(o, "hidden_size", (double)c->hidden_size);
     cJSON_AddNumberToObject(o, "intermediate_size", (double)c->intermediate_size);
@@ -329,7 +377,8 @@ int64_t mr_model_param_count(const struct mr_model_config *c) {
   int64_t kv = c->num_key_value_heads * d;
   if (c->family == MR_MODEL_LLAMA) {
     int64_t layer = h * h /* q */ + 2 * h * kv /* k, v */ + h * h /* o */ +
-                    3 * h * f /* gate, up, down */ + 2 * h /* norms */;
+                    3 * h * f /* gate, up, down */ + 2 * h /* norms */ +
+                    (c->qkv_bias ? h + 2 * kv : 0) + (c->o_bias ? h : 0);
     return v * h * (c->tie_word_embeddings ? 1 : 2) + l * layer + h;
   }
   int64_t layer = 4 * h /* ln_1, ln_2 */ + 3 * h * h + 3 * h /* c_attn */ +

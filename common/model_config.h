@@ -17,8 +17,18 @@ enum mr_model_family {
   MR_MODEL_GPT2 = 1,  // GPT2LMHeadModel: LayerNorm, learned positions, GELU
 };
 
+/* The transformers class a config names; Qwen2 and Mistral are the LLaMA
+ * family's graph with their differences as fields (biases, window). */
+enum mr_model_arch {
+  MR_ARCH_LLAMA = 0,   // LlamaForCausalLM
+  MR_ARCH_GPT2 = 1,    // GPT2LMHeadModel
+  MR_ARCH_QWEN2 = 2,   // Qwen2ForCausalLM: biases on q, k, v
+  MR_ARCH_MISTRAL = 3, // MistralForCausalLM: a sliding attention window
+};
+
 struct mr_model_config {
   enum mr_model_family family;
+  enum mr_model_arch arch;
   int64_t vocab_size;
   int64_t hidden_size;          // GPT-2: n_embd
   int64_t intermediate_size;    // GPT-2: 4 * n_embd unless n_inner
@@ -31,6 +41,12 @@ struct mr_model_config {
   double rope_theta;            // LLaMA
   double initializer_range;
   int tie_word_embeddings;      // LLaMA default 0; GPT-2 always 1
+  int qkv_bias;                 // q, k, v projections have biases (Qwen2;
+                                // LLaMA's attention_bias)
+  int o_bias;                   // o_proj has one (LLaMA's attention_bias)
+  int64_t sliding_window;       // Mistral, Qwen2 with use_sliding_window: a
+                                // query sees at most this many keys; 0: all.
+                                // Only sequences within it are built
 };
 
 /* Parses a config object; `where` names it in errors (a file path, or
@@ -51,6 +67,11 @@ char *mr_model_config_to_json(const struct mr_model_config *cfg);
 
 /* Head dimension: hidden_size / num_attention_heads. */
 int64_t mr_model_head_dim(const struct mr_model_config *cfg);
+
+/* 0 when sequences of seq_len tokens are built for cfg, else MR_ENOTSUP
+ * naming sliding_window (sliding-window attention is not built; within the
+ * window it is full causal attention). */
+int mr_model_check_seq(const struct mr_model_config *cfg, int64_t seq_len);
 
 /* Number of parameters (embedding counted once when tied). */
 int64_t mr_model_param_count(const struct mr_model_config *cfg);

@@ -63,6 +63,18 @@ static int linear(struct mr_graph *g, int x, int w, const char *name,
   return op(g, MR_OP_MATMUL, name, layer, x, w, -1, a, NULL);
 }
 
+/* x W^T (+ b): a projection, with its bias when the config has one. */
+static int proj(struct mr_graph *g, int x, int w, int has_bias, int64_t out, const char *bias_fmt,
+                const char *name, int layer) {
+  if (!has_bias)
+    return linear(g, x, w, name, layer);
+  int b = param1(g, MR_INIT_ZEROS, out, bias_fmt, layer);
+  if (b < 0)
+    return b;
+  double a[MR_OP_MAX_ATTR] = {0, 1};
+  return op(g, MR_OP_MATMUL, name, layer, x, w, b, a, NULL);
+}
+
 static int build_llama(struct mr_model *m) {
   struct mr_graph *g = &m->graph;
   const struct mr_model_config *c = &m->cfg;
@@ -91,15 +103,17 @@ static int build_llama(struct mr_model *m) {
     CK(ln1 | wq | wk | wv | wo | ln2 | wg | wu | wd);
     int h = op(g, MR_OP_RMSNORM, "L%d.ln1", l, x, ln1, -1, rms, NULL);
     CK(h);
-    int q = linear(g, h, wq, "L%d.q", l), k = linear(g, h, wk, "L%d.k", l);
-    int v = linear(g, h, wv, "L%d.v", l);
+    int qb = c->qkv_bias;
+    int q = proj(g, h, wq, qb, H * D, "model.layers.%d.self_attn.q_proj.bias", "L%d.q", l);
+    int k = proj(g, h, wk, qb, KH * D, "model.layers.%d.self_attn.k_proj.bias", "L%d.k", l);
+    int v = proj(g, h, wv, qb, KH * D, "model.layers.%d.self_attn.v_proj.bias", "L%d.v", l);
     CK(q | k | v);
     q = op(g, MR_OP_ROPE, "L%d.q_rope", l, q, -1, -1, rq, NULL);
     k = op(g, MR_OP_ROPE, "L%d.k_rope", l, k, -1, -1, rk, NULL);
     CK(q | k);
     int o = op(g, MR_OP_ATTENTION, "L%d.attn", l, q, k, v, at, NULL);
     CK(o);
-    int a = linear(g, o, wo, "L%d.o", l);
+    int a = proj(g, o, wo, c->o_bias, C, "model.layers.%d.self_attn.o_proj.bias", "L%d.o", l);
     CK(a);
     x = op(g, MR_OP_ADD, "L%d.res1", l, x, a, -1, NULL, NULL);
     CK(x);
@@ -230,6 +244,7 @@ int mr_model_build_loss(const struct mr_model_config *cfg, int64_t batch,
                         "positive and seq <= max_position_embeddings (%lld)",
                         (long long)batch, (long long)seq,
                         (long long)cfg->max_position_embeddings);
+  MR_TRY(mr_model_check_seq(cfg, seq));
   if (cfg->num_attention_heads < 1 || cfg->num_key_value_heads < 1 ||
       cfg->hidden_size % cfg->num_attention_heads ||
       cfg->num_attention_heads % cfg->num_key_value_heads)

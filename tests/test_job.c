@@ -280,13 +280,14 @@ START_TEST(test_model_config_errors_name_key) {
        "num_attention_heads: expected a divisor of the hidden size (64), got 5"},
       {"", "num_key_value_heads: expected a divisor of num_attention_heads (4), got 3"},
       {"{\"model_type\": \"bert\"}", "model_type: unknown model \"bert\"; supported: model_type "
-       "\"llama\" (LlamaForCausalLM), \"gpt2\" (GPT2LMHeadModel)"},
+       "\"llama\" (LlamaForCausalLM), \"qwen2\" (Qwen2ForCausalLM), \"mistral\" "
+       "(MistralForCausalLM), \"gpt2\" (GPT2LMHeadModel)"},
       {"{\"model_type\": \"bert\", \"architectures\": [\"LlamaForCausalLM\"]}",
        "model_type: \"bert\" does not go with architectures \"LlamaForCausalLM\" (expected \"llama\")"},
-      {"{\"model_type\": \"qwen2\", \"architectures\": [\"Qwen2ForCausalLM\"]}",
-       "model_type: \"qwen2\" (Qwen2ForCausalLM) is not built in meshrun; supported:"},
-      {"{\"architectures\": [\"MistralForCausalLM\"]}",
-       "architectures: \"MistralForCausalLM\" (MistralForCausalLM) is not built"},
+      {"{\"model_type\": \"gemma\", \"architectures\": [\"GemmaForCausalLM\"]}",
+       "model_type: \"gemma\" (GemmaForCausalLM) is not built in meshrun; supported:"},
+      {"{\"architectures\": [\"MixtralForCausalLM\"]}",
+       "architectures: \"MixtralForCausalLM\" (MixtralForCausalLM) is not built"},
       {"", "hidden_act: only \"silu\" is supported, got \"gelu\""},
       {"{\"model_type\": \"gpt2\", \"n_embd\": \"big\"}", "n_embd: expected a positive integer, got \"big\""},
       {"{\"model_type\": \"llama\", \"num_attention_heads\": 4}",
@@ -377,6 +378,63 @@ START_TEST(test_model_config_llama_param_count) {
                                 " \"data\": {\"train\": \"t\"}}", "j.json", ".", &job), 0);
   ck_assert_int_eq(mr_model_param_count(&job.model), 6738415616LL);
   mr_job_close(&job);
+}
+END_TEST
+
+/* configs/models/hub: the configs of public models, each read as its
+ * class and giving the parameter count published for it (SmolLM2-135M's
+ * 134,515,008; Qwen2.5-0.5B's 494,032,768, its q/k/v biases included;
+ * Mistral-7B's 7,241,732,096; GPT-2's 124,439,808). */
+START_TEST(test_model_config_hub_configs) {
+  static const struct {
+    const char *file;
+    enum mr_model_arch arch;
+    int64_t params;
+    int qkv_bias;
+    int64_t window;
+  } hub[] = {{"smollm2-135m.json", MR_ARCH_LLAMA, 134515008LL, 0, 0},
+             {"qwen2.5-0.5b.json", MR_ARCH_QWEN2, 494032768LL, 1, 0},
+             {"mistral-7b-v0.1.json", MR_ARCH_MISTRAL, 7241732096LL, 0, 4096},
+             {"gpt2-124m.json", MR_ARCH_GPT2, 124439808LL, 0, 0}};
+  for (size_t i = 0; i < sizeof hub / sizeof *hub; i++) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/configs/models/hub/%s", getenv("MESHRUN_SOURCE_DIR"),
+             hub[i].file);
+    struct mr_model_config c;
+    ck_assert_msg(mr_model_config_load(path, &c) == 0, "%s", mr_error_message());
+    ck_assert_int_eq(c.arch, hub[i].arch);
+    ck_assert_int_eq(c.qkv_bias, hub[i].qkv_bias);
+    ck_assert_int_eq(c.o_bias, 0);
+    ck_assert_int_eq(c.sliding_window, hub[i].window);
+    ck_assert_msg(mr_model_param_count(&c) == hub[i].params, "%s: %lld parameters", hub[i].file,
+                  (long long)mr_model_param_count(&c));
+  }
+  /* Mistral's window: a longer sequence is refused at the job, naming both */
+  char text[1024];
+  snprintf(text, sizeof text,
+           "{\"model\": \"%s/configs/models/hub/mistral-7b-v0.1.json\", \"data\": {\"train\": "
+           "\"t\"}, \"train\": {\"seq_len\": 8192}}", getenv("MESHRUN_SOURCE_DIR"));
+  struct mr_job job;
+  ck_assert_int_eq(mr_job_parse(text, "j.json", ".", &job), MR_EJOB);
+  ck_assert_msg(strstr(mr_error_message(), "j.json: train.seq_len: 8192: the model's "
+                                           "sliding_window: 4096") != NULL,
+                "%s", mr_error_message());
+  /* LLaMA's attention_bias: q, k, v and o; mlp_bias is refused */
+  ck_assert_int_eq(mr_job_parse("{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 8,"
+                                " \"hidden_size\": 8, \"intermediate_size\": 8,"
+                                " \"num_hidden_layers\": 1, \"num_attention_heads\": 2,"
+                                " \"attention_bias\": true}, \"data\": {\"train\": \"t\"}}",
+                                "j.json", ".", &job), 0);
+  ck_assert(job.model.qkv_bias == 1 && job.model.o_bias == 1);
+  ck_assert_int_eq(mr_model_param_count(&job.model),
+                   8 * 8 * 2 + (8 * 8 * 4 + 3 * 8 * 8 + 2 * 8 + 4 * 8) + 8);
+  mr_job_close(&job);
+  ck_assert_int_eq(mr_job_parse("{\"model\": {\"model_type\": \"qwen2\", \"vocab_size\": 8,"
+                                " \"hidden_size\": 8, \"intermediate_size\": 8,"
+                                " \"num_hidden_layers\": 1, \"num_attention_heads\": 2,"
+                                " \"mlp_bias\": true}, \"data\": {\"train\": \"t\"}}",
+                                "j.json", ".", &job), MR_EJOB);
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "mlp_bias: not supported"));
 }
 END_TEST
 
@@ -503,6 +561,7 @@ static Suite *job_suite(void) {
   tcase_add_test(tc, test_job_data_parallel_micro_batches);
   tcase_add_test(tc, test_model_config_errors_name_key);
   tcase_add_test(tc, test_model_config_llama_param_count);
+  tcase_add_test(tc, test_model_config_hub_configs);
   suite_add_tcase(s, tc);
   TCase *cli = mr_t_tcase("cli");
   tcase_set_timeout(cli, 60);

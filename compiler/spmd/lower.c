@@ -295,7 +295,8 @@ static double op_flops(const struct mr_graph *g, int k) {
 /* Megatron's layout, used when tensor parallelism is on and the job gives
  * no shard rules: column-parallel projections in, row-parallel out, the
  * embedding and the head split by vocabulary (with the vocabulary-parallel
- * loss).  LLaMA weights are [out, in]; GPT-2's Conv1D weights [in, out],
+ * loss).  LLaMA weights are [out, in] (q/k/v biases split with their
+ * outputs); GPT-2's Conv1D weights [in, out],
  * its fused q|k|v weight [C, 3, C] (bias [3, C]) split along its last dim:
  * each rank a slice of the heads of q, k and v alike. */
 static struct mr_shard_rule_placement shard0 = {"model", "Shard(0)"};
@@ -303,14 +304,14 @@ static struct mr_shard_rule_placement shard1 = {"model", "Shard(1)"};
 static struct mr_shard_rule_placement shard2 = {"model", "Shard(2)"};
 static struct mr_shard_rule llama_rules[] = {
     {"q_proj|k_proj|v_proj|gate_proj|up_proj|embed_tokens|lm_head", &shard0, 1},
-    {"o_proj|down_proj", &shard1, 1},
+    {"o_proj\\.weight|down_proj", &shard1, 1}, /* o_proj's bias: completion's (whole) */
 };
 /* with sequence parallelism the embedding stays whole, so that its output
  * is split by rows from the start (a vocabulary split would make it a
  * partial sum every rank must reduce) */
 static struct mr_shard_rule llama_sp_rules[] = {
     {"q_proj|k_proj|v_proj|gate_proj|up_proj|lm_head", &shard0, 1},
-    {"o_proj|down_proj", &shard1, 1},
+    {"o_proj\\.weight|down_proj", &shard1, 1},
 };
 static struct mr_shard_rule gpt2_rules[] = {
     {"attn\\.c_attn\\.weight", &shard2, 1},

@@ -3,7 +3,10 @@
 PyTorch on models transformers itself makes.
 
 For each family (LLaMA with grouped-query attention, tied embeddings, an
-explicit head_dim and rope_theta 500000, as Llama 3.2 ships; GPT-2) a
+explicit head_dim and rope_theta 500000, as Llama 3.2 ships; Qwen2 with its
+q/k/v biases, tied, rope_theta 1e6; Mistral with a sliding window longer
+than the sequence, which is full causal attention, and a shorter one
+refused; GPT-2) a
 small random model is made by transformers and written with
 save_pretrained (safetensors, the current config format).  Then:
 
@@ -89,13 +92,35 @@ def row_offset(seed, step, row, n_tokens, seq):
 VOCAB, SEQ, BATCH, STEPS, LR, SEED = 96, 32, 4, 10, 3e-3, 7
 
 
-def llama_model():
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-        rms_norm_eps=1e-5, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+def llama_model(**extra):
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+              rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    cfg = transformers.LlamaConfig(**dict(kw, **extra))
     return transformers.LlamaForCausalLM(cfg)
+
+
+def llama_bias_model():  # attention_bias: q, k, v and o_proj biases
+    return llama_model(attention_bias=True, tie_word_embeddings=False)
+
+
+def qwen2_model():
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def mistral_model():  # the window longer than the sequence: full causal attention
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=48,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return transformers.MistralForCausalLM(cfg)
 
 
 def gpt2_model():
@@ -276,6 +301,18 @@ def check_family(meshrun, name, make, work):
     with open(data, "wb") as f:
         f.write(struct.pack("<256i", 20240520, 1, len(tokens), *([0] * 253)))
         f.write(struct.pack("<%dH" % len(tokens), *tokens))
+    if config.get("sliding_window"):  # a window shorter than the sequence is refused
+        narrow = os.path.join(work, name + "-narrow")
+        os.makedirs(narrow)
+        json.dump(dict(config, sliding_window=SEQ // 2),
+                  open(os.path.join(narrow, "config.json"), "w"))
+        job = {"model": narrow, "data": {"train": data}, "train": {"steps": 1, "seq_len": SEQ}}
+        json.dump(job, open(os.path.join(narrow, "job.json"), "w"))
+        refused([meshrun, "launch", "--nproc", "1", os.path.join(narrow, "job.json")],
+                "train.seq_len", "sliding_window: %d" % (SEQ // 2), "not built")
+        refused([meshrun, "logits", folder, "--config", os.path.join(narrow, "config.json"),
+                 "--tokens", ",".join(map(str, ids)), "--out", os.path.join(work, "l")],
+                "sliding_window: %d" % (SEQ // 2), "not built")
     want = torch_train(folder, tokens)
     print("%s: PyTorch %s AdamW losses %s" % (name, torch.__version__,
                                               " ".join("%.5f" % v for v in want)))
@@ -315,6 +352,9 @@ def main():
     refused([meshrun, "logits", work, "--tokens", "1,x,3", "--out", os.path.join(work, "l")],
             "--tokens", "entry 2", "x,3")
     check_family(meshrun, "llama", llama_model, work)
+    check_family(meshrun, "llama-attention-bias", llama_bias_model, work)
+    check_family(meshrun, "qwen2", qwen2_model, work)
+    check_family(meshrun, "mistral", mistral_model, work)
     check_family(meshrun, "gpt2", gpt2_model, work)
     print("ok: logits, 10 training steps on three strategies and the export agree with "
           "transformers %s and PyTorch %s" % (transformers.__version__, torch.__version__))
