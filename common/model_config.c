@@ -2,6 +2,7 @@
 #include "common/model_config.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -103,10 +104,93 @@ static void no_dropout(struct mr_jv *jv, const cJSON *obj, const char *const *ke
   }
 }
 
-/* RoPE's base and kind, in transformers 4.x form (rope_theta, rope_scaling)
- * or 5.x (rope_parameters {rope_type, rope_theta}); only the plain kind
- * ("default") is built, anything else is refused by name. */
-static void read_rope(struct mr_jv *jv, const cJSON *obj, double *theta) {
+void mr_rope_inv_freq(const struct mr_rope *r, int D, double *inv) {
+  const double two_pi = 6.283185307179586;
+  for (int i = 0; i < D / 2; i++) {
+    double f = pow(r->theta, -2.0 * i / D);
+    if (r->kind == MR_ROPE_LINEAR) {
+      f /= r->factor;
+    } else if (r->kind == MR_ROPE_LLAMA3) {
+      double wavelen = two_pi / f, old = r->original_max_positions;
+      double low_wavelen = old / r->low_freq_factor, high_wavelen = old / r->high_freq_factor;
+      if (wavelen > low_wavelen) {
+        f /= r->factor;
+      } else if (wavelen >= high_wavelen) { /* between: blend the two */
+        double smooth = (old / wavelen - r->low_freq_factor) /
+                        (r->high_freq_factor - r->low_freq_factor);
+        f = (1 - smooth) * f / r->factor + smooth * f;
+      }
+    }
+    inv[i] = f;
+  }
+}
+
+int mr_rope_table(const struct mr_rope *r, int P, int D, float *cos_t, float *sin_t) {
+  if (P < 0 || D <= 0 || D % 2)
+    return mr_error_set(MR_EINVAL, "rope: expected P >= 0 and even D > 0, got P=%d D=%d",
+                        P, D);
+  if (!(r->theta > 0) || (r->kind != MR_ROPE_DEFAULT && !(r->factor > 0)))
+    return mr_error_set(MR_EINVAL, "rope: rope_theta and factor must be > 0, got %g and %g",
+                        r->theta, r->factor);
+  int half = D / 2;
+  double *inv = malloc(sizeof *inv * (size_t)half);
+  if (inv == NULL)
+    return mr_error_set(MR_ENOMEM, "rope: no memory for %d frequencies", half);
+  mr_rope_inv_freq(r, D, inv);
+  for (int i = 0; i < half; i++)
+    for (int p = 0; p < P; p++) {
+      double a = p * inv[i];
+      cos_t[(size_t)p * half + i] = (float)cos(a);
+      sin_t[(size_t)p * half + i] = (float)sin(a);
+    }
+  free(inv);
+  return 0;
+}
+
+/* A positive number field of a RoPE scaling object, required for its kind. */
+static void rope_num(struct mr_jv *jv, const cJSON *o, const char *path, const char *key,
+                     const char *kind, double *out) {
+  if (cJSON_GetObjectItemCaseSensitive(o, key) == NULL)
+    mr_jv_error(jv, path, key, "missing (rope_type \"%s\" needs it)", kind);
+  else
+    mr_jv_num(jv, o, path, key, 1e-9, 1e12, out);
+}
+
+/* The scaling one rope_parameters / rope_scaling object names. */
+static void read_rope_kind(struct mr_jv *jv, const cJSON *o, const char *path,
+                           struct mr_rope *r) {
+  const char *kind = NULL;
+  const char *key = cJSON_GetObjectItemCaseSensitive(o, "rope_type") ? "rope_type" : "type";
+  if (mr_jv_str(jv, o, path, key, &kind) != 1 || strcmp(kind, "default") == 0)
+    return;
+  if (strcmp(kind, "linear") == 0) {
+    r->kind = MR_ROPE_LINEAR;
+    rope_num(jv, o, path, "factor", kind, &r->factor);
+  } else if (strcmp(kind, "dynamic") == 0) {
+    double factor = 1;
+    rope_num(jv, o, path, "factor", kind, &factor); /* within max_position_embeddings: none */
+  } else if (strcmp(kind, "llama3") == 0) {
+    r->kind = MR_ROPE_LLAMA3;
+    rope_num(jv, o, path, "factor", kind, &r->factor);
+    rope_num(jv, o, path, "low_freq_factor", kind, &r->low_freq_factor);
+    rope_num(jv, o, path, "high_freq_factor", kind, &r->high_freq_factor);
+    rope_num(jv, o, path, "original_max_position_embeddings", kind, &r->original_max_positions);
+    if (r->high_freq_factor <= r->low_freq_factor)
+      mr_jv_error(jv, path, "high_freq_factor", "%g: expected more than low_freq_factor (%g)",
+                  r->high_freq_factor, r->low_freq_factor);
+  } else {
+    mr_jv_error(jv, path, key,
+                "\"%s\" is not built (supported: \"default\", \"linear\", \"dynamic\", "
+                "\"llama3\")",
+                kind);
+  }
+}
+
+/* RoPE's base and scaling, in transformers 4.x form (rope_theta, rope_scaling)
+ * or 5.x (rope_parameters {rope_type, rope_theta, ...}); the kinds not
+ * built are refused by name. */
+static void read_rope(struct mr_jv *jv, const cJSON *obj, struct mr_rope *r) {
+  double *theta = &r->theta;
   const cJSON *params = cJSON_GetObjectItemCaseSensitive(obj, "rope_parameters");
   const cJSON *scaling = cJSON_GetObjectItemCaseSensitive(obj, "rope_scaling");
   int top = mr_jv_num(jv, obj, "", "rope_theta", 1e-9, 1e12, theta) == 1;
@@ -129,11 +213,7 @@ static void read_rope(struct mr_jv *jv, const cJSON *obj, double *theta) {
                     t, *theta);
       *theta = t;
     }
-    const char *kind = NULL;
-    const char *key = cJSON_GetObjectItemCaseSensitive(o, "rope_type") ? "rope_type" : "type";
-    if (mr_jv_str(jv, o, forms[k].name, key, &kind) == 1 && strcmp(kind, "default") != 0)
-      mr_jv_error(jv, forms[k].name, key,
-                  "\"%s\" is not built (supported: \"default\", plain RoPE)", kind);
+    read_rope_kind(jv, o, forms[k].name, r);
   }
 }
 
@@ -228,7 +308,9 @@ int mr_model_config_parse(const cJSON *obj, const char *where,
       mr_jv_int(&jv, obj, "", "num_key_value_heads", 1, 100000, &c.num_key_value_heads);
     mr_jv_int(&jv, obj, "", "max_position_embeddings", 1, BIG, &c.max_position_embeddings);
     mr_jv_num(&jv, obj, "", "rms_norm_eps", 0, 1, &c.rms_norm_eps);
-    read_rope(&jv, obj, &c.rope_theta);
+    c.rope.theta = c.rope_theta;
+    read_rope(&jv, obj, &c.rope);
+    c.rope_theta = c.rope.theta;
     mr_jv_bool(&jv, obj, "", "tie_word_embeddings", &c.tie_word_embeddings);
     expect_string(&jv, obj, "hidden_act", "silu");
     read_variant(&jv, obj, &c);
@@ -344,6 +426,17 @@ char *mr_model_config_to_json(const struct mr_model_config *c) {
                             (double)c->max_position_embeddings);
     cJSON_AddNumberToObject(o, "rms_norm_eps", c->rms_norm_eps);
     cJSON_AddNumberToObject(o, "rope_theta", c->rope_theta);
+    if (c->rope.kind != MR_ROPE_DEFAULT) {
+      cJSON *rs = cJSON_AddObjectToObject(o, "rope_scaling");
+      cJSON_AddStringToObject(rs, "rope_type", c->rope.kind == MR_ROPE_LINEAR ? "linear" : "llama3");
+      cJSON_AddNumberToObject(rs, "factor", c->rope.factor);
+      if (c->rope.kind == MR_ROPE_LLAMA3) {
+        cJSON_AddNumberToObject(rs, "low_freq_factor", c->rope.low_freq_factor);
+        cJSON_AddNumberToObject(rs, "high_freq_factor", c->rope.high_freq_factor);
+        cJSON_AddNumberToObject(rs, "original_max_position_embeddings",
+                                c->rope.original_max_positions);
+      }
+    }
     cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_word_embeddings);
     cJSON_AddStringToObject(o, "hidden_act", "silu");
   } else {

@@ -26,6 +26,38 @@ enum mr_model_arch {
   MR_ARCH_MISTRAL = 3, // MistralForCausalLM: a sliding attention window
 };
 
+/* RoPE's frequencies as transformers' rope types scale them:
+ *   default  inv[i] = theta^(-2i/D)
+ *   linear   inv[i] / factor (positions interpolated)
+ *   llama3   Llama 3.1's: wavelengths 2 pi / inv past original / low_freq
+ *            divided by factor, below original / high_freq kept, between
+ *            them a smooth blend of the two
+ * ("dynamic" NTK scaling changes nothing for sequences within
+ * max_position_embeddings, the only ones built, so it reads as default.) */
+enum mr_rope_kind {
+  MR_ROPE_DEFAULT = 0,
+  MR_ROPE_LINEAR = 1,
+  MR_ROPE_LLAMA3 = 2,
+};
+
+struct mr_rope {
+  double theta;
+  enum mr_rope_kind kind;
+  double factor;                  // linear, llama3
+  double low_freq_factor;         // llama3
+  double high_freq_factor;        // llama3
+  double original_max_positions;  // llama3: original_max_position_embeddings
+};
+
+/* inv[0 .. D/2) for head dimension D (even). */
+void mr_rope_inv_freq(const struct mr_rope *r, int D, double *inv);
+
+/* cos_t[P, D/2] and sin_t[P, D/2] for positions 0..P-1: angle p inv[i], in
+ * double (Hugging Face's cos/sin tensors are these halves repeated twice
+ * along D).  MR_EINVAL for P < 0, an odd or non-positive D, theta <= 0 or
+ * a scaling factor <= 0. */
+int mr_rope_table(const struct mr_rope *r, int P, int D, float *cos_t, float *sin_t);
+
 struct mr_model_config {
   enum mr_model_family family;
   enum mr_model_arch arch;
@@ -39,6 +71,7 @@ struct mr_model_config {
   double rms_norm_eps;          // LLaMA
   double layer_norm_epsilon;    // GPT-2
   double rope_theta;            // LLaMA
+  struct mr_rope rope;          // LLaMA: theta (= rope_theta) and scaling
   double initializer_range;
   int tie_word_embeddings;      // LLaMA default 0; GPT-2 always 1
   int qkv_bias;                 // q, k, v projections have biases (Qwen2;

@@ -20,7 +20,7 @@
 
 #define MR_OP_MAX_IN 6
 #define MR_OP_MAX_OUT 3
-#define MR_OP_MAX_ATTR 4
+#define MR_OP_MAX_ATTR 9 /* rope: T, H, theta, direction and its scaling */
 #define MR_TENSOR_NAME_MAX 96
 
 enum mr_tensor_role {

@@ -86,8 +86,12 @@ static int build_llama(struct mr_model *m) {
   int x = op(g, MR_OP_EMBEDDING, "h0", 0, m->input_ids, emb, -1, NULL, NULL);
   CK(x);
   double rms[MR_OP_MAX_ATTR] = {c->rms_norm_eps};
-  double rq[MR_OP_MAX_ATTR] = {(double)m->seq, (double)H, c->rope_theta, 1};
-  double rk[MR_OP_MAX_ATTR] = {(double)m->seq, (double)KH, c->rope_theta, 1};
+  double rq[MR_OP_MAX_ATTR] = {(double)m->seq, (double)H, 0, 1};
+  double rk[MR_OP_MAX_ATTR] = {(double)m->seq, (double)KH, 0, 1};
+  struct mr_rope rope = c->rope;
+  rope.theta = c->rope_theta;
+  mr_rope_to_attr(&rope, rq);
+  mr_rope_to_attr(&rope, rk);
   double at[MR_OP_MAX_ATTR] = {(double)m->seq, (double)H, (double)KH};
   for (int l = 0; l < c->num_hidden_layers; l++) {
     int ln1 = param1(g, MR_INIT_ONES, C, "model.layers.%d.input_layernorm.weight", l);

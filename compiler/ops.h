@@ -25,6 +25,9 @@
  *   layernorm_bwd    dy, x, w, mean, rstd          -> dx, dw, db
  *   rope             x[N,H*D]                      -> y  a0=T a1=H a2=theta
  *                    a3=+1 forward rotation, -1 its inverse (the gradient)
+ *                    a4..a8 the frequencies' scaling: kind (enum
+ *                    mr_rope_kind), factor, low_freq_factor,
+ *                    high_freq_factor, original_max_position_embeddings
  *   swiglu           gate, up                      -> silu(gate) * up
  *   swiglu_bwd       dy, gate, up                  -> dgate, dup
  *   gelu             x                             -> gelu_tanh(x)
@@ -61,6 +64,7 @@
 #ifndef MR_OPS_H
 #define MR_OPS_H
 
+#include "common/model_config.h"
 #include "compiler/graph.h"
 
 /* Every built-in op kind, once: X(KIND, name).  The enum, the registry's
@@ -173,5 +177,15 @@ mr_kernel_fn mr_op_kernel(int kind, enum mr_backend_kind backend);
 
 /* FLOPs of the whole graph (forward and backward ops as present). */
 double mr_graph_flops(const struct mr_graph *g);
+
+/* A rope op's frequencies (a2, a4..a8), and the attrs that hold r. */
+static inline struct mr_rope mr_rope_of_attr(const double *a) {
+  struct mr_rope r = {a[2], (enum mr_rope_kind)a[4], a[5], a[6], a[7], a[8]};
+  return r;
+}
+static inline void mr_rope_to_attr(const struct mr_rope *r, double *a) {
+  a[2] = r->theta, a[4] = r->kind, a[5] = r->factor, a[6] = r->low_freq_factor;
+  a[7] = r->high_freq_factor, a[8] = r->original_max_positions;
+}
 
 #endif

@@ -170,8 +170,8 @@ static int write_weights(const char *ckpt, const cJSON *tensors, const char *out
 /* config.json: the model's own config as the job gave it (every field
  * carried: bos/eos, dtype, fields meshrun does not read), completed with
  * what transformers needs that it lacks (architectures, model_type, the
- * shape fields, from the parsed config; rope_theta only where no
- * rope_parameters holds it).  generation_config.json: the token ids a
+ * shape fields, from the parsed config; rope_theta and rope_scaling only
+ * where no rope_parameters holds them).  generation_config.json: the token ids a
  * generation starts, ends and pads with, as transformers derives it from
  * the model config. */
 static int write_configs(const cJSON *given, const struct mr_model_config *cfg, const char *out) {
@@ -188,9 +188,9 @@ static int write_configs(const cJSON *given, const struct mr_model_config *cfg, 
   cJSON_ArrayForEach(f, norm) {
     if (cJSON_GetObjectItemCaseSensitive(merged, f->string) != NULL)
       continue;
-    if (strcmp(f->string, "rope_theta") == 0 &&
+    if ((strcmp(f->string, "rope_theta") == 0 || strcmp(f->string, "rope_scaling") == 0) &&
         cJSON_GetObjectItemCaseSensitive(merged, "rope_parameters") != NULL)
-      continue;
+      continue; /* 5.x's form holds them */
     cJSON_AddItemToObject(merged, f->string, cJSON_Duplicate(f, 1));
   }
   cJSON *gen = cJSON_CreateObject();

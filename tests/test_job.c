@@ -294,9 +294,10 @@ START_TEST(test_model_config_errors_name_key) {
        "hidden_size: missing (the model's shape is not assumed)"},
       {"{\"model_type\": \"gpt2\", \"n_embd\": 64, \"n_head\": 4, \"vocab_size\": 9}",
        "n_layer: missing (the model's shape is not assumed)"},
-      {"", "rope_scaling.rope_type: \"llama3\" is not built (supported: \"default\", plain RoPE)"},
-      {"", "rope_scaling.type: \"linear\" is not built"},
-      {"", "rope_parameters.rope_type: \"dynamic\" is not built"},
+      {"", "rope_scaling.low_freq_factor: missing (rope_type \"llama3\" needs it)"},
+      {"", "rope_scaling.type: \"yarn\" is not built (supported: \"default\", \"linear\", "
+       "\"dynamic\", \"llama3\")"},
+      {"", "rope_parameters.factor: missing (rope_type \"dynamic\" needs it)"},
       {"", "rope_parameters.rope_theta: 500000, but the top-level rope_theta is 10000"},
       {"", "attention_dropout: dropout is not built, got 0.1 (0 or 0.0 trains without it)"},
       {"{\"model_type\": \"gpt2\", \"n_embd\": 64, \"n_head\": 4, \"n_layer\": 1, \"vocab_size\": 9,"
@@ -305,7 +306,7 @@ START_TEST(test_model_config_errors_name_key) {
   };
   const char *extras[] = {"", "\"num_key_value_heads\": 3", "", "", "", "", "\"hidden_act\": \"gelu\"",
                           "", "", "", "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}",
-                          "\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}",
+                          "\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 2.0}",
                           "\"rope_parameters\": {\"rope_type\": \"dynamic\", \"rope_theta\": 10000}",
                           "\"rope_theta\": 10000, \"rope_parameters\": {\"rope_type\": \"default\","
                           " \"rope_theta\": 500000}",
@@ -383,8 +384,9 @@ END_TEST
 
 /* configs/models/hub: the configs of public models, each read as its
  * class and giving the parameter count published for it (SmolLM2-135M's
- * 134,515,008; Qwen2.5-0.5B's 494,032,768, its q/k/v biases included;
- * Mistral-7B's 7,241,732,096; GPT-2's 124,439,808). */
+ * 134,515,008; Llama-3.2-1B's 1,235,814,400, RoPE scaled "llama3";
+ * Qwen2.5-0.5B's 494,032,768, its q/k/v biases included; Mistral-7B's
+ * 7,241,732,096; GPT-2's 124,439,808). */
 START_TEST(test_model_config_hub_configs) {
   static const struct {
     const char *file;
@@ -393,6 +395,7 @@ START_TEST(test_model_config_hub_configs) {
     int qkv_bias;
     int64_t window;
   } hub[] = {{"smollm2-135m.json", MR_ARCH_LLAMA, 134515008LL, 0, 0},
+             {"llama-3.2-1b.json", MR_ARCH_LLAMA, 1235814400LL, 0, 0},
              {"qwen2.5-0.5b.json", MR_ARCH_QWEN2, 494032768LL, 1, 0},
              {"mistral-7b-v0.1.json", MR_ARCH_MISTRAL, 7241732096LL, 0, 4096},
              {"gpt2-124m.json", MR_ARCH_GPT2, 124439808LL, 0, 0}};
@@ -408,6 +411,10 @@ START_TEST(test_model_config_hub_configs) {
     ck_assert_int_eq(c.sliding_window, hub[i].window);
     ck_assert_msg(mr_model_param_count(&c) == hub[i].params, "%s: %lld parameters", hub[i].file,
                   (long long)mr_model_param_count(&c));
+    if (i == 1) /* Llama 3.2's RoPE: llama3, factor 32, bands 1..4 of 8192 */
+      ck_assert(c.rope.kind == MR_ROPE_LLAMA3 && c.rope.factor == 32 && c.rope.theta == 500000 &&
+                c.rope.low_freq_factor == 1 && c.rope.high_freq_factor == 4 &&
+                c.rope.original_max_positions == 8192);
   }
   /* Mistral's window: a longer sequence is refused at the job, naming both */
   char text[1024];
@@ -477,7 +484,7 @@ START_TEST(test_cli_bad_job_files_exit_2_naming_file_and_field) {
                                    " \"optimizer\": {}}", &err), 2);
   ck_assert_msg(strstr(err, "job.json: optimizer: unknown field") != NULL, "%s", err);
   free(err);
-  /* a Llama 3.x config.json (RoPE scaled "llama3", not built): exit 2 naming
+  /* a config.json whose RoPE scaling is not built (YaRN): exit 2 naming
    * the file, the field and its value */
   char cfg[160];
   snprintf(cfg, sizeof cfg, "%s/config.json", dir);
@@ -485,11 +492,12 @@ START_TEST(test_cli_bad_job_files_exit_2_naming_file_and_field) {
   fprintf(cf, "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", "
           "\"vocab_size\": 256, \"hidden_size\": 64, \"intermediate_size\": 128, "
           "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"rope_theta\": 500000.0, "
-          "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 32.0}}");
+          "\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 32.0}}");
   fclose(cf);
   ck_assert_int_eq(launch_job(dir, "{\"model\": \"config.json\", \"data\": {\"train\": \"t\"}}", &err), 2);
-  ck_assert_msg(strstr(err, "config.json: rope_scaling.rope_type: \"llama3\" is not built "
-                            "(supported: \"default\", plain RoPE)") != NULL, "%s", err);
+  ck_assert_msg(strstr(err, "config.json: rope_scaling.rope_type: \"yarn\" is not built "
+                            "(supported: \"default\", \"linear\", \"dynamic\", \"llama3\")") != NULL,
+                "%s", err);
   free(err);
   ck_assert_int_eq(launch_job(dir, "{\"model\": \"nope/config.json\", \"data\": {\"train\": \"t\"}}", &err), 2);
   ck_assert_msg(strstr(err, "nope/config.json: No such file or directory") != NULL, "%s", err);

@@ -7,6 +7,7 @@
 
 #include "common/dtype.h"
 #include "common/error.h"
+#include "common/model_config.h"
 #include "worker/backend/cpu/xent_vocab.h"
 
 /* ---- matmul ---- */
@@ -520,7 +521,8 @@ START_TEST(test_kernels_rope_positions) {
   int B = 2, T = 11, H = 3, D = 10, P = 40;
   size_t n = (size_t)B * T * H * D;
   float *cs = malloc(sizeof(float) * P * D / 2), *sn = malloc(sizeof(float) * P * D / 2);
-  ck_assert_int_eq(mr_cpu_rope_table(cs, sn, P, D, 10000.0), 0);
+  struct mr_rope plain = {.theta = 10000.0};
+  ck_assert_int_eq(mr_rope_table(&plain, P, D, cs, sn), 0);
   int32_t pos[22];
   for (int i = 0; i < B * T; i++)
     pos[i] = (int32_t)(i < T ? i : 17 + (i - T) * 2); /* second row offset */
@@ -545,9 +547,43 @@ START_TEST(test_kernels_rope_positions) {
   ck_assert(memcmp(f + 5 * D + 3 * D, f0 + 5 * D + 3 * D, 4 * D) != 0);
   pos[3] = P;
   ck_assert_int_eq(mr_cpu_rope_fwd(p, f, cs, sn, pos, B, T, H, D, P, 0), MR_ERANGE);
-  ck_assert_int_eq(mr_cpu_rope_table(cs, sn, P, 7, 10000.0), MR_EINVAL);
+  ck_assert_int_eq(mr_rope_table(&plain, P, 7, cs, sn), MR_EINVAL);
   free(f); free(f0); free(cs); free(sn);
   mr_pool_free(p);
+}
+END_TEST
+
+/* Scaled RoPE frequencies against Llama 3.1's published rule, worked for
+ * its own numbers (theta 500000, D 128, factor 8, low 1, high 4, original
+ * 8192): dimension 0 (wavelength 2 pi, under 8192 / 4) unchanged; 35
+ * (wavelength 8218.7, past 8192 / 1) divided by 8; 34 (wavelength 6695.1)
+ * the blend s f + (1 - s) f / 8 with s = (8192 / 6695.1 - 1) / 3 =
+ * 0.074527, 0.190211 f; linear: every one divided by its factor; and the table's
+ * angles are position times frequency. */
+START_TEST(test_kernels_rope_scaled_frequencies) {
+  struct mr_rope r = {.theta = 500000, .kind = MR_ROPE_LLAMA3, .factor = 8,
+                      .low_freq_factor = 1, .high_freq_factor = 4,
+                      .original_max_positions = 8192};
+  double inv[64];
+  mr_rope_inv_freq(&r, 128, inv);
+  double f34 = pow(500000, -68.0 / 128), f35 = pow(500000, -70.0 / 128);
+  ck_assert(fabs(inv[0] - 1.0) < 1e-15);
+  ck_assert(fabs(inv[35] - f35 / 8) < 1e-12 * f35);
+  ck_assert(fabs(2 * M_PI / f34 - 6695.1) < 0.05 && fabs(2 * M_PI / f35 - 8218.7) < 0.05);
+  ck_assert_msg(fabs(inv[34] / f34 - 0.190211) < 2e-6, "blend %.7f", inv[34] / f34);
+  for (int i = 0; i < 64; i++) /* never above the plain frequency, never below 1/8 of it */
+    ck_assert(inv[i] <= pow(500000, -2.0 * i / 128) * (1 + 1e-15) &&
+              inv[i] >= pow(500000, -2.0 * i / 128) / 8 * (1 - 1e-15));
+  struct mr_rope lin = {.theta = 10000, .kind = MR_ROPE_LINEAR, .factor = 4};
+  mr_rope_inv_freq(&lin, 16, inv);
+  for (int i = 0; i < 8; i++)
+    ck_assert(fabs(inv[i] - pow(10000, -2.0 * i / 16) / 4) < 1e-15);
+  float cs[5 * 8], sn[5 * 8];
+  ck_assert_int_eq(mr_rope_table(&lin, 5, 16, cs, sn), 0);
+  ck_assert(fabs(cs[3 * 8 + 2] - cos(3 * pow(10000, -4.0 / 16) / 4)) < 1e-7);
+  ck_assert(fabs(sn[4 * 8 + 7] - sin(4 * pow(10000, -14.0 / 16) / 4)) < 1e-7);
+  lin.factor = 0;
+  ck_assert_int_eq(mr_rope_table(&lin, 5, 16, cs, sn), MR_EINVAL);
 }
 END_TEST
 
@@ -789,6 +825,7 @@ static Suite *kernels_suite(void) {
   tcase_add_test(tc, test_kernels_rmsnorm_odd_shapes);
   tcase_add_test(tc, test_kernels_layernorm_odd_shapes);
   tcase_add_test(tc, test_kernels_rope_positions);
+  tcase_add_test(tc, test_kernels_rope_scaled_frequencies);
   tcase_add_test(tc, test_kernels_xent_fused);
   tcase_add_test(tc, test_kernels_xent_vocab_shards);
   tcase_add_test(tc, test_kernels_xent_vocab_edges);

@@ -220,12 +220,15 @@ static int k_rope(void *ctx, const struct mr_graph *g, const struct mr_op *op,
                   void *const *b) {
   int n = ROWS(g, op->in[0]), hd = COLS(g, op->in[0]);
   int t = (int)op->attr[0], h = (int)op->attr[1], d = hd / h;
-  /* the table depends on (t, d, theta) only: every layer, forward and
-   * backward, reuses it */
+  /* the table depends on (t, d) and the frequencies only: every layer,
+   * forward and backward, reuses it */
+  struct mr_rope rope = mr_rope_of_attr(op->attr);
   struct {
     int64_t t, d;
-    double theta;
-  } key = {t, d, op->attr[2]};
+    struct mr_rope rope;
+  } key;
+  memset(&key, 0, sizeof key); /* the key's padding compares too */
+  key.t = t, key.d = d, key.rope = rope;
   int fresh;
   float *tab = mr__pool_keyed_scratch(POOL(ctx), &key, sizeof key,
                                       sizeof(float) * (size_t)t * (size_t)d, &fresh);
@@ -233,7 +236,7 @@ static int k_rope(void *ctx, const struct mr_graph *g, const struct mr_op *op,
     return MR_ENOMEM;
   float *cs = tab, *sn = tab + (size_t)t * (size_t)(d / 2);
   if (fresh) {
-    int rc = mr_cpu_rope_table(cs, sn, t, d, op->attr[2]);
+    int rc = mr_rope_table(&rope, t, d, cs, sn);
     if (rc < 0) {
       mr__pool_keyed_scratch(POOL(ctx), NULL, 0, 0, NULL);
       return rc;

@@ -19,6 +19,7 @@
 #include "common/clock.h"
 #include "common/dtype.h"
 #include "common/error.h"
+#include "common/model_config.h"
 #include "worker/backend/cpu/kernels.h"
 #include "worker/backend/cpu/sgemm.h"
 
@@ -307,7 +308,7 @@ static void bench_llama_step(struct mr_pool *pool, const struct llama *m) {
   int32_t *tok = malloc(sizeof(int32_t) * N);
   for (int i = 0; i < N; i++)
     tok[i] = (i * 31) % m->V;
-  CHECK(mr_cpu_rope_table(cs, sn, m->T, D, 10000.0));
+  CHECK(mr_rope_table(&(struct mr_rope){.theta = 10000.0}, m->T, D, cs, sn));
   struct mr_attn_shape as = {.B = m->B, .T = m->T, .H = m->H, .Hkv = m->Hkv, .D = D};
   struct mr_adamw h = mr_adamw_defaults();
   double best = 1e9, t_attn = 0, t_mm = 0;

@@ -105,6 +105,27 @@ def llama_bias_model():  # attention_bias: q, k, v and o_proj biases
     return llama_model(attention_bias=True, tie_word_embeddings=False)
 
 
+# RoPE scaled as Llama 3.1/3.2 ship it (the original context cut to 32 so
+# that the tiny model's 16 dimensions fall in all three bands), linearly,
+# and dynamic NTK (within max_position_embeddings: plain, in transformers
+# as here)
+def llama3_rope_model():
+    return llama_model(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                        "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 32})
+
+
+def linear_rope_model():
+    return llama_model(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                        "factor": 4.0})
+
+
+def dynamic_rope_model():
+    return llama_model(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                        "factor": 2.0})
+
+
 def qwen2_model():
     cfg = transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -265,7 +286,16 @@ def check_export_files(out, source, sharded):
         sys.exit(1)
 
 
-def check_family(meshrun, name, make, work):
+def same_weights(folder, config, tag):
+    """A folder of folder's weights under another config.json."""
+    out = folder + "-" + tag
+    os.makedirs(out)
+    os.symlink(os.path.join(folder, "model.safetensors"), os.path.join(out, "model.safetensors"))
+    json.dump(config, open(os.path.join(out, "config.json"), "w"))
+    return out
+
+
+def check_family(meshrun, name, make, work, train=True):
     torch.manual_seed(0)
     model = make()
     randomize(model, 1)
@@ -285,15 +315,24 @@ def check_family(meshrun, name, make, work):
     close_logits("%s, weights stored as bf16" % name, meshrun_logits(meshrun, half, ids, work),
                  hf_logits(half, ids))
     if "rope_parameters" in config:  # the same weights, config.json in the 4.x form
-        old = os.path.join(work, name + "-4.x")
-        os.makedirs(old)
-        os.symlink(os.path.join(folder, "model.safetensors"),
-                   os.path.join(old, "model.safetensors"))
         legacy = {k: v for k, v in config.items() if k != "rope_parameters"}
-        legacy["rope_theta"] = config["rope_parameters"]["rope_theta"]
-        json.dump(legacy, open(os.path.join(old, "config.json"), "w"))
+        scaling = dict(config["rope_parameters"])
+        legacy["rope_theta"] = scaling.pop("rope_theta")
+        if scaling.get("rope_type", "default") != "default":
+            legacy["rope_scaling"] = scaling
         close_logits("%s, config.json in the 4.x form" % name,
-                     meshrun_logits(meshrun, old, ids, work), theirs)
+                     meshrun_logits(meshrun, same_weights(folder, legacy, "4.x"), ids, work),
+                     theirs)
+        if legacy.get("rope_scaling", {}).get("rope_type") in ("llama3", "linear"):
+            # the scaling matters: plain RoPE's logits differ
+            plain = dict(legacy)
+            del plain["rope_scaling"]
+            off = (hf_logits(same_weights(folder, plain, "plain"), ids) - theirs).abs().max()
+            print("%s: plain RoPE's logits differ by %.3g of the largest"
+                  % (name, off / theirs.abs().max()))
+            assert off > 1e-3 * theirs.abs().max(), "the scaling changes nothing here"
+    if not train:
+        return
 
     rng = random.Random(5)
     tokens = [rng.randrange(VOCAB) for _ in range(4096)]
@@ -353,6 +392,9 @@ def main():
             "--tokens", "entry 2", "x,3")
     check_family(meshrun, "llama", llama_model, work)
     check_family(meshrun, "llama-attention-bias", llama_bias_model, work)
+    check_family(meshrun, "llama3-rope", llama3_rope_model, work)
+    check_family(meshrun, "linear-rope", linear_rope_model, work, train=False)
+    check_family(meshrun, "dynamic-rope", dynamic_rope_model, work, train=False)
     check_family(meshrun, "qwen2", qwen2_model, work)
     check_family(meshrun, "mistral", mistral_model, work)
     check_family(meshrun, "gpt2", gpt2_model, work)

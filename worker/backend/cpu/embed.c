@@ -72,24 +72,6 @@ int mr_cpu_embedding_bwd(struct mr_pool *pool, float *dtable, const float *dout,
 
 /* ---- RoPE ---- */
 
-int mr_cpu_rope_table(float *cos_t, float *sin_t, int P, int D, double theta) {
-  if (P < 0 || D <= 0 || D % 2)
-    return mr_error_set(MR_EINVAL, "rope: expected P >= 0 and even D > 0, got P=%d D=%d",
-                        P, D);
-  if (!(theta > 0))
-    return mr_error_set(MR_EINVAL, "rope: rope_theta must be > 0, got %g", theta);
-  int half = D / 2;
-  for (int i = 0; i < half; i++) {
-    double inv = pow(theta, -2.0 * i / D);
-    for (int p = 0; p < P; p++) {
-      double a = p * inv;
-      cos_t[(size_t)p * half + i] = (float)cos(a);
-      sin_t[(size_t)p * half + i] = (float)sin(a);
-    }
-  }
-  return 0;
-}
-
 struct rope_job {
   float *x;
   const float *cos_t, *sin_t;

@@ -139,10 +139,7 @@ int mr_cpu_layernorm_bwd(struct mr_pool *pool, float *dx, float *dw, float *db,
 
 /* ---- rotary position embedding (Hugging Face LLaMA, rotate_half) -------- */
 
-/* Fills cos[P, D/2] and sin[P, D/2] for positions 0..P-1:
- * inv_freq[i] = theta^(-2i/D), angle = p * inv_freq[i] (in double).  HF's
- * cos/sin tensors are these halves repeated twice along D.  D even. */
-int mr_cpu_rope_table(float *cos_t, float *sin_t, int P, int D, double theta);
+/* The cos/sin tables these take: mr_rope_table (common/model_config.h). */
 
 /* x is [B, T, H, D] with `ld` elements between consecutive tokens (ld = 0
  * means H*D), rotated in place:

@@ -11,6 +11,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "common/model_config.h"
 #include "worker/backend/backend.h"
 #include "worker/backend/cuda/kernels.h"
 
@@ -59,7 +60,7 @@ struct mr__cuda_lt;     // cublaslt.c: handle, workspace, plan cache
 
 struct mr__rope_table {
   int T, D;
-  double theta;
+  struct mr_rope rope;
   float *cs, *sn;       // device [T, D/2] each, one allocation (cs)
 };
 

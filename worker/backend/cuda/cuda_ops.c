@@ -161,32 +161,33 @@ static int k_layernorm_bwd(void *ctx, const struct mr_graph *g,
   return 0;
 }
 
-/* The cos/sin tables [T, D/2], computed on the host in double exactly as
- * mr_cpu_rope_table does, kept on the device per (T, D, theta). */
-static int rope_table(struct mr__cuda_ctx *c, int T, int D, double theta,
+/* The cos/sin tables [T, D/2], computed on the host by mr_rope_table (as
+ * the CPU backend's), kept on the device per (T, D, frequencies). */
+static int same_rope(const struct mr_rope *a, const struct mr_rope *b) {
+  return a->theta == b->theta && a->kind == b->kind && a->factor == b->factor &&
+         a->low_freq_factor == b->low_freq_factor && a->high_freq_factor == b->high_freq_factor &&
+         a->original_max_positions == b->original_max_positions;
+}
+
+static int rope_table(struct mr__cuda_ctx *c, int T, int D, const struct mr_rope *rope,
                       const float **cs, const float **sn) {
   for (size_t i = 0; i < MR_ARRAY_LEN(c->rope); i++) {
     struct mr__rope_table *r = &c->rope[i];
-    if (r->cs != NULL && r->T == T && r->D == D && r->theta == theta) {
+    if (r->cs != NULL && r->T == T && r->D == D && same_rope(&r->rope, rope)) {
       *cs = r->cs;
       *sn = r->sn;
       return 0;
     }
   }
-  if (!(theta > 0))
-    return mr_error_set(MR_EINVAL, "rope: rope_theta must be > 0, got %g", theta);
   int half = D / 2;
   size_t n = (size_t)T * (size_t)half;
   float *host = malloc(2 * (n ? n : 1) * sizeof(float));
   if (host == NULL)
     return mr_error_set(MR_ENOMEM, "rope: out of host memory");
-  for (int i = 0; i < half; i++) {
-    double inv = pow(theta, -2.0 * i / D);
-    for (int p = 0; p < T; p++) {
-      double a = p * inv;
-      host[(size_t)p * half + i] = (float)cos(a);
-      host[n + (size_t)p * half + i] = (float)sin(a);
-    }
+  int trc = mr_rope_table(rope, T, D, host, host + n);
+  if (trc < 0) {
+    free(host);
+    return trc;
   }
   struct mr__rope_table *r = &c->rope[c->rope_next];
   c->rope_next = (c->rope_next + 1) % (int)MR_ARRAY_LEN(c->rope);
@@ -216,7 +217,7 @@ static int rope_table(struct mr__cuda_ctx *c, int T, int D, double theta,
   }
   r->T = T;
   r->D = D;
-  r->theta = theta;
+  r->rope = *rope;
   r->cs = dev;
   r->sn = dev + n;
   *cs = r->cs;
@@ -231,7 +232,8 @@ static int k_rope(void *ctx, const struct mr_graph *g, const struct mr_op *op,
   int64_t n = ROWS(g, op->in[0]), hd = COLS(g, op->in[0]);
   int t = (int)op->attr[0], h = (int)op->attr[1], d = (int)(hd / h);
   const float *cs = NULL, *sn = NULL;
-  MR_TRY(rope_table(c, t, d, op->attr[2], &cs, &sn));
+  struct mr_rope rope = mr_rope_of_attr(op->attr);
+  MR_TRY(rope_table(c, t, d, &rope, &cs, &sn));
   LAUNCH("rope", mr__k_rope(STREAM(c), b[1], b[0], cs, sn, n, t, h, d,
                             op->attr[3] < 0 ? -1.0f : 1.0f));
   return 0;
