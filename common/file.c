@@ -3,6 +3,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -82,4 +84,32 @@ int mr_mkdir_p(const char *path) {
   if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
     return mr_error_set(mr_from_errno(errno), "mkdir %s: %s", tmp, strerror(errno));
   return 0;
+}
+
+int mr_find_program(const char *name, const char *build_subdir, char *buf, unsigned long n) {
+  char self[PATH_MAX];
+  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (len > 0) {
+    self[len] = '\0';
+    char *slash = strrchr(self, '/');
+    if (slash != NULL) {
+      *slash = '\0';
+      snprintf(buf, n, "%s/%s", self, name);
+      if (access(buf, X_OK) == 0)
+        return 0;
+      snprintf(buf, n, "%s/../%s/%s", self, build_subdir, name);
+      if (access(buf, X_OK) == 0)
+        return 0;
+    }
+  }
+  const char *path = getenv("PATH");
+  while (path != NULL && *path != '\0') {
+    const char *colon = strchr(path, ':');
+    size_t dl = colon ? (size_t)(colon - path) : strlen(path);
+    snprintf(buf, n, "%.*s/%s", (int)dl, path, name);
+    if (dl > 0 && access(buf, X_OK) == 0)
+      return 0;
+    path = colon ? colon + 1 : NULL;
+  }
+  return -1;
 }

@@ -27,4 +27,9 @@ int mr_file_write_text(const char *path, const char *text, int flags);
 /* mkdir -p.  Returns 0 or an MR_E code with a message. */
 int mr_mkdir_p(const char *path);
 
+/* The path of a program installed beside the running one (meshrun-worker,
+ * meshrun-tokenize): next to our own executable, in the build tree
+ * (../build_subdir/name), or on PATH.  Writes into buf; returns 0 or -1. */
+int mr_find_program(const char *name, const char *build_subdir, char *buf, unsigned long n);
+
 #endif

@@ -93,35 +93,6 @@ int mr_cli_host_port(const char *value, char *host, unsigned long hn, int *port)
   return 0;
 }
 
-int mr_cli_find_sibling(const char *name, const char *build_subdir, char *buf,
-                        unsigned long n) {
-  char self[PATH_MAX];
-  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
-  if (len > 0) {
-    self[len] = '\0';
-    char *slash = strrchr(self, '/');
-    if (slash != NULL) {
-      *slash = '\0';
-      snprintf(buf, n, "%s/%s", self, name);
-      if (access(buf, X_OK) == 0)
-        return 0;
-      snprintf(buf, n, "%s/../%s/%s", self, build_subdir, name);
-      if (access(buf, X_OK) == 0)
-        return 0;
-    }
-  }
-  const char *path = getenv("PATH");
-  while (path != NULL && *path != '\0') {
-    const char *colon = strchr(path, ':');
-    size_t dl = colon ? (size_t)(colon - path) : strlen(path);
-    snprintf(buf, n, "%.*s/%s", (int)dl, path, name);
-    if (dl > 0 && access(buf, X_OK) == 0)
-      return 0;
-    path = colon ? colon + 1 : NULL;
-  }
-  return -1;
-}
-
 const char *mr_default_cluster(void) {
   const char *name = mr_tunable_str(MR_TUNABLE_CLUSTER);
   return name != NULL && name[0] != '\0' ? name : "cpu-local";

@@ -45,12 +45,6 @@ int mr_parse_bytes(const char *value, uint64_t *out);
  * MR_EINVAL with a message saying what was expected. */
 int mr_cli_host_port(const char *value, char *host, unsigned long hn, int *port);
 
-/* The path of a program installed beside `meshrun` (e.g. meshrun-worker),
- * found next to our own executable, in the build tree, or on PATH.  Writes
- * into buf; returns 0 or -1. */
-int mr_cli_find_sibling(const char *name, const char *build_subdir, char *buf,
-                        unsigned long n);
-
 /* Reads and parses a cluster spec file (compiler/planner/cluster.h).
  * Returns 0, MR_ENOENT, MR_EIO or MR_EFORMAT with a message naming the
  * file. */

@@ -507,7 +507,7 @@ static int find_worker_and_logs(struct launch_args *a, char *worker, size_t n) {
   const char *wenv = getenv("MESHRUN_WORKER");
   if (wenv != NULL && wenv[0] != '\0')
     snprintf(worker, n, "%s", wenv);
-  else if (mr_cli_find_sibling("meshrun-worker", "worker", worker, n) < 0) {
+  else if (mr_find_program("meshrun-worker", "worker", worker, n) < 0) {
     fprintf(stderr, "meshrun launch: cannot find meshrun-worker beside meshrun or on PATH\n");
     return 1;
   }

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/file.h"
 #include "common/tunable.h"
 #include "launcher/cli.h"
 #include "launcher/export.h"
@@ -50,7 +51,7 @@ static int cmd_env(void) {
  * executes kernels. */
 static int exec_worker(int argc, char **argv) {
   char worker[4096];
-  if (mr_cli_find_sibling("meshrun-worker", "worker", worker, sizeof worker) < 0) {
+  if (mr_find_program("meshrun-worker", "worker", worker, sizeof worker) < 0) {
     fprintf(stderr, "meshrun %s: cannot find meshrun-worker beside meshrun or on PATH\n",
             argv[0]);
     return 1;

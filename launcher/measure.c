@@ -67,7 +67,7 @@ static int run_measure(char *const argv[]) {
 
 static int run_probe(const char *out) {
   char exe[4096];
-  if (mr_cli_find_sibling("meshrun-gpu-probe", "worker", exe, sizeof exe) < 0)
+  if (mr_find_program("meshrun-gpu-probe", "worker", exe, sizeof exe) < 0)
     return mr_error_set(MR_ENOENT, "gpu probe: cannot find meshrun-gpu-probe beside "
                         "meshrun or on PATH");
   char *argv[] = {exe, "--out", (char *)out, NULL};
@@ -136,7 +136,7 @@ static uint64_t cpu_identity(void) {
 }
 
 static int find_worker(char *exe, size_t n) {
-  if (mr_cli_find_sibling("meshrun-worker", "worker", exe, n) < 0)
+  if (mr_find_program("meshrun-worker", "worker", exe, n) < 0)
     return mr_error_set(MR_ENOENT, "calibrate: cannot find meshrun-worker beside meshrun "
                         "or on PATH");
   return 0;
