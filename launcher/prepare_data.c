@@ -1,5 +1,5 @@
-/* prepare_data.c - `meshrun prepare-data`: byte-level token files from text
- * (see prepare_data.h). */
+/* prepare_data.c - `meshrun prepare-data`: token files from text, bytes or
+ * the model's own tokenizer (see prepare_data.h). */
 #include "launcher/prepare_data.h"
 
 #include <errno.h>
@@ -7,8 +7,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
+#include "common/tokenizer.h"
 #include "common/tokens.h"
 
 #define TOKEN_CHUNK 65536
@@ -30,15 +33,19 @@ int64_t mr_prepare_data_cut(const uint8_t *text, int64_t n,
 
 static void usage(FILE *out) {
   fprintf(out,
-          "usage: meshrun prepare-data TEXT... --out FILE "
-          "[--val-fraction F] [--val-out FILE]\n"
-          "  Writes every byte of the TEXT files (concatenated in order) as "
-          "one token\n"
-          "  (vocabulary 256) in the llm.c uint16 format.  The last fraction F "
-          "(default\n"
-          "  0.05, cut at a line start) goes to --val-out (default: FILE with "
-          "-val\n"
-          "  before its extension); F = 0 writes no validation file.\n");
+          "usage: meshrun prepare-data TEXT... --out FILE [--val-fraction F] [--val-out FILE]\n"
+          "                            [--tokenizer TOK [--jsonl-field NAME]]\n"
+          "  Without --tokenizer, writes every byte of the TEXT files (concatenated in\n"
+          "  order) as one token (vocabulary 256) in the llm.c uint16 format.  The last\n"
+          "  fraction F (default 0.05, cut at a line start) goes to --val-out (default:\n"
+          "  FILE with -val before its extension); F = 0 writes no validation file.\n"
+          "  --tokenizer TOK (a tokenizer.json, or a model folder holding one) tokenizes\n"
+          "  with the model's own tokenizer instead (Hugging Face's tokenizers library,\n"
+          "  through meshrun-tokenize and $MESHRUN_PYTHON): each TEXT file is one\n"
+          "  document, each line of a .jsonl file one (its NAME field, default \"text\"),\n"
+          "  each followed by the end-of-text token; llm.c uint16 files for a vocabulary\n"
+          "  of at most 65536, uint32 above; the documents after the first 1 - F of the\n"
+          "  input go to the validation file.\n");
 }
 
 static int flag_error(const char *fmt, const char *arg) {
@@ -118,8 +125,95 @@ static int write_tokens(const char *path, const uint8_t *bytes, int64_t n) {
   return mr_tokens_writer_close(&w);
 }
 
+/* Progress on a terminal: bytes of input read, tokens written. */
+static void progress(uint64_t done, uint64_t total, int64_t tokens, double *last, int final) {
+  if (!isatty(2))
+    return;
+  double now = mr_clock_s();
+  if (!final && now - *last < 0.2)
+    return;
+  *last = now;
+  int width = 30, fill = total ? (int)((double)done / (double)total * width) : width;
+  fprintf(stderr, "\r[%.*s%*s] %3.0f%%  %.1f of %.1f MB, %lld tokens", fill,
+          "##############################", width - fill, "",
+          total ? 100.0 * (double)done / (double)total : 100.0, (double)done / 1e6,
+          (double)total / 1e6, (long long)tokens);
+  if (final)
+    fputc('\n', stderr);
+}
+
+/* --tokenizer: the documents through the model's tokenizer, the first
+ * 1 - frac of the input's bytes to out, the rest to val_out. */
+static int prepare_tokenized(const char *tok, const char *field, const char **inputs, int n_in,
+                             double frac, const char *out, const char *val_out) {
+  struct mr_tokenizer_info info;
+  if (mr_tokenizer_info(tok, &info) < 0) {
+    fprintf(stderr, "meshrun prepare-data: --tokenizer %s: %s\n", tok, mr_error_message());
+    return 2;
+  }
+  enum mr_tokens_format fmt = info.vocab_size <= 65536 ? MR_TOKENS_LLMC_U16 : MR_TOKENS_LLMC_U32;
+  uint64_t total = 0;
+  for (int i = 0; i < n_in; i++) {
+    struct stat st;
+    if (stat(inputs[i], &st) != 0) {
+      fprintf(stderr, "meshrun prepare-data: %s: cannot open: %s\n", inputs[i], strerror(errno));
+      return 1;
+    }
+    total += (uint64_t)st.st_size;
+  }
+  uint64_t cut = frac > 0 ? (uint64_t)((1.0 - frac) * (double)total) : UINT64_MAX;
+  struct mr_tokenizer_stream ts;
+  struct mr_tokens_writer w[2];
+  int open_w[2] = {0, 0}, rc = mr_tokenizer_stream_open(tok, field, inputs, n_in, &ts);
+  int64_t count[2] = {0, 0};
+  uint64_t before = 0, consumed = 0;
+  double last = 0;
+  const uint32_t *ids;
+  int64_t n;
+  while (rc == 0 && (rc = mr_tokenizer_stream_next(&ts, &ids, &n, &consumed)) == 1) {
+    int split = before >= cut; /* the document starts past the cut: validation */
+    before = consumed;
+    if (!open_w[split]) {
+      if ((rc = mr_tokens_writer_open(&w[split], split ? val_out : out, fmt)) < 0)
+        break;
+      open_w[split] = 1;
+    }
+    rc = mr_tokens_writer_append(&w[split], ids, (size_t)n);
+    count[split] += n;
+    progress(consumed, total, count[0] + count[1], &last, 0);
+  }
+  int rc2 = mr_tokenizer_stream_close(&ts);
+  if (rc >= 0 && rc2 < 0)
+    rc = rc2;
+  if (rc >= 0 && (count[0] == 0 || (frac > 0 && count[1] == 0))) {
+    rc = mr_error_set(MR_EINVAL, "%lld document tokens leave the %s split empty; give more "
+                      "documents (a text file is one, a .jsonl line one) or change "
+                      "--val-fraction", (long long)(count[0] + count[1]),
+                      count[0] == 0 ? "training" : "validation");
+  }
+  for (int k = 0; k < 2; k++)
+    if (open_w[k]) {
+      if (rc < 0)
+        mr_tokens_writer_abort(&w[k]);
+      else if ((rc2 = mr_tokens_writer_close(&w[k])) < 0)
+        rc = rc2;
+    }
+  if (rc < 0) {
+    if (isatty(2))
+      fputc('\n', stderr);
+    fprintf(stderr, "meshrun prepare-data: %s\n", mr_error_message());
+    return rc == MR_EINVAL ? 2 : 1;
+  }
+  progress(total, total, count[0] + count[1], &last, 1);
+  printf("%s: %lld tokens (vocabulary %lld, %s)\n", out, (long long)count[0],
+         (long long)info.vocab_size, fmt == MR_TOKENS_LLMC_U16 ? "uint16" : "uint32");
+  if (frac > 0)
+    printf("%s: %lld tokens\n", val_out, (long long)count[1]);
+  return 0;
+}
+
 int mr_cmd_prepare_data(int argc, char **argv) {
-  const char *out = NULL, *val_out = NULL;
+  const char *out = NULL, *val_out = NULL, *tok = NULL, *field = "text";
   double frac = 0.05;
   const char **inputs = calloc((size_t)argc + 1, sizeof *inputs);
   int n_in = 0, status = 2;
@@ -135,7 +229,8 @@ int mr_cmd_prepare_data(int argc, char **argv) {
       goto done;
     }
     if (strcmp(a, "--out") == 0 || strcmp(a, "--val-out") == 0 ||
-        strcmp(a, "--val-fraction") == 0) {
+        strcmp(a, "--val-fraction") == 0 || strcmp(a, "--tokenizer") == 0 ||
+        strcmp(a, "--jsonl-field") == 0) {
       if (i + 1 >= argc) {
         status = flag_error("%s: expected a value", a);
         goto done;
@@ -143,6 +238,10 @@ int mr_cmd_prepare_data(int argc, char **argv) {
       const char *v = argv[++i];
       if (strcmp(a, "--out") == 0) {
         out = v;
+      } else if (strcmp(a, "--tokenizer") == 0) {
+        tok = v;
+      } else if (strcmp(a, "--jsonl-field") == 0) {
+        field = v;
       } else if (strcmp(a, "--val-out") == 0) {
         val_out = v;
       } else {
@@ -177,6 +276,10 @@ int mr_cmd_prepare_data(int argc, char **argv) {
   }
   if (val_out != NULL && strcmp(val_out, out) == 0) {
     status = flag_error("--val-out %s: must differ from --out", val_out);
+    goto done;
+  }
+  if (tok != NULL) {
+    status = prepare_tokenized(tok, field, inputs, n_in, frac, out, val_out);
     goto done;
   }
   status = 1;

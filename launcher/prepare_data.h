@@ -1,8 +1,9 @@
-/* prepare_data.h - `meshrun prepare-data`: text files to byte-level token
- * files.
+/* prepare_data.h - `meshrun prepare-data`: text files to token files, one
+ * token a byte or through the model's tokenizer.
  *
  *   meshrun prepare-data TEXT... --out FILE [--val-fraction F]
- *                                [--val-out FILE]
+ *                                [--val-out FILE] [--tokenizer TOK]
+ *                                [--jsonl-field NAME]
  *
  * Every byte of the inputs (concatenated in the order given, nothing added
  * between them) is one token, vocabulary 256, written in the llm.c uint16
@@ -12,7 +13,14 @@
  * begins at or after byte floor((1 - F) * n) (or that byte itself when no
  * line starts there), so no line is split between the two.  --val-out
  * defaults to FILE with "-val" inserted before its extension (data/x.bin ->
- * data/x-val.bin); F = 0 writes no validation file. */
+ * data/x-val.bin); F = 0 writes no validation file.
+ *
+ * With --tokenizer TOK [--jsonl-field NAME] the documents (each text file;
+ * each line of a .jsonl file, its NAME field) go through the model's own
+ * tokenizer (common/tokenizer.h), each followed by its end-of-text token,
+ * into llm.c uint16 files (vocabulary <= 65536) or uint32 ones (magic
+ * 20240801); a document that starts at or past byte floor((1 - F) * n) of
+ * the input goes to validation. */
 #ifndef MR_PREPARE_DATA_H
 #define MR_PREPARE_DATA_H
 

@@ -1,4 +1,5 @@
-/* sample.h - text generation from trained weights, byte-level.
+/* sample.h - text generation from trained weights, byte-level or through
+ * the model's own tokenizer (--tokenizer, common/tokenizer.h).
  *
  *   meshrun sample WEIGHTS --prompt TEXT [--config config.json]
  *                  [--tokens N] [--temperature T] [--seed S]
@@ -21,6 +22,12 @@
 int64_t mr_sample_generate(const char *weights, const char *config_path,
                            const char *prompt, int64_t n_tokens,
                            double temperature, uint64_t seed, uint8_t *out);
+
+/* The same on token ids: prompt[plen] in, out[n_tokens] (caller-owned)
+ * the tokens generated. */
+int64_t mr_sample_generate_ids(const char *weights, const char *config_path,
+                               const int32_t *prompt, int64_t plen, int64_t n_tokens,
+                               double temperature, uint64_t seed, int32_t *out);
 
 /* The `sample` subcommand; argv[0] is the command name.  Writes the prompt
  * and its continuation to stdout.  Returns the exit status: 0, 2 for bad

@@ -29,6 +29,11 @@ save_pretrained (safetensors, the current config format).  Then:
    AutoModelForCausalLM.from_pretrained: its logits within 1e-5 of the
    largest of `meshrun logits` on the exported folder; every field of the
    source config.json carried, generation_config.json with its token ids.
+4. tokenizers (Hugging Face's library, the helper meshrun-tokenize):
+   prepare-data --tokenizer on text and JSONL gives the library's own ids
+   with the end-of-text id after each document, uint16 or (a vocabulary of
+   70000) uint32 files; sample --tokenizer gives the text transformers'
+   greedy generate decodes to.
 
 Usage: check_transformers.py MESHRUN_BIN
 Runs under the project's virtual environment (.venv, made by
@@ -383,6 +388,99 @@ def refused(cmd, *words):
         sys.exit(1)
 
 
+def read_token_file(path):
+    raw = open(path, "rb").read()
+    head = struct.unpack("<256i", raw[:1024])
+    width = {20240520: "H", 20240801: "I"}[head[0]]
+    toks = list(struct.unpack("<%d%s" % (head[2], width), raw[1024:]))
+    assert len(raw) == 1024 + head[2] * struct.calcsize(width), path
+    return width, toks
+
+
+def check_tokenizer(meshrun, work):
+    """prepare-data --tokenizer and sample --tokenizer against the
+    tokenizers library itself and transformers' greedy generate."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers, trainers
+    folder = os.path.join(work, "tok-model")
+    torch.manual_seed(0)
+    model = llama_model()
+    randomize(model, 2)
+    save(model, folder)
+    corpus = os.path.join(work, "corpus.txt")
+    rng = random.Random(9)
+    words = ["the", "fox", "dog", "quick", "lazy", "jumps", "over", "brown", "a", "cat", "runs",
+             "far", "and", "sleeps", "all", "day"]
+    with open(corpus, "w") as f:
+        for _ in range(400):
+            f.write(" ".join(rng.choice(words) for _ in range(12)) + ".\n")
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([corpus], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["[UNK]", "</s>"]))
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    json.dump({"eos_token": "</s>"}, open(os.path.join(folder, "tokenizer_config.json"), "w"))
+    eos = tok.token_to_id("</s>")
+    jsonl = os.path.join(work, "docs.jsonl")
+    docs = ["the quick fox", "a lazy dog sleeps all day", "cat runs far"] * 40
+    with open(jsonl, "w") as f:
+        for d in docs:
+            f.write(json.dumps({"body": d, "id": 1}) + "\n")
+    out = os.path.join(work, "tok.bin")
+    env = dict(os.environ, MESHRUN_PYTHON=sys.executable)
+    r = subprocess.run([meshrun, "prepare-data", corpus, jsonl, "--tokenizer", folder,
+                        "--jsonl-field", "body", "--out", out, "--val-fraction", "0.1"],
+                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert r.returncode == 0, r.stdout
+    want = tok.encode(open(corpus).read(), add_special_tokens=False).ids + [eos]
+    for d in docs:
+        want += tok.encode(d, add_special_tokens=False).ids + [eos]
+    width, train = read_token_file(out)
+    _, val = read_token_file(os.path.join(work, "tok-val.bin"))
+    if width != "H" or train + val != want or not val or val[-1] != eos:
+        print("FAIL: prepare-data --tokenizer: %s, %d + %d tokens, expected %d as tokenizers "
+              "encodes them" % (width, len(train), len(val), len(want)))
+        sys.exit(1)
+    print("prepare-data --tokenizer: %d + %d tokens, each as tokenizers %s encodes them, "
+          "the end-of-text id after each document" % (len(train), len(val),
+                                                       tokenizers.__version__))
+    # a vocabulary past 65536: uint32 files
+    big = tokenizers.Tokenizer(models.WordLevel({("w%d" % i): i for i in range(70000)},
+                                                unk_token="w0"))
+    big.pre_tokenizer = pre_tokenizers.Whitespace()
+    big_path = os.path.join(work, "big-tokenizer.json")
+    big.save(big_path)
+    text = os.path.join(work, "big.txt")
+    open(text, "w").write("w1 w69999 w65536 w3\n")
+    r = subprocess.run([meshrun, "prepare-data", text, "--tokenizer", big_path, "--out",
+                        os.path.join(work, "big.bin"), "--val-fraction", "0"], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert r.returncode == 0, r.stdout
+    width, toks = read_token_file(os.path.join(work, "big.bin"))
+    if width != "I" or toks != [1, 69999, 65536, 3]:
+        print("FAIL: a 70000-token vocabulary: %s %s" % (width, toks))
+        sys.exit(1)
+    print("prepare-data --tokenizer, vocabulary 70000: uint32 (llm.c 20240801) %s" % toks)
+    # sample: the prompt encoded, greedy, decoded, as transformers' generate
+    prompt, n = "the quick brown fox jumps", 20
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          pad_token_id=0, eos_token_id=None)[0].tolist()
+    want_text = tok.decode(gen, skip_special_tokens=False)
+    r = subprocess.run([meshrun, "sample", folder, "--prompt", prompt, "--tokens", str(n),
+                        "--temperature", "0", "--tokenizer", folder], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0 or r.stdout.rstrip("\n") != want_text:
+        print("FAIL: sample --tokenizer: %r (exit %d, %s), transformers' greedy generate "
+              "decodes to %r" % (r.stdout, r.returncode, r.stderr, want_text))
+        sys.exit(1)
+    print("sample --tokenizer: %r, as transformers' greedy generate" % want_text)
+    refused([meshrun, "prepare-data", corpus, "--tokenizer", os.path.join(work, "none.json"),
+             "--out", os.path.join(work, "x.bin")], "none.json")
+
+
 def main():
     meshrun = sys.argv[1]
     work = tempfile.mkdtemp(prefix="mr-test-transformers-")
@@ -390,6 +488,7 @@ def main():
             "--max-shard-size", "5 parsecs", "5GB")
     refused([meshrun, "logits", work, "--tokens", "1,x,3", "--out", os.path.join(work, "l")],
             "--tokens", "entry 2", "x,3")
+    check_tokenizer(meshrun, work)
     check_family(meshrun, "llama", llama_model, work)
     check_family(meshrun, "llama-attention-bias", llama_bias_model, work)
     check_family(meshrun, "llama3-rope", llama3_rope_model, work)
