@@ -321,11 +321,11 @@ int mr_model_config_parse(const cJSON *obj, const char *where,
                   (long long)c.num_attention_heads, (long long)c.num_key_value_heads);
     int64_t head_dim;
     const cJSON *hd = cJSON_GetObjectItemCaseSensitive(obj, "head_dim");
-    if (hd != NULL && !cJSON_IsNull(hd) && c.hidden_size % c.num_attention_heads == 0 &&
-        mr_jv_int(&jv, obj, "", "head_dim", 1, BIG, &head_dim) == 1 &&
-        head_dim != c.hidden_size / c.num_attention_heads)
-      mr_jv_error(&jv, "", "head_dim", "expected hidden_size / num_attention_heads = %lld",
-                  (long long)(c.hidden_size / c.num_attention_heads));
+    if (hd != NULL && !cJSON_IsNull(hd) &&
+        mr_jv_int(&jv, obj, "", "head_dim", 1, 100000, &head_dim) == 1 &&
+        (c.num_attention_heads <= 0 || c.hidden_size % c.num_attention_heads != 0 ||
+         head_dim != c.hidden_size / c.num_attention_heads))
+      c.head_dim = head_dim; /* q and o are heads x head_dim, not hidden wide */
   } else {
     c.vocab_size = 50257;
     c.hidden_size = 768;
@@ -352,7 +352,7 @@ int mr_model_config_parse(const cJSON *obj, const char *where,
     expect_absent(&jv, obj, "scale_attn_by_inverse_layer_idx", "standard scaling only");
     expect_absent(&jv, obj, "reorder_and_upcast_attn", "standard attention only");
   }
-  if (jv.n_errors == 0 && c.hidden_size % c.num_attention_heads != 0)
+  if (jv.n_errors == 0 && c.head_dim == 0 && c.hidden_size % c.num_attention_heads != 0)
     mr_jv_error(&jv, "", c.family == MR_MODEL_GPT2 ? "n_head" : "num_attention_heads",
                 "expected a divisor of the hidden size (%lld), got %lld",
                 (long long)c.hidden_size, (long long)c.num_attention_heads);
@@ -422,6 +422,7 @@ char *mr_model_config_to_json(const struct mr_model_config *c) {
     cJSON_AddNumberToObject(o, "num_hidden_layers", (double)c->num_hidden_layers);
     cJSON_AddNumberToObject(o, "num_attention_heads", (double)c->num_attention_heads);
     cJSON_AddNumberToObject(o, "num_key_value_heads", (double)c->num_key_value_heads);
+    cJSON_AddNumberToObject(o, "head_dim", (double)mr_model_head_dim(c));
     cJSON_AddNumberToObject(o, "max_position_embeddings",
                             (double)c->max_position_embeddings);
     cJSON_AddNumberToObject(o, "rms_norm_eps", c->rms_norm_eps);
@@ -461,6 +462,8 @@ char *mr_model_config_to_json(const struct mr_model_config *c) {
 }
 
 int64_t mr_model_head_dim(const struct mr_model_config *c) {
+  if (c->head_dim > 0)
+    return c->head_dim;
   return c->num_attention_heads > 0 ? c->hidden_size / c->num_attention_heads : 0;
 }
 
@@ -469,9 +472,10 @@ int64_t mr_model_param_count(const struct mr_model_config *c) {
   int64_t l = c->num_hidden_layers, d = mr_model_head_dim(c);
   int64_t kv = c->num_key_value_heads * d;
   if (c->family == MR_MODEL_LLAMA) {
-    int64_t layer = h * h /* q */ + 2 * h * kv /* k, v */ + h * h /* o */ +
+    int64_t q = c->num_attention_heads * d; /* = h unless head_dim says otherwise */
+    int64_t layer = h * q /* q */ + 2 * h * kv /* k, v */ + q * h /* o */ +
                     3 * h * f /* gate, up, down */ + 2 * h /* norms */ +
-                    (c->qkv_bias ? h + 2 * kv : 0) + (c->o_bias ? h : 0);
+                    (c->qkv_bias ? q + 2 * kv : 0) + (c->o_bias ? h : 0);
     return v * h * (c->tie_word_embeddings ? 1 : 2) + l * layer + h;
   }
   int64_t layer = 4 * h /* ln_1, ln_2 */ + 3 * h * h + 3 * h /* c_attn */ +

@@ -67,6 +67,8 @@ struct mr_model_config {
   int64_t num_hidden_layers;    // GPT-2: n_layer
   int64_t num_attention_heads;  // GPT-2: n_head
   int64_t num_key_value_heads;  // GPT-2: = num_attention_heads
+  int64_t head_dim;             // LLaMA family: 0 for hidden / heads, else
+                                // the config's (q and o are heads x head_dim)
   int64_t max_position_embeddings; // GPT-2: n_positions
   double rms_norm_eps;          // LLaMA
   double layer_norm_epsilon;    // GPT-2
@@ -98,7 +100,8 @@ int mr_model_config_load_json(const char *path, struct mr_model_config *out,
 /* Writes the config as Hugging Face config.json text (malloc'd). */
 char *mr_model_config_to_json(const struct mr_model_config *cfg);
 
-/* Head dimension: hidden_size / num_attention_heads. */
+/* Head dimension: head_dim where the config gives one, else
+ * hidden_size / num_attention_heads. */
 int64_t mr_model_head_dim(const struct mr_model_config *cfg);
 
 /* 0 when sequences of seq_len tokens are built for cfg, else MR_ENOTSUP

@@ -80,7 +80,7 @@ static int build_llama(struct mr_model *m) {
   const struct mr_model_config *c = &m->cfg;
   int64_t C = c->hidden_size, V = c->vocab_size, I = c->intermediate_size;
   int64_t H = c->num_attention_heads, KH = c->num_key_value_heads;
-  int64_t D = C / H;
+  int64_t D = mr_model_head_dim(c);
   int emb = param2(g, V, C, "model.embed_tokens.weight", 0);
   CK(emb);
   int x = op(g, MR_OP_EMBEDDING, "h0", 0, m->input_ids, emb, -1, NULL, NULL);
@@ -250,7 +250,7 @@ int mr_model_build_loss(const struct mr_model_config *cfg, int64_t batch,
                         (long long)cfg->max_position_embeddings);
   MR_TRY(mr_model_check_seq(cfg, seq));
   if (cfg->num_attention_heads < 1 || cfg->num_key_value_heads < 1 ||
-      cfg->hidden_size % cfg->num_attention_heads ||
+      (cfg->head_dim == 0 && cfg->hidden_size % cfg->num_attention_heads) ||
       cfg->num_attention_heads % cfg->num_key_value_heads)
     return mr_error_set(MR_EINVAL, "model: heads %lld / kv heads %lld do not "
                         "divide hidden %lld", (long long)cfg->num_attention_heads,

@@ -426,6 +426,17 @@ START_TEST(test_model_config_hub_configs) {
   ck_assert_msg(strstr(mr_error_message(), "j.json: train.seq_len: 8192: the model's "
                                            "sliding_window: 4096") != NULL,
                 "%s", mr_error_message());
+  /* an explicit head_dim other than hidden / heads: q and o are heads x
+   * head_dim wide (8 x 64 x 2 + 64 x 96 + 2 x 64 x 48 + 96 x 64 + 3 x 64 x
+   * 8 + 2 x 64 + 64 = 21184) */
+  ck_assert_int_eq(mr_job_parse("{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 8,"
+                                " \"hidden_size\": 64, \"intermediate_size\": 8,"
+                                " \"num_hidden_layers\": 1, \"num_attention_heads\": 4,"
+                                " \"num_key_value_heads\": 2, \"head_dim\": 24},"
+                                " \"data\": {\"train\": \"t\"}}", "j.json", ".", &job), 0);
+  ck_assert_int_eq(mr_model_head_dim(&job.model), 24);
+  ck_assert_int_eq(mr_model_param_count(&job.model), 21184);
+  mr_job_close(&job);
   /* LLaMA's attention_bias: q, k, v and o; mlp_bias is refused */
   ck_assert_int_eq(mr_job_parse("{\"model\": {\"model_type\": \"llama\", \"vocab_size\": 8,"
                                 " \"hidden_size\": 8, \"intermediate_size\": 8,"

@@ -91,15 +91,16 @@ double mr_cost_engine_layer_elems(const struct mr_model_config *m, int t, int sp
                                   enum mr_recompute_mode rc) {
   double C = m->hidden_size, F = m->intermediate_size, H = m->num_attention_heads;
   double K = (double)m->num_key_value_heads * (double)mr_model_head_dim(m);
+  double Q = H * (double)mr_model_head_dim(m); /* = C unless head_dim says otherwise */
   if (t < 2)
     sp = 0;
   if (rc == MR_RECOMPUTE_MODE_FULL) /* the layer group's input */
     return sp ? C / t : C;
   /* split by tensor parallelism: q and k after RoPE, v, the attention
    * output and its log-sum-exp, gate, up and their SwiGLU */
-  double split = (2.0 * C + 2.0 * K + 3.0 * F + H) / t;
+  double split = (2.0 * Q + 2.0 * K + 3.0 * F + H) / t;
   if (rc == MR_RECOMPUTE_MODE_SELECTIVE) /* the attention output and lse repeat */
-    split -= (C + H) / t;
+    split -= (Q + H) / t;
   /* the block input and the residual after attention with their norms'
    * 1/rms (split by rows under sequence parallelism), and the two norm
    * outputs the projections' weight gradients read (gathered whole) */
@@ -121,11 +122,12 @@ static double layer_fwd_flops(const struct mr_model_config *m, double tokens, do
                               double *attn_out) {
   double h = m->hidden_size, f = m->intermediate_size;
   double kv = (double)m->num_key_value_heads * (double)mr_model_head_dim(m);
+  double q = (double)m->num_attention_heads * (double)mr_model_head_dim(m);
   double n_mlp = m->family == MR_MODEL_LLAMA ? 3.0 : 2.0;
-  double attn = 4.0 * tokens * s * h;
+  double attn = 4.0 * tokens * s * q;
   if (attn_out != NULL)
     *attn_out = attn;
-  return 2.0 * tokens * (h * (h + 2.0 * kv) + h * h + n_mlp * h * f) + attn;
+  return 2.0 * tokens * (h * (q + 2.0 * kv) + q * h + n_mlp * h * f) + attn;
 }
 
 double mr_cost_step_flops(const struct mr_workload *w, int recompute_full) {
@@ -141,8 +143,10 @@ void mr_cost_param_split(const struct mr_model_config *m, double *per_layer,
                          double *embedding, double *final_norm) {
   double h = m->hidden_size, f = m->intermediate_size, v = m->vocab_size;
   double kv = (double)m->num_key_value_heads * (double)mr_model_head_dim(m);
+  double q = (double)m->num_attention_heads * (double)mr_model_head_dim(m);
   if (m->family == MR_MODEL_LLAMA) {
-    *per_layer = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h;
+    *per_layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h +
+                 (m->qkv_bias ? q + 2 * kv : 0) + (m->o_bias ? h : 0);
     *embedding = v * h;
     *final_norm = h;
   } else {
@@ -215,8 +219,8 @@ static void layer_times(const struct mr_workload *w, const struct mr_cluster *c,
    * values, not the storage): the memory-bound ops move fp32's bytes */
   double wb = c->host_is_device ? 4.0 : elem_bytes(dt), t = s->tp, b = s->micro_batch_size;
   double S = (double)w->seq_len, h = m->hidden_size, a = m->num_attention_heads;
-  double f = m->intermediate_size, V = m->vocab_size, d = h / a;
-  double kv = (double)m->num_key_value_heads * d;
+  double f = m->intermediate_size, V = m->vocab_size, d = (double)mr_model_head_dim(m);
+  double kv = (double)m->num_key_value_heads * d, q = a * d;
   double T = b * S;
   double n_up = m->family == MR_MODEL_LLAMA ? 2.0 : 1.0;
   /* attention's products run at the amp type's rate, on CPU ranks too:
@@ -224,8 +228,8 @@ static void layer_times(const struct mr_workload *w, const struct mr_cluster *c,
    * bf16 fp32's peak */
   double g_att = mr_cost_gemm_time(c, dt, b * a / t, S, S, d) +
                  mr_cost_gemm_time(c, dt, b * a / t, S, d, S);
-  double gemm = mr_cost_gemm_time(c, dt, 1, T, (h + 2 * kv) / t, h) + g_att +
-                mr_cost_gemm_time(c, dt, 1, T, h, h / t) +
+  double gemm = mr_cost_gemm_time(c, dt, 1, T, (q + 2 * kv) / t, h) + g_att +
+                mr_cost_gemm_time(c, dt, 1, T, h, q / t) +
                 mr_cost_gemm_time(c, dt, 1, T, n_up * f / t, h) +
                 mr_cost_gemm_time(c, dt, 1, T, h, f / t);
   /* Memory-bound ops: every stored activation is written once and read

@@ -2,8 +2,8 @@
 """check_transformers.py - meshrun held to Hugging Face transformers and
 PyTorch on models transformers itself makes.
 
-For each family (LLaMA with grouped-query attention, tied embeddings, an
-explicit head_dim and rope_theta 500000, as Llama 3.2 ships; Qwen2 with its
+For each family (LLaMA with grouped-query attention, tied embeddings, a
+head_dim of 24 beside hidden 64 / 4 heads and rope_theta 500000; Qwen2 with its
 q/k/v biases, tied, rope_theta 1e6; Mistral with a sliding window longer
 than the sequence, which is full causal attention, and a shorter one
 refused; GPT-2) a
@@ -99,7 +99,7 @@ VOCAB, SEQ, BATCH, STEPS, LR, SEED = 96, 32, 4, 10, 3e-3, 7
 
 def llama_model(**extra):
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=24,
               max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
               rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     cfg = transformers.LlamaConfig(**dict(kw, **extra))
