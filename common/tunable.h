@@ -90,6 +90,8 @@
      "test hook: each rank appends every collective it issues to PATH.RANK") \
   XX(TEST_PLAN_DELAY_MS, "MESHRUN_TEST_PLAN_DELAY_MS", "0",                 \
      "test hook: the launcher's re-plans take this many ms longer (a slow plan)") \
+  XX(TEST_START_DELAY_MS, "MESHRUN_TEST_START_DELAY_MS", "0",               \
+     "test hook: each rank takes this many ms longer to start (a slow lowering)") \
   XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \
      "lines of a failed rank's log shown on exit")                           \
   XX(LOSS_SCALE_GROWTH, "MESHRUN_LOSS_SCALE_GROWTH_INTERVAL", "2000",        \

@@ -223,22 +223,30 @@ static void describe_rendezvous(const struct coordinator *co, char *buf, size_t 
 }
 
 /* No rank has completed an instruction for the hang timeout: say what
- * each one is doing and who the others wait for, then fail the group. */
+ * each one is doing and who the others wait for, then fail the group.
+ * While a rank is still starting (lowering its program, opening its
+ * communication: slow under a sanitizer or on a loaded machine) there is
+ * no step to make progress in: the group is not judged while its starting
+ * ranks are heard from, only once one of them falls silent (stopped). */
 static void check_hang(struct coordinator *co, int64_t now) {
   if (co->opts->hang_timeout_s <= 0)
     return;
   int64_t limit = (int64_t)(co->opts->hang_timeout_s * 1000.0);
   int64_t newest = 0;
-  int live = 0;
+  int live = 0, starting = 0, silent = 0;
   for (int i = 0; i < co->world; i++) {
     const struct mr_rank *r = &co->ranks.r[i];
     if (r->exited || r->conn == NULL || r->done)
       continue;
+    if (now - r->last_seen_ms > limit)
+      silent = 1;
+    else if (r->starting)
+      starting = 1;
     live++;
     if (r->progress_ms > newest)
       newest = r->progress_ms;
   }
-  if (live == 0 || now - newest <= limit)
+  if (live == 0 || now - newest <= limit || (starting && !silent))
     return;
   char where[8192];
   mr_ranks_describe_positions(&co->ranks, where, sizeof where);
@@ -247,12 +255,12 @@ static void check_hang(struct coordinator *co, int64_t now) {
    * is the last it sent, which may well be a wait), else a rank that waits
    * on nothing while others wait */
   int culprit = -1;
-  int64_t silent_ms = 10 * mr_tunable_int(MR_TUNABLE_HEARTBEAT_MS), silent = 0;
+  int64_t silent_ms = 10 * mr_tunable_int(MR_TUNABLE_HEARTBEAT_MS), quiet = 0;
   for (int i = 0; i < co->world; i++) {
     const struct mr_rank *r = &co->ranks.r[i];
     if (!r->exited && !r->done && r->conn != NULL && now - r->last_seen_ms > silent_ms &&
-        now - r->last_seen_ms > silent)
-      culprit = i, silent = now - r->last_seen_ms;
+        now - r->last_seen_ms > quiet)
+      culprit = i, quiet = now - r->last_seen_ms;
   }
   for (int i = 0; i < co->world && culprit < 0; i++) {
     const struct mr_rank *r = &co->ranks.r[i];
@@ -260,10 +268,10 @@ static void check_hang(struct coordinator *co, int64_t now) {
       culprit = i;
   }
   char who[160] = "";
-  if (culprit >= 0 && silent > 0)
+  if (culprit >= 0 && quiet > 0)
     snprintf(who, sizeof who, "; rank %d (pid %d) has sent nothing for %.1f s: stopped or "
              "hung, the others wait for it", culprit, co->ranks.r[culprit].pid,
-             (double)silent / 1000.0);
+             (double)quiet / 1000.0);
   else if (culprit >= 0)
     snprintf(who, sizeof who, "; rank %d is stuck outside communication", culprit);
   mr__co_group_fail(co, culprit, "hang: no rank made progress for %.1f s%s:%s",

@@ -162,6 +162,7 @@ static void on_hello(struct coordinator *co, struct mr_conn *c,
   c->rank = rank;
   r->conn = c;
   r->registered = 1;
+  r->starting = 1; /* until its heartbeat says it runs */
   if (r->remote)
     r->pid = (int)h->pid;
   r->last_seen_ms = mr_clock_ms();

@@ -324,9 +324,12 @@ void mr_ranks_heartbeat(struct mr_ranks *s, int rank, const Meshrun__Heartbeat *
    * between two makes the next wait for it, and a large one on a slow disk
    * can take longer than the hang timeout.  So are collectives completing:
    * a step's gradient sync is one instruction that waits on all of them */
+  int starting = hb->state == MESHRUN__HEARTBEAT__STATE__STARTING;
   if (hb->step != r->step || hb->last_done != r->last_done ||
-      hb->checkpoint_bytes != r->checkpoint_bytes || hb->comm_done != r->comm_done)
-    r->progress_ms = mr_clock_ms();
+      hb->checkpoint_bytes != r->checkpoint_bytes || hb->comm_done != r->comm_done ||
+      starting != r->starting)
+    r->progress_ms = mr_clock_ms(); /* leaving STARTING too: the hang clock starts */
+  r->starting = starting;
   r->checkpoint_bytes = hb->checkpoint_bytes;
   r->comm_done = hb->comm_done;
   r->checkpoint_waiting = hb->state == MESHRUN__HEARTBEAT__STATE__CHECKPOINTING;

@@ -58,6 +58,7 @@ struct mr_rank {
   uint64_t checkpoint_bytes; // from heartbeats: its checkpoint writer's bytes so far
   uint64_t comm_done;      // from heartbeats: communication operations seen to end
   int checkpoint_waiting;  // the training waits for its own checkpoint write
+  int starting;            // lowering, opening communication: not yet at step 1
   int stage;               // its pipeline stage, from its metrics
   double busy_s;           // its work per step (step time less the time it
   int busy_n;              //   waited on communication), a moving average,

@@ -1097,6 +1097,21 @@ START_TEST(test_ckpt_stalled_checkpoint_write_diagnosed) {
 }
 END_TEST
 
+/* A start slower than the hang timeout (ranks lowering, opening their
+ * communication, loading: long under a sanitizer) is not a hang: the hang
+ * clock starts at the first step. */
+START_TEST(test_ckpt_slow_start_is_not_a_hang) {
+  char dir[64];
+  setup(dir, sizeof dir);
+  write_job(dir, "slow.json", 4, 2, "ck");
+  int code;
+  char *err = launch_watched(dir, "slow.json", "MESHRUN_TEST_START_DELAY_MS=3000", "1", &code);
+  ck_assert_msg(code == 0 && strstr(err, "hang") == NULL && strstr(err, "restart") == NULL,
+                "exit %d:\n%s", code, err);
+  free(err);
+}
+END_TEST
+
 START_TEST(test_ckpt_hang_in_collective_diagnosed) {
   char dir[64];
   setup(dir, sizeof dir);
@@ -1193,6 +1208,7 @@ static Suite *ckpt_suite(void) {
   tcase_add_test(tc, test_ckpt_hang_in_collective_diagnosed);
   tcase_add_test(tc, test_ckpt_slow_checkpoint_write_is_not_a_hang);
   tcase_add_test(tc, test_ckpt_stalled_checkpoint_write_diagnosed);
+  tcase_add_test(tc, test_ckpt_slow_start_is_not_a_hang);
   tcase_add_test(tc, test_ckpt_slow_gradient_sync_is_not_a_hang);
   tcase_add_test(tc, test_ckpt_hang_in_pipeline_receive_diagnosed);
   tcase_add_test(tc, test_ckpt_rank_exiting_early_is_a_failure);

@@ -451,6 +451,10 @@ static void reporter_checkpoint_wait(void *ctx, int waiting) {
                                    : MESHRUN__HEARTBEAT__STATE__RUNNING);
 }
 
+static void reporter_running(void *ctx) {
+  mr_client_set_state(ctx, MESHRUN__HEARTBEAT__STATE__RUNNING);
+}
+
 static int reporter_stop(void *ctx) {
   struct mr_client *c = ctx;
   return atomic_load(&c->stop_requested);
@@ -489,6 +493,7 @@ void mr_client_reporter(struct mr_client *c, struct mr_reporter *out) {
   out->checkpoint_bytes = &c->checkpoint_bytes;
   out->comm_done = &c->comm_done;
   out->checkpoint_wait = reporter_checkpoint_wait;
+  out->running = reporter_running;
 }
 
 void mr_client_close(struct mr_client *c) {

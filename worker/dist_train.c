@@ -63,6 +63,11 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
   long long exit_step = -1;
   if (sscanf(mr_tunable_str(MR_TUNABLE_TEST_EXIT), "%d:%lld", &exit_rank, &exit_step) != 2)
     exit_rank = -1;
+  int64_t start_delay = mr_tunable_int(MR_TUNABLE_TEST_START_DELAY_MS); /* test hook */
+  if (start_delay > 0)
+    usleep((useconds_t)start_delay * 1000);
+  if (env->reporter->running != NULL)
+    env->reporter->running(env->reporter->ctx);
   for (int64_t s = first; s <= job->train.steps; s++) {
     /* test hook: this rank leaves quietly, as a job that returned early */
     if (exit_rank == env->rank && exit_step == s)

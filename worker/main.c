@@ -214,9 +214,10 @@ static int run(void) {
     mr_log_set_prefix(prefix);
   }
   MR_TRY(mr_client_start(&client));
-  mr_client_set_state(&client, MESHRUN__HEARTBEAT__STATE__RUNNING);
+  /* STARTING until the training's first step (mr_reporter.running) */
   switch (client.plan->kind) {
   case MESHRUN__PLAN__KIND__SELFCHECK:
+    mr_client_set_state(&client, MESHRUN__HEARTBEAT__STATE__RUNNING);
     rc = mr_selfcheck_run(&client);
     break;
   case MESHRUN__PLAN__KIND__TRAIN:

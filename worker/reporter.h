@@ -57,6 +57,10 @@ struct mr_reporter {
   /* The training waits (1) or no longer waits (0) for its own checkpoint
    * write to finish; may be NULL. */
   void (*checkpoint_wait)(void *ctx, int waiting);
+  /* The rank's program is lowered, its runtime and communication are up
+   * and its first step begins (until then it is starting, which the
+   * launcher's hang check leaves alone); may be NULL. */
+  void (*running)(void *ctx);
 };
 
 struct mr_trace;
