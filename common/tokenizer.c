@@ -57,23 +57,13 @@ static int spawn(const char *const *args, int *in, int *out, int *err, pid_t *pi
                         strerror(e));
   }
   posix_spawn_file_actions_destroy(&fa);
-  if (null_fd >= 0)
-    close(null_fd);
-  if (pi[1] >= 0)
-    close(pi[1]);
-  if (po[1] >= 0)
-    close(po[1]);
-  if (pe[1] >= 0)
-    close(pe[1]);
-  if (rc < 0) {
-    if (pi[0] >= 0)
-      close(pi[0]);
-    if (po[0] >= 0)
-      close(po[0]);
-    if (pe[0] >= 0)
-      close(pe[0]);
+  /* the child's ends, and on a failure ours too */
+  int *fds[] = {&null_fd, &pi[1], &po[1], &pe[1], &pi[0], &po[0], &pe[0]};
+  for (size_t i = 0; i < sizeof fds / sizeof *fds && (i < 4 || rc < 0); i++)
+    if (*fds[i] >= 0)
+      close(*fds[i]);
+  if (rc < 0)
     return rc;
-  }
   if (in != NULL)
     *in = pi[0];
   *out = po[0];

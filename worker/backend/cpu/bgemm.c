@@ -175,45 +175,49 @@ BF16 static void pack_a(bool ta, const float *A, int lda, int i, int mr, int k0,
   } while (0)
 
 /* One 6 x 64 block of C from kcp pairs: C = alpha acc + beta C on the
- * first K block, else C += alpha acc; bias with the last. */
-BF16 static void kernel_6x64(int kcp, const uint32_t *ap, ptrdiff_t rs, ptrdiff_t ks,
-                             const uint32_t *b, float *c, int ldc, int mr, const __mmask16 *m,
-                             float alpha, float beta, int first, const float *bias) {
-  ACC_TILE();
-  const uint32_t *a = ap;
-  for (int kp = 0; kp < kcp; kp++, a += ks, b += NR) {
-    __m512bh b0 = (__m512bh)_mm512_load_si512((const __m512i *)b),
-             b1 = (__m512bh)_mm512_load_si512((const __m512i *)(b + 16)),
-             b2 = (__m512bh)_mm512_load_si512((const __m512i *)(b + 32)),
-             b3 = (__m512bh)_mm512_load_si512((const __m512i *)(b + 48));
-    DOT_ROW(0);
-    DOT_ROW(1);
-    DOT_ROW(2);
-    DOT_ROW(3);
-    DOT_ROW(4);
-    DOT_ROW(5);
-  }
-  STORE_TILE(alpha, beta);
-}
-
-/* The same where the block is at most 32 columns wide (attention's head
- * dimension): two of the four panel vectors, half the multiply-adds. */
-BF16 static void kernel_6x32(int kcp, const uint32_t *ap, ptrdiff_t rs, ptrdiff_t ks,
-                             const uint32_t *b, float *c, int ldc, int mr, const __mmask16 *m,
-                             float alpha, float beta, int first, const float *bias) {
+ * first K block, else C += alpha acc; bias with the last.  Not wide: a
+ * block at most 32 columns wide (attention's head dimension), two of the
+ * four panel vectors, half the multiply-adds (m[2], m[3] are empty).
+ * Inlined into the two kernels below, each with `wide` a constant. */
+BF16 static inline __attribute__((always_inline)) void
+kernel_6x(int wide, int kcp, const uint32_t *ap, ptrdiff_t rs, ptrdiff_t ks, const uint32_t *b,
+          float *c, int ldc, int mr, const __mmask16 *m, float alpha, float beta, int first,
+          const float *bias) {
   ACC_TILE();
   const uint32_t *a = ap;
   for (int kp = 0; kp < kcp; kp++, a += ks, b += NR) {
     __m512bh b0 = (__m512bh)_mm512_load_si512((const __m512i *)b),
              b1 = (__m512bh)_mm512_load_si512((const __m512i *)(b + 16));
-    HALF_ROW(0);
-    HALF_ROW(1);
-    HALF_ROW(2);
-    HALF_ROW(3);
-    HALF_ROW(4);
-    HALF_ROW(5);
+    if (wide) {
+      __m512bh b2 = (__m512bh)_mm512_load_si512((const __m512i *)(b + 32)),
+               b3 = (__m512bh)_mm512_load_si512((const __m512i *)(b + 48));
+      DOT_ROW(0);
+      DOT_ROW(1);
+      DOT_ROW(2);
+      DOT_ROW(3);
+      DOT_ROW(4);
+      DOT_ROW(5);
+    } else {
+      HALF_ROW(0);
+      HALF_ROW(1);
+      HALF_ROW(2);
+      HALF_ROW(3);
+      HALF_ROW(4);
+      HALF_ROW(5);
+    }
   }
-  STORE_TILE(alpha, beta); /* m[2] and m[3] are empty: two vectors a row */
+  STORE_TILE(alpha, beta);
+}
+
+#define KERNEL_ARGS                                                                      \
+  int kcp, const uint32_t *ap, ptrdiff_t rs, ptrdiff_t ks, const uint32_t *b, float *c, \
+      int ldc, int mr, const __mmask16 *m, float alpha, float beta, int first,          \
+      const float *bias
+BF16 static void kernel_6x64(KERNEL_ARGS) {
+  kernel_6x(1, kcp, ap, rs, ks, b, c, ldc, mr, m, alpha, beta, first, bias);
+}
+BF16 static void kernel_6x32(KERNEL_ARGS) {
+  kernel_6x(0, kcp, ap, rs, ks, b, c, ldc, mr, m, alpha, beta, first, bias);
 }
 
 BF16 void mr__bgemm_block(bool ta, int K, float alpha, const float *A, int lda, const uint32_t *bp,
