@@ -17,6 +17,10 @@
 
 #define MR_CKPT_MARKER "COMPLETE"
 #define MR_CKPT_INDEX "index.json"
+/* In a checkpoint root: {"folder": the model folder the job's config came
+ * from} (written at launch), so that export can carry its tokenizer and
+ * generation config through. */
+#define MR_CKPT_MODEL_SOURCE "model-source.json"
 
 /* ROOT/step-SSSSSSSS into buf. */
 void mr_ckpt_step_dir(const char *root, int64_t step, char *buf, size_t n);

@@ -30,6 +30,38 @@ static int sync_folder(const char *path) {
   return rc == 0 ? 0 : mr_error_set(MR_EIO, "fsync %s: %s", dir, strerror(errno));
 }
 
+int mr_file_copy(const char *src, const char *dst) {
+  char tmp[4200];
+  if (snprintf(tmp, sizeof tmp, "%s.%d.tmp", dst, (int)getpid()) >= (int)sizeof tmp)
+    return mr_error_set(MR_EIO, "%s: the path is too long", dst);
+  FILE *in = fopen(src, "rb");
+  if (in == NULL)
+    return mr_error_set(MR_EIO, "cannot read %s: %s", src, strerror(errno));
+  FILE *out = fopen(tmp, "wb");
+  if (out == NULL) {
+    int e = errno;
+    fclose(in);
+    return mr_error_set(MR_EIO, "cannot write %s: %s", dst, strerror(e));
+  }
+  char buf[65536];
+  size_t k;
+  int bad = 0;
+  while (!bad && (k = fread(buf, 1, sizeof buf, in)) > 0)
+    bad = fwrite(buf, 1, k, out) != k;
+  bad |= ferror(in);
+  int err = errno;
+  fclose(in);
+  if (fclose(out) != 0 && !bad)
+    bad = 1, err = errno;
+  if (!bad && rename(tmp, dst) != 0)
+    bad = 1, err = errno;
+  if (bad) {
+    unlink(tmp);
+    return mr_error_set(MR_EIO, "cannot copy %s to %s: %s", src, dst, strerror(err));
+  }
+  return 0;
+}
+
 int mr_file_write_text(const char *path, const char *text, int flags) {
   char tmp[4200];
   const char *target = path;

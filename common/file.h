@@ -24,6 +24,10 @@ enum {
  * system's reason (a temporary is removed). */
 int mr_file_write_text(const char *path, const char *text, int flags);
 
+/* Copies the file src to dst (any bytes), through a temporary beside dst
+ * renamed over it.  Returns 0, or MR_EIO naming the file and the reason. */
+int mr_file_copy(const char *src, const char *dst);
+
 /* mkdir -p.  Returns 0 or an MR_E code with a message. */
 int mr_mkdir_p(const char *path);
 

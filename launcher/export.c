@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/ckpt.h"
 #include "common/ckpt_read.h"
@@ -219,6 +220,38 @@ static int write_configs(const cJSON *given, const struct mr_model_config *cfg, 
   return rc;
 }
 
+/* The files of the model folder the job came from (MR_CKPT_MODEL_SOURCE
+ * in the checkpoint root) that the hub ships beside the weights: the
+ * tokenizer's, and its generation config (over the one written from the
+ * config's token ids).  Those not there are left out; a copy that fails is
+ * the error. */
+static int carry_model_files(const char *ckpt, const char *out) {
+  static const char *const files[] = {
+      "tokenizer.json",   "tokenizer_config.json", "special_tokens_map.json",
+      "tokenizer.model",  "vocab.json",            "merges.txt",
+      "added_tokens.json", "generation_config.json"};
+  char path[4200], root[4096];
+  snprintf(root, sizeof root, "%s", ckpt);
+  char *slash = strrchr(root, '/'); /* ckpt is ROOT/step-N */
+  if (slash != NULL)
+    *slash = '\0';
+  snprintf(path, sizeof path, "%s/%s", root, MR_CKPT_MODEL_SOURCE);
+  cJSON *src;
+  if (access(path, R_OK) != 0 || mr_json_load(path, &src) < 0)
+    return 0; /* no record: what the checkpoint holds is all there is */
+  const cJSON *folder = cJSON_GetObjectItemCaseSensitive(src, "folder");
+  int rc = 0;
+  for (size_t i = 0; cJSON_IsString(folder) && rc == 0 && i < sizeof files / sizeof *files; i++) {
+    char dst[4200];
+    snprintf(path, sizeof path, "%s/%s", folder->valuestring, files[i]);
+    snprintf(dst, sizeof dst, "%s/%s", out, files[i]);
+    if (access(path, R_OK) == 0)
+      rc = mr_file_copy(path, dst);
+  }
+  cJSON_Delete(src);
+  return rc;
+}
+
 int mr_cmd_export(int argc, char **argv) {
   static const struct option longopts[] = {{"out", required_argument, NULL, 'o'},
                                            {"max-shard-size", required_argument, NULL, 's'},
@@ -289,7 +322,8 @@ int mr_cmd_export(int argc, char **argv) {
     fprintf(stderr, "meshrun export: %s\n", mr_error_message());
     code = 1;
   }
-  if (code == 0 && write_weights(ckpt, tensors, out, max_shard) < 0) {
+  if (code == 0 && (write_weights(ckpt, tensors, out, max_shard) < 0 ||
+                    carry_model_files(ckpt, out) < 0)) {
     fprintf(stderr, "meshrun export: %s\n", mr_error_message());
     code = 1;
   }

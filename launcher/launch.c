@@ -1,14 +1,18 @@
 /* launch.c - `meshrun launch [flags] JOB.json`. */
+#include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <limits.h>
 #include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include "common/ckpt.h"
 #include "common/error.h"
 #include "common/file.h"
 #include "common/job.h"
@@ -67,6 +71,38 @@ static void usage(FILE *f) {
           "host must resolve on every node (else --master HOST:PORT).\n");
 }
 
+/* A job whose model is a model folder (or the config.json in one) has its
+ * absolute path recorded in the checkpoint root (MR_CKPT_MODEL_SOURCE).
+ * Best effort: an export without it writes what the checkpoint holds. */
+static void record_model_source(const struct mr_job *job) {
+  const char *m = job->model_path;
+  struct stat st;
+  char folder[4096], abs[PATH_MAX], path[4200];
+  if (m == NULL || stat(m, &st) != 0)
+    return;
+  snprintf(folder, sizeof folder, "%s", m);
+  if (!S_ISDIR(st.st_mode)) {
+    char *slash = strrchr(folder, '/');
+    if (strcmp(slash != NULL ? slash + 1 : folder, "config.json") != 0)
+      return; /* a config file of its own, not a model folder's */
+    if (slash != NULL)
+      *slash = '\0';
+    else
+      snprintf(folder, sizeof folder, ".");
+  }
+  if (realpath(folder, abs) == NULL)
+    return;
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "folder", abs);
+  char *text = cJSON_Print(o);
+  snprintf(path, sizeof path, "%s/%s", job->checkpoint.dir, MR_CKPT_MODEL_SOURCE);
+  if (text == NULL || mr_file_write_text(path, text, MR_FILE_NEWLINE) < 0)
+    MR_WARN("launch", "%s: %s (an export will not carry the tokenizer)", path,
+            text == NULL ? "no memory" : mr_error_message());
+  cJSON_free(text);
+  cJSON_Delete(o);
+}
+
 /* The checkpoint folder, checked before any training rather than at the
  * first save hours in: it must be a folder this process can write in; a
  * warning says when its file system has no room for the checkpoints kept
@@ -86,6 +122,7 @@ static int check_checkpoint_dir(const struct mr_job *job) {
                         strerror(errno));
   close(fd);
   unlink(probe);
+  record_model_source(job);
   struct statvfs v;
   double one = 12.0 * (double)mr_model_param_count(&job->model);
   double need = one * (double)(job->checkpoint.keep_last + 1);

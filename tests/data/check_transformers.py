@@ -33,7 +33,9 @@ save_pretrained (safetensors, the current config format).  Then:
    prepare-data --tokenizer on text and JSONL gives the library's own ids
    with the end-of-text id after each document, uint16 or (a vocabulary of
    70000) uint32 files; sample --tokenizer gives the text transformers'
-   greedy generate decodes to.
+   greedy generate decodes to; a run from that folder, exported, carries
+   the tokenizer files and generation_config.json, and sample takes the
+   export as it is.
 
 Usage: check_transformers.py MESHRUN_BIN
 Runs under the project's virtual environment (.venv, made by
@@ -477,6 +479,23 @@ def check_tokenizer(meshrun, work):
               "decodes to %r" % (r.stdout, r.returncode, r.stderr, want_text))
         sys.exit(1)
     print("sample --tokenizer: %r, as transformers' greedy generate" % want_text)
+    # trained from the folder, exported: the tokenizer and generation config come along
+    w = os.path.join(work, "tok-run")
+    os.makedirs(w)
+    meshrun_train(meshrun, folder, out, 1, {"auto_mode": "manual"}, w)
+    exported = os.path.join(w, "export")
+    run([meshrun, "export", os.path.join(w, "ck"), "--out", exported])
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if open(os.path.join(folder, f), "rb").read() != open(os.path.join(exported, f),
+                                                              "rb").read():
+            print("FAIL: export: %s not carried from the model folder" % f)
+            sys.exit(1)
+    r = subprocess.run([meshrun, "sample", exported, "--prompt", prompt, "--tokens", "4",
+                        "--temperature", "0", "--tokenizer", exported], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("the quick brown fox"), r.stderr
+    print("export carries tokenizer.json, tokenizer_config.json, generation_config.json; "
+          "sample takes the exported folder as it is: %r" % r.stdout.strip())
     refused([meshrun, "prepare-data", corpus, "--tokenizer", os.path.join(work, "none.json"),
              "--out", os.path.join(work, "x.bin")], "none.json")
 
