@@ -257,11 +257,13 @@ static void read_variant(struct mr_jv *jv, const cJSON *obj, struct mr_model_con
 }
 
 int mr_model_check_seq(const struct mr_model_config *cfg, int64_t seq_len) {
-  if (cfg->sliding_window > 0 && seq_len > cfg->sliding_window)
+  /* Mistral's window is every layer's, and built; Qwen2's spares the
+   * layers below max_window_layers, which is not */
+  if (cfg->arch == MR_ARCH_QWEN2 && cfg->sliding_window > 0 && seq_len > cfg->sliding_window)
     return mr_error_set(MR_ENOTSUP,
-                        "sliding_window: %lld, shorter than the sequence (%lld): sliding-window "
-                        "attention is not built (sequences of at most %lld tokens are full "
-                        "causal attention, and are)",
+                        "sliding_window: %lld, shorter than the sequence (%lld): Qwen2's "
+                        "per-layer sliding window is not built (sequences of at most %lld "
+                        "tokens are full causal attention, and are)",
                         (long long)cfg->sliding_window, (long long)seq_len,
                         (long long)cfg->sliding_window);
   return 0;

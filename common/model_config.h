@@ -81,7 +81,8 @@ struct mr_model_config {
   int o_bias;                   // o_proj has one (LLaMA's attention_bias)
   int64_t sliding_window;       // Mistral, Qwen2 with use_sliding_window: a
                                 // query sees at most this many keys; 0: all.
-                                // Only sequences within it are built
+                                // Mistral's is built (every layer); Qwen2's
+                                // only for sequences within it
 };
 
 /* Parses a config object; `where` names it in errors (a file path, or
@@ -105,7 +106,7 @@ char *mr_model_config_to_json(const struct mr_model_config *cfg);
 int64_t mr_model_head_dim(const struct mr_model_config *cfg);
 
 /* 0 when sequences of seq_len tokens are built for cfg, else MR_ENOTSUP
- * naming sliding_window (sliding-window attention is not built; within the
+ * naming sliding_window (Qwen2's per-layer window is not built; within the
  * window it is full causal attention). */
 int mr_model_check_seq(const struct mr_model_config *cfg, int64_t seq_len);
 

@@ -93,6 +93,8 @@ static int build_llama(struct mr_model *m) {
   mr_rope_to_attr(&rope, rq);
   mr_rope_to_attr(&rope, rk);
   double at[MR_OP_MAX_ATTR] = {(double)m->seq, (double)H, (double)KH};
+  if (c->sliding_window > 0 && c->sliding_window < m->seq)
+    at[3] = (double)c->sliding_window; /* within it: full causal attention */
   for (int l = 0; l < c->num_hidden_layers; l++) {
     int ln1 = param1(g, MR_INIT_ONES, C, "model.layers.%d.input_layernorm.weight", l);
     int wq = param2(g, H * D, C, "model.layers.%d.self_attn.q_proj.weight", l);

@@ -34,6 +34,8 @@
  *   gelu_bwd         dy, x                         -> dx
  *   attention        q[N,H*D], k[N,KH*D], v        -> o[N,H*D], lse[B,H,T]
  *                    causal, scale 1/sqrt(D); a0=T a1=H a2=KH
+ *                    a3=W > 0: a sliding window, query t sees keys
+ *                    (t - W, t] (Mistral's); 0: all keys up to t
  *   attention_bwd    do, q, k, v, o, lse           -> dq, dk, dv
  *   split3           x[N,3C]                       -> x0, x1, x2 [N,C]
  *   concat3          x0, x1, x2                    -> x[N,3C]

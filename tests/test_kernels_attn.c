@@ -15,6 +15,7 @@ struct attn_ctx {
   double *q, *k, *v;      /* same layout and strides as the float inputs */
   const float *G;         /* upstream gradient, ldo rows */
   int only_b;             /* >= 0: the loss of that batch row only */
+  int window;             /* > 0: query t sees keys (t - window, t] */
 };
 
 /* o[b,t,h] = sum_{s<=t} softmax_s(q.k / sqrt(D)) v; lse per (b,h,t) */
@@ -28,7 +29,8 @@ static void attn_ref(const struct attn_ctx *c, double *o, double *lse) {
           continue;
         const double *qr = c->q + ((size_t)b * c->T + t) * c->ldq + (size_t)h * c->D;
         double m = -INFINITY;
-        for (int s = 0; s <= t; s++) {
+        int lo = c->window > 0 && t - c->window + 1 > 0 ? t - c->window + 1 : 0;
+        for (int s = lo; s <= t; s++) {
           const double *kr = c->k + ((size_t)b * c->T + s) * c->ldk + (size_t)(h / g) * c->D;
           double dot = 0;
           for (int d = 0; d < c->D; d++)
@@ -37,14 +39,14 @@ static void attn_ref(const struct attn_ctx *c, double *o, double *lse) {
           m = fmax(m, w[s]);
         }
         double z = 0;
-        for (int s = 0; s <= t; s++)
+        for (int s = lo; s <= t; s++)
           z += exp(w[s] - m);
         if (lse)
           lse[((size_t)b * c->H + h) * c->T + t] = m + log(z);
         double *orow = o + ((size_t)b * c->T + t) * c->ldo + (size_t)h * c->D;
         for (int d = 0; d < c->D; d++) {
           double acc = 0;
-          for (int s = 0; s <= t; s++)
+          for (int s = lo; s <= t; s++)
             acc += exp(w[s] - m) / z *
                    c->v[((size_t)b * c->T + s) * c->ldv + (size_t)(h / g) * c->D + d];
           orow[d] = acc;
@@ -68,11 +70,12 @@ static double attn_loss(void *v) {
 
 /* fused: q, k, v live in one [B*T, (H + 2 Hkv) D] buffer and o, do in a
  * [B*T, H*D + 5] one, exercising the row strides */
-static void check_attn(int B, int T, int H, int Hkv, int D, int fused, size_t samples) {
+static void check_attn_w(int B, int T, int H, int Hkv, int D, int fused, size_t samples,
+                         int window) {
   struct mr_pool *p1 = ref_pool(1), *p3 = ref_pool(3);
   uint64_t seed = (uint64_t)(B * 1000 + T * 10 + H + D);
   int W = (H + 2 * Hkv) * D;
-  struct mr_attn_shape s = {.B = B, .T = T, .H = H, .Hkv = Hkv, .D = D};
+  struct mr_attn_shape s = {.B = B, .T = T, .H = H, .Hkv = Hkv, .D = D, .window = window};
   if (fused) {
     s.ldq = s.ldk = s.ldv = W;
     s.ldo = H * D + 5;
@@ -105,7 +108,7 @@ static void check_attn(int B, int T, int H, int Hkv, int D, int fused, size_t sa
   struct attn_ctx c = {B, T, H, Hkv, D, ldq, ldk, ldk, ldo,
                        fused ? qkvd : ref_tod(q, nq),
                        fused ? qkvd + H * D : ref_tod(k, nk),
-                       fused ? qkvd + (H + Hkv) * D : ref_tod(v, nk), G, -1};
+                       fused ? qkvd + (H + Hkv) * D : ref_tod(v, nk), G, -1, window};
   double *want = calloc(no, sizeof(double)), *lse_want = malloc(sizeof(double) * B * H * T);
   attn_ref(&c, want, lse_want);
   for (size_t r = 0; r < rows; r++)
@@ -151,6 +154,21 @@ static void check_attn(int B, int T, int H, int Hkv, int D, int fused, size_t sa
   free(dq); free(dq3);
   mr_pool_free(p1); mr_pool_free(p3);
 }
+
+static void check_attn(int B, int T, int H, int Hkv, int D, int fused, size_t samples) {
+  check_attn_w(B, T, H, Hkv, D, fused, samples, 0);
+}
+
+/* A sliding window (Mistral's): query t sees keys (t - W, t], against the
+ * double reference with the same window, forward and finite differences;
+ * windows shorter than a 64-query block, across one and past T. */
+START_TEST(test_kernels_attention_sliding_window) {
+  check_attn_w(1, 9, 2, 1, 6, 0, 1000, 3);
+  check_attn_w(2, 70, 4, 2, 8, 0, 60, 20);
+  check_attn_w(1, 131, 2, 2, 5, 1, 40, 80);
+  check_attn_w(1, 30, 2, 1, 4, 0, 40, 64); /* wider than T: causal */
+}
+END_TEST
 
 START_TEST(test_kernels_attention_tiny_every_element) {
   check_attn(1, 5, 3, 1, 6, 0, 1000);
@@ -378,6 +396,7 @@ static Suite *kernels_attn_suite(void) {
   tcase_add_test(tc, test_kernels_attention_portable_path);
   tcase_add_test(tc, test_kernels_attention_wide_head_dim);
   tcase_add_test(tc, test_kernels_attention_bf16_products);
+  tcase_add_test(tc, test_kernels_attention_sliding_window);
   tcase_add_test(tc, test_kernels_attention_bad_shape);
   suite_add_tcase(s, tc);
   return s;

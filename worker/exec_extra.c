@@ -277,6 +277,7 @@ static struct mr_attn_shape attn_shape(const struct mr_graph *g,
   s.T = (int)op->attr[0];
   s.H = (int)op->attr[1];
   s.Hkv = (int)op->attr[2];
+  s.window = (int)op->attr[3];
   s.B = ROWS(g, q) / s.T;
   s.D = COLS(g, q) / s.H;
   return s;

@@ -55,8 +55,8 @@ int64_t mr_sample_generate_ids(const char *weights, const char *config_path,
     win = cfg.max_position_embeddings;
   if (win > MAX_WINDOW)
     win = MAX_WINDOW;
-  if (cfg.sliding_window > 0 && win > cfg.sliding_window)
-    win = cfg.sliding_window;
+  if (cfg.arch == MR_ARCH_QWEN2 && cfg.sliding_window > 0 && win > cfg.sliding_window)
+    win = cfg.sliding_window; /* its per-layer window: only within it */
   struct mr_model m;
   struct mr_exec x;
   int64_t rc = mr_model_build(&cfg, 1, win, &m);

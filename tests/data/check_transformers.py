@@ -4,9 +4,9 @@ PyTorch on models transformers itself makes.
 
 For each family (LLaMA with grouped-query attention, tied embeddings, a
 head_dim of 24 beside hidden 64 / 4 heads and rope_theta 500000; Qwen2 with its
-q/k/v biases, tied, rope_theta 1e6; Mistral with a sliding window longer
-than the sequence, which is full causal attention, and a shorter one
-refused; GPT-2) a
+q/k/v biases, tied, rope_theta 1e6 (its per-layer sliding window refused
+where shorter than the sequence); Mistral with a sliding window of 12
+keys over sequences of 32; GPT-2) a
 small random model is made by transformers and written with
 save_pretrained (safetensors, the current config format).  Then:
 
@@ -142,11 +142,11 @@ def qwen2_model():
     return transformers.Qwen2ForCausalLM(cfg)
 
 
-def mistral_model():  # the window longer than the sequence: full causal attention
+def mistral_model():  # a window of 12 keys over sequences of 32: sliding-window attention
     cfg = transformers.MistralConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=48,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=12,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     return transformers.MistralForCausalLM(cfg)
 
@@ -338,6 +338,12 @@ def check_family(meshrun, name, make, work, train=True):
             print("%s: plain RoPE's logits differ by %.3g of the largest"
                   % (name, off / theirs.abs().max()))
             assert off > 1e-3 * theirs.abs().max(), "the scaling changes nothing here"
+    if config.get("model_type") == "mistral":  # the window matters: full attention differs
+        full = dict(config, sliding_window=None)
+        off = (hf_logits(same_weights(folder, full, "full"), ids) - theirs).abs().max()
+        print("%s: full attention's logits differ by %.3g of the largest"
+              % (name, off / theirs.abs().max()))
+        assert off > 1e-3 * theirs.abs().max(), "the window changes nothing here"
     if not train:
         return
 
@@ -347,10 +353,10 @@ def check_family(meshrun, name, make, work, train=True):
     with open(data, "wb") as f:
         f.write(struct.pack("<256i", 20240520, 1, len(tokens), *([0] * 253)))
         f.write(struct.pack("<%dH" % len(tokens), *tokens))
-    if config.get("sliding_window"):  # a window shorter than the sequence is refused
+    if name == "qwen2":  # Qwen2's per-layer window, shorter than the sequence: refused
         narrow = os.path.join(work, name + "-narrow")
         os.makedirs(narrow)
-        json.dump(dict(config, sliding_window=SEQ // 2),
+        json.dump(dict(config, use_sliding_window=True, sliding_window=SEQ // 2),
                   open(os.path.join(narrow, "config.json"), "w"))
         job = {"model": narrow, "data": {"train": data}, "train": {"steps": 1, "seq_len": SEQ}}
         json.dump(job, open(os.path.join(narrow, "job.json"), "w"))

@@ -273,6 +273,9 @@ static int check_shape(const char *what, struct mr_attn_shape *s) {
   if (!s->ldv) s->ldv = s->Hkv * s->D;
   if (s->bf16 && !mr__cpu_has_avx512_bf16())
     return mr_error_set(MR_ENOTSUP, "%s: bf16 products need AVX512_BF16", what);
+  if (s->window < 0 || (s->window > 0 && !mr__cpu_has_avx2()))
+    return mr_error_set(MR_ENOTSUP, "%s: window %d: sliding-window attention needs AVX2",
+                        what, s->window);
   if (s->ldq < s->H * s->D || s->ldo < s->H * s->D || s->ldk < s->Hkv * s->D ||
       s->ldv < s->Hkv * s->D)
     return mr_error_set(MR_EINVAL, "%s: a row stride is shorter than its row "

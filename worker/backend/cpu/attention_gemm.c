@@ -127,19 +127,27 @@ MR_CPU_BODY float lanes_sum(const float *x, int n) {
   return a[0];
 }
 
+/* The first key row t sees: window W > 0 shows keys (t - W, t]. */
+static inline int first_key(int t, int window) {
+  return window > 0 && t - window + 1 > 0 ? t - window + 1 : 0;
+}
+
 /* Forward softmax of rows r0 + i (i < nr) of S in place: row t keeps
- * p[c] = exp(s[c] - max) for c <= t, 0 up to r1; inv[i] = 1 / sum p. */
-MR_CPU_BODY void fwd_rows_body(float *S, int lds, int nr, int r0, int r1,
+ * p[c] = exp(s[c] - max) for lo <= c <= t (lo = first_key), 0 elsewhere up
+ * to r1; inv[i] = 1 / sum p. */
+MR_CPU_BODY void fwd_rows_body(float *S, int lds, int nr, int r0, int r1, int window,
                                float *lse, float *inv) {
   for (int i = 0; i < nr; i++) {
     float *p = S + (size_t)i * (size_t)lds;
-    int n = r0 + i + 1;
-    float m = lanes_max(p, n);
-    for (int c = 0; c < n; c++)
+    int n = r0 + i + 1, lo = first_key(r0 + i, window);
+    float m = lanes_max(p + lo, n - lo);
+    for (int c = 0; c < lo; c++)
+      p[c] = 0;
+    for (int c = lo; c < n; c++)
       p[c] = mr__expf(p[c] - m);
     for (int c = n; c < r1; c++)
       p[c] = 0;
-    float l = lanes_sum(p, n);
+    float l = lanes_sum(p + lo, n - lo);
     inv[i] = 1.0f / l;
     if (lse)
       lse[r0 + i] = m + logf(l);
@@ -150,17 +158,21 @@ MR_CPU_BODY void fwd_rows_body(float *S, int lds, int nr, int r0, int r1,
  * dS = P (dP - D_t), D_t = dO_t . O_t, in place of dP; 0 past the
  * diagonal up to r1. */
 MR_CPU_BODY void bwd_rows_body(float *S, float *dP, int lds, int nr, int r0,
-                               int r1, const float *lse, const float *dout,
+                               int r1, int window, const float *lse, const float *dout,
                                const float *o, int ldo, int D) {
   for (int i = 0; i < nr; i++) {
-    int t = r0 + i;
+    int t = r0 + i, lo = first_key(t, window);
     const float *dor = dout + (size_t)t * (size_t)ldo, *orow = o + (size_t)t * (size_t)ldo;
     float di = 0;
     for (int d = 0; d < D; d++)
       di += dor[d] * orow[d];
     float *p = S + (size_t)i * (size_t)lds, *dp = dP + (size_t)i * (size_t)lds;
     float sub = lse[t];
-    for (int c = 0; c <= t; c++) {
+    for (int c = 0; c < lo; c++) {
+      p[c] = 0;
+      dp[c] = 0;
+    }
+    for (int c = lo; c <= t; c++) {
       float e = mr__expf(p[c] - sub);
       p[c] = e;
       dp[c] = e * (dp[c] - di);
@@ -172,23 +184,23 @@ MR_CPU_BODY void bwd_rows_body(float *S, float *dP, int lds, int nr, int r0,
   }
 }
 
-AVX512 static void fwd_rows_512(float *S, int lds, int nr, int r0, int r1,
+AVX512 static void fwd_rows_512(float *S, int lds, int nr, int r0, int r1, int window,
                                 float *lse, float *inv) {
-  fwd_rows_body(S, lds, nr, r0, r1, lse, inv);
+  fwd_rows_body(S, lds, nr, r0, r1, window, lse, inv);
 }
-AVX2 static void fwd_rows_256(float *S, int lds, int nr, int r0, int r1,
+AVX2 static void fwd_rows_256(float *S, int lds, int nr, int r0, int r1, int window,
                               float *lse, float *inv) {
-  fwd_rows_body(S, lds, nr, r0, r1, lse, inv);
+  fwd_rows_body(S, lds, nr, r0, r1, window, lse, inv);
 }
 AVX512 static void bwd_rows_512(float *S, float *dP, int lds, int nr, int r0,
-                                int r1, const float *lse, const float *dout,
+                                int r1, int window, const float *lse, const float *dout,
                                 const float *o, int ldo, int D) {
-  bwd_rows_body(S, dP, lds, nr, r0, r1, lse, dout, o, ldo, D);
+  bwd_rows_body(S, dP, lds, nr, r0, r1, window, lse, dout, o, ldo, D);
 }
 AVX2 static void bwd_rows_256(float *S, float *dP, int lds, int nr, int r0,
-                              int r1, const float *lse, const float *dout,
+                              int r1, int window, const float *lse, const float *dout,
                               const float *o, int ldo, int D) {
-  bwd_rows_body(S, dP, lds, nr, r0, r1, lse, dout, o, ldo, D);
+  bwd_rows_body(S, dP, lds, nr, r0, r1, window, lse, dout, o, ldo, D);
 }
 
 /* ---- forward ---- */
@@ -213,9 +225,9 @@ static int fwd_task(void *arg, int task, int thread) {
        0, 0.0f, S, j->lds);
     float inv[QB];
     if (j->avx512)
-      fwd_rows_512(S, j->lds, nr, r0, r1, lse, inv);
+      fwd_rows_512(S, j->lds, nr, r0, r1, s->window, lse, inv);
     else
-      fwd_rows_256(S, j->lds, nr, r0, r1, lse, inv);
+      fwd_rows_256(S, j->lds, nr, r0, r1, s->window, lse, inv);
     float *o = (float *)at(j->o, s, b, r0, s->ldo, h);
     mm(j, false, nr, D, r1, 1.0f, S, j->lds, &V, 0, 0.0f, o, s->ldo);
     for (int i = 0; i < nr; i++) {
@@ -290,9 +302,9 @@ static int bwd_task(void *arg, int task, int thread) {
       mm(j, false, nr, r1, D, 1.0f, dout + (size_t)r0 * (size_t)s->ldo, s->ldo,
          &Vt, 0, 0.0f, dP, j->lds);
       if (j->avx512)
-        bwd_rows_512(S, dP, j->lds, nr, r0, r1, lse, dout, o, s->ldo, D);
+        bwd_rows_512(S, dP, j->lds, nr, r0, r1, s->window, lse, dout, o, s->ldo, D);
       else
-        bwd_rows_256(S, dP, j->lds, nr, r0, r1, lse, dout, o, s->ldo, D);
+        bwd_rows_256(S, dP, j->lds, nr, r0, r1, s->window, lse, dout, o, s->ldo, D);
       mm(j, false, nr, D, r1, s->scale, dP, j->lds, &Kn, 0, 0.0f,
          (float *)at(j->dq, s, b, r0, s->ldq, h), s->ldq);
       mm(j, true, r1, D, nr, s->scale, dP, j->lds, &Q, r0, 1.0f, dk, s->ldk);

@@ -166,6 +166,9 @@ struct mr_attn_shape {
                           // q and o, Hkv*D for k and v (a fused qkv buffer
                           // [B, T, (H+2Hkv)*D] is q, k, v with ld = that width)
   float scale;     // score scale, usually 1/sqrt(D); 0 means 1/sqrt(D)
+  int window;      // > 0: query t sees keys (t - window, t] (sliding-window
+                   // attention); 0: keys [0, t].  Needs AVX2 (the matmul
+                   // path); MR_ENOTSUP on the portable one
   bool bf16;       // the products of --amp bf16 on AVX512_BF16: every operand
                    // (q, k, v, do and the probabilities and score gradients
                    // between them) rounded to bf16 as it is packed, sums,

@@ -283,6 +283,9 @@ static int attn_shape(const struct mr_graph *g, const struct mr_op *op, int q,
   s->KH = (int)op->attr[2];
   s->B = (int)(ROWS(g, q) / s->T);
   s->D = (int)(COLS(g, q) / s->H);
+  if (op->attr[3] > 0)
+    return mr_error_set(MR_ENOTSUP, "attention: a sliding window (%g keys) is not built "
+                        "on CUDA", op->attr[3]);
   if (s->D > 256)
     return mr_error_set(MR_ENOTSUP, "attention: head dim %d: the CUDA kernels take "
                         "at most 256", s->D);
