@@ -199,6 +199,11 @@ int mr_st_index_write(const struct mr_st_index *ix, const char *path);
 /* Reads an index file; a malformed one is MR_EFORMAT naming path and field. */
 int mr_st_index_read(const char *path, struct mr_st_index **out);
 
+/* The same from the file's text[size] (untrusted: the fuzzed entry);
+ * path names it in errors. */
+int mr_st_index_parse(const char *text, size_t size, const char *path,
+                      struct mr_st_index **out);
+
 /* The file holding tensor name, or NULL.  Borrowed. */
 const char *mr_st_index_file(const struct mr_st_index *ix, const char *name);
 

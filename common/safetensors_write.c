@@ -703,8 +703,15 @@ int mr_st_index_read(const char *path, struct mr_st_index **out) {
   }
   fclose(fp);
   text[size] = '\0';
-  cJSON *root = cJSON_ParseWithLength(text, size);
+  int rc = mr_st_index_parse(text, size, path, out);
   free(text);
+  return rc;
+}
+
+int mr_st_index_parse(const char *text, size_t size, const char *path,
+                      struct mr_st_index **out) {
+  *out = NULL;
+  cJSON *root = cJSON_ParseWithLength(text, size);
   int rc = 0;
   struct mr_st_index *ix = NULL;
   const cJSON *meta = cJSON_GetObjectItemCaseSensitive(root, "metadata");
