@@ -122,7 +122,6 @@ static int check_checkpoint_dir(const struct mr_job *job) {
                         strerror(errno));
   close(fd);
   unlink(probe);
-  record_model_source(job);
   struct statvfs v;
   double one = 12.0 * (double)mr_model_param_count(&job->model);
   double need = one * (double)(job->checkpoint.keep_last + 1);
@@ -534,6 +533,8 @@ static int plan_job(struct launch_args *a, struct mr_job *job, const struct mr_d
     fprintf(stderr, "meshrun launch: %s\n", mr_error_of(rc));
     return 2;
   }
+  if (job->checkpoint.dir != NULL)
+    record_model_source(job);
   return -1;
 }
 

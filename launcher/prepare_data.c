@@ -125,9 +125,11 @@ static int write_tokens(const char *path, const uint8_t *bytes, int64_t n) {
   return mr_tokens_writer_close(&w);
 }
 
-/* Progress on a terminal: bytes of input read, tokens written. */
-static void progress(uint64_t done, uint64_t total, int64_t tokens, double *last, int final) {
-  if (!isatty(2))
+/* Progress on a terminal (tty: stderr is one, asked once): bytes of input
+ * read, tokens written, at most every 0.2 s. */
+static void progress(int tty, uint64_t done, uint64_t total, int64_t tokens, double *last,
+                     int final) {
+  if (!tty)
     return;
   double now = mr_clock_s();
   if (!final && now - *last < 0.2)
@@ -168,6 +170,7 @@ static int prepare_tokenized(const char *tok, const char *field, const char **in
   int64_t count[2] = {0, 0};
   uint64_t before = 0, consumed = 0;
   double last = 0;
+  int tty = isatty(2);
   const uint32_t *ids;
   int64_t n;
   while (rc == 0 && (rc = mr_tokenizer_stream_next(&ts, &ids, &n, &consumed)) == 1) {
@@ -180,7 +183,7 @@ static int prepare_tokenized(const char *tok, const char *field, const char **in
     }
     rc = mr_tokens_writer_append(&w[split], ids, (size_t)n);
     count[split] += n;
-    progress(consumed, total, count[0] + count[1], &last, 0);
+    progress(tty, consumed, total, count[0] + count[1], &last, 0);
   }
   int rc2 = mr_tokenizer_stream_close(&ts);
   if (rc >= 0 && rc2 < 0)
@@ -199,12 +202,12 @@ static int prepare_tokenized(const char *tok, const char *field, const char **in
         rc = rc2;
     }
   if (rc < 0) {
-    if (isatty(2))
+    if (tty)
       fputc('\n', stderr);
     fprintf(stderr, "meshrun prepare-data: %s\n", mr_error_message());
     return rc == MR_EINVAL ? 2 : 1;
   }
-  progress(total, total, count[0] + count[1], &last, 1);
+  progress(tty, total, total, count[0] + count[1], &last, 1);
   printf("%s: %lld tokens (vocabulary %lld, %s)\n", out, (long long)count[0],
          (long long)info.vocab_size, fmt == MR_TOKENS_LLMC_U16 ? "uint16" : "uint32");
   if (frac > 0)
