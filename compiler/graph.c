@@ -162,26 +162,102 @@ int mr_graph_op(struct mr_graph *g, int kind, const char *name,
   return push_op(g, &op);
 }
 
-int mr_graph_op_into(struct mr_graph *g, int kind, const int *in, int n_in,
-                     const double *attr, const int *out, int n_out) {
-  struct mr_op op;
-  struct mr_shape shapes[MR_OP_MAX_OUT];
-  MR_TRY(prepare(g, kind, in, n_in, attr, &op, shapes));
-  if (n_out != op.n_out)
-    return mr_error_set(MR_EINVAL, "op %s: %d outputs given, it has %d",
-                        mr_op_def(kind)->name, n_out, op.n_out);
+/* Whether the existing tensors out[] are what op's inference gave. */
+static int outputs_fit(const struct mr_graph *g, const struct mr_op *op,
+                       const struct mr_shape *shapes, const int *out, int n_out) {
+  const char *name = mr_op_def(op->kind)->name;
+  if (n_out != op->n_out)
+    return mr_error_set(MR_EINVAL, "op %s: %d outputs given, it has %d", name, n_out,
+                        op->n_out);
   for (int i = 0; i < n_out; i++) {
-    struct mr_tensor *t = &g->tensors[out[i]];
+    if (out[i] < 0 || out[i] >= g->n_tensors)
+      return mr_error_set(MR_EINVAL, "op %s: output %d is tensor %d, not in the graph", name,
+                          i, out[i]);
+    const struct mr_tensor *t = &g->tensors[out[i]];
     int same = t->ndim == shapes[i].ndim && t->dtype == shapes[i].dtype;
     for (int d = 0; same && d < t->ndim; d++)
       same = t->shape[d] == shapes[i].d[d];
     if (!same)
       return mr_error_set(MR_ESHAPE, "op %s: output %d (%s) has the wrong "
-                          "shape or dtype", mr_op_def(kind)->name, i, t->name);
+                          "shape or dtype", name, i, t->name);
+  }
+  return 0;
+}
+
+int mr_graph_op_into(struct mr_graph *g, int kind, const int *in, int n_in,
+                     const double *attr, const int *out, int n_out) {
+  struct mr_op op;
+  struct mr_shape shapes[MR_OP_MAX_OUT];
+  MR_TRY(prepare(g, kind, in, n_in, attr, &op, shapes));
+  MR_TRY(outputs_fit(g, &op, shapes, out, n_out));
+  for (int i = 0; i < n_out; i++) {
     op.out[i] = out[i];
-    t->producer = g->n_ops;
+    g->tensors[out[i]].producer = g->n_ops;
   }
   return push_op(g, &op);
+}
+
+/* Whether op k is one of the n in ops[]. */
+static int listed(const int *ops, int n, int k) {
+  for (int i = 0; i < n; i++)
+    if (ops[i] == k)
+      return 1;
+  return 0;
+}
+
+int mr_graph_fuse(struct mr_graph *g, const int *ops, int n_ops, int kind, const int *in,
+                  int n_in, const double *attr, const int *out, int n_out) {
+  if (g->n_forward_ops > 0)
+    return mr_error_set(MR_EINVAL, "graph fuse: the graph is differentiated already; fuse "
+                        "forward ops before autodiff");
+  int at = g->n_ops;
+  for (int i = 0; i < n_ops; i++) {
+    if (ops[i] < 0 || ops[i] >= g->n_ops)
+      return mr_error_set(MR_EINVAL, "graph fuse: op %d is not in the graph", ops[i]);
+    at = ops[i] < at ? ops[i] : at;
+  }
+  if (n_ops < 1)
+    return mr_error_set(MR_EINVAL, "graph fuse: no ops to fuse");
+  struct mr_op op;
+  struct mr_shape shapes[MR_OP_MAX_OUT];
+  MR_TRY(prepare(g, kind, in, n_in, attr, &op, shapes));
+  MR_TRY(outputs_fit(g, &op, shapes, out, n_out));
+  const char *name = mr_op_def(kind)->name;
+  for (int i = 0; i < n_in; i++)
+    if (in[i] >= 0 && g->tensors[in[i]].producer >= at)
+      return mr_error_set(MR_EINVAL, "op %s: input %s is produced after op %d, where the "
+                          "fused op goes", name, g->tensors[in[i]].name, at);
+  for (int i = 0; i < n_ops; i++) {
+    const struct mr_op *o = &g->ops[ops[i]];
+    for (int j = 0; j < o->n_out; j++)
+      if (!listed(out, n_out, o->out[j]))
+        return mr_error_set(MR_EINVAL, "op %s: %s, an output of a fused op, is not one of "
+                            "its outputs", name, g->tensors[o->out[j]].name);
+  }
+  for (int i = 0; i < n_out; i++)
+    op.out[i] = out[i];
+  /* the fused op takes the place of the first; the others go, the ops
+   * after them move up, and every producer follows */
+  g->ops[at] = op;
+  int n = 0;
+  int *moved = malloc(sizeof *moved * (size_t)g->n_ops);
+  if (moved == NULL)
+    return mr_error_set(MR_ENOMEM, "graph fuse: out of memory");
+  for (int k = 0; k < g->n_ops; k++) {
+    moved[k] = -1;
+    if (k != at && listed(ops, n_ops, k))
+      continue;
+    moved[k] = n;
+    g->ops[n++] = g->ops[k];
+  }
+  g->n_ops = n;
+  for (int t = 0; t < g->n_tensors; t++)
+    if (g->tensors[t].producer >= 0)
+      g->tensors[t].producer = moved[g->tensors[t].producer];
+  for (int i = 0; i < n_out; i++)
+    g->tensors[out[i]].producer = at; /* no fused op came before it */
+  free(moved);
+  return at;
 }
 
 char *mr_graph_dump(const struct mr_graph *g) {

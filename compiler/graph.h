@@ -114,6 +114,16 @@ int mr_graph_op(struct mr_graph *g, int kind, const char *name,
 int mr_graph_op_into(struct mr_graph *g, int kind, const int *in, int n_in,
                      const double *attr, const int *out, int n_out);
 
+/* Replaces the forward ops ops[0..n_ops) with one op of `kind` writing
+ * into the existing tensors out[] (checked against its shape inference),
+ * placed where the first of them was; the rest leave the order and the
+ * ops after them move up.  Its inputs must be produced before that place,
+ * and every output of the replaced ops must be one of out[].  Before
+ * autodiff only.  Returns the fused op's id, or MR_EINVAL / MR_ESHAPE with
+ * a message naming the op and the tensor. */
+int mr_graph_fuse(struct mr_graph *g, const int *ops, int n_ops, int kind, const int *in,
+                  int n_in, const double *attr, const int *out, int n_out);
+
 /* Elements of tensor t. */
 int64_t mr_tensor_numel(const struct mr_tensor *t);
 

@@ -230,6 +230,34 @@ static int vocab_parallel_loss(struct mr_graph *g, int logits, int labels,
   return 0;
 }
 
+enum { MAX_PASSES = 16 };
+static const struct mr_model_pass *passes[MAX_PASSES];
+static int n_passes;
+
+int mr_model_pass_register(const struct mr_model_pass *p) {
+  if (p == NULL || p->name == NULL || p->run == NULL)
+    return mr_error_set(MR_EINVAL, "model pass: a pass needs a name and a function");
+  for (int i = 0; i < n_passes; i++)
+    if (strcmp(passes[i]->name, p->name) == 0)
+      return mr_error_set(MR_EINVAL, "model pass %s is registered already", p->name);
+  if (n_passes == MAX_PASSES)
+    return mr_error_set(MR_ENOMEM, "model pass %s: more than %d passes", p->name, MAX_PASSES);
+  passes[n_passes++] = p;
+  return 0;
+}
+
+static int run_passes(struct mr_graph *g) {
+  for (int i = 0; i < n_passes; i++) {
+    int rc = passes[i]->run(g);
+    if (rc < 0) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "%s", mr_error_message());
+      return mr_error_set(rc, "model pass %s: %s", passes[i]->name, msg);
+    }
+  }
+  return 0;
+}
+
 int mr_model_build(const struct mr_model_config *cfg, int64_t batch,
                    int64_t seq, struct mr_model *m) {
   return mr_model_build_loss(cfg, batch, seq, MR_LOSS_FUSED, m);
@@ -268,6 +296,7 @@ int mr_model_build_loss(const struct mr_model_config *cfg, int64_t batch,
   int rc = cfg->family == MR_MODEL_GPT2 ? build_gpt2(m) : build_llama(m);
   if (rc < 0)
     return rc;
+  MR_TRY(run_passes(g));
   int out[MR_OP_MAX_OUT];
   int in[2] = {m->logits, m->labels};
   if (form == MR_LOSS_VOCAB_PARALLEL)

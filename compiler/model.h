@@ -48,6 +48,20 @@ int mr_model_build_loss(const struct mr_model_config *cfg, int64_t batch,
                         int64_t seq, enum mr_loss_form form,
                         struct mr_model *m);
 
+/* A pass over a model's forward graph (a plugin's fusion), run by
+ * mr_model_build_loss after the model's ops and before its loss, in the
+ * order registered.  run returns 0 or a negative MR_E* code with its
+ * message. */
+struct mr_model_pass {
+  const char *name;
+  int (*run)(struct mr_graph *g);
+};
+
+/* Registers a pass (borrowed for the life of the process).  Returns 0, or
+ * MR_EINVAL (no name or function; a pass of that name registered already)
+ * or MR_ENOMEM (more than 16).  Not thread-safe: register before building. */
+int mr_model_pass_register(const struct mr_model_pass *p);
+
 /* Frees the graph; a zeroed model is fine. */
 void mr_model_close(struct mr_model *m);
 

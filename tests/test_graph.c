@@ -315,6 +315,41 @@ START_TEST(test_graph_shape_mismatch_is_an_error) {
 }
 END_TEST
 
+/* mr_graph_fuse keeps the order valid: a fused op may not read what is
+ * made after its place, nor drop an output of an op it replaces, nor come
+ * after autodiff; a valid one takes its place and its outputs' producer. */
+START_TEST(test_graph_fuse_keeps_the_order_valid) {
+  struct mr_graph g;
+  mr_graph_init(&g);
+  int64_t sh[2] = {3, 4};
+  int x = mr_graph_tensor(&g, "x", MR_F32, MR_ROLE_INPUT, 2, sh);
+  int a, b, c;
+  int in[2] = {x, x};
+  ck_assert_int_eq(mr_graph_op(&g, MR_OP_ADD, "a", in, 2, NULL, &a), 0);
+  ck_assert_int_eq(mr_graph_op(&g, MR_OP_ADD, "b", in, 2, NULL, &b), 1);
+  in[0] = a, in[1] = b;
+  ck_assert_int_eq(mr_graph_op(&g, MR_OP_ADD, "c", in, 2, NULL, &c), 2);
+  int ops0[1] = {0}, ops01[2] = {0, 1}, ops1[1] = {1};
+  int late[2] = {b, x}, early[2] = {x, a};
+  ck_assert_int_eq(mr_graph_fuse(&g, ops0, 1, MR_OP_ADD, late, 2, NULL, &a, 1), MR_EINVAL);
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "input b is produced after op 0"));
+  int xx[2] = {x, x};
+  ck_assert_int_eq(mr_graph_fuse(&g, ops01, 2, MR_OP_ADD, xx, 2, NULL, &a, 1), MR_EINVAL);
+  ck_assert_ptr_nonnull(strstr(mr_error_message(), "b, an output of a fused op"));
+  int two[2] = {a, b};
+  ck_assert_int_eq(mr_graph_fuse(&g, ops1, 1, MR_OP_ADD, early, 2, NULL, two, 2), MR_EINVAL);
+  ck_assert_int_eq(g.n_ops, 3); /* refusals change nothing */
+  ck_assert_int_eq(mr_graph_fuse(&g, ops1, 1, MR_OP_ADD, early, 2, NULL, &b, 1), 1);
+  ck_assert_int_eq(g.n_ops, 3);
+  ck_assert_int_eq(g.ops[1].in[1], a);
+  ck_assert_int_eq(g.tensors[b].producer, 1);
+  ck_assert_int_eq(g.tensors[c].producer, 2);
+  g.n_forward_ops = 3; /* as autodiff leaves it */
+  ck_assert_int_eq(mr_graph_fuse(&g, ops1, 1, MR_OP_ADD, early, 2, NULL, &b, 1), MR_EINVAL);
+  mr_graph_close(&g);
+}
+END_TEST
+
 START_TEST(test_graph_every_listed_op_is_complete) {
   /* MR_OP_LIST names each built-in kind once; the registry's row, the
    * lookup by name and the CPU kernel bound from the list agree with it */
@@ -566,6 +601,7 @@ Suite *graph_suite(void) {
   TCase *tc = tcase_create("ops");
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, test_graph_every_listed_op_is_complete);
+  tcase_add_test(tc, test_graph_fuse_keeps_the_order_valid);
   tcase_add_test(tc, test_graph_matmul_grad_all_transposes);
   tcase_add_test(tc, test_graph_matmul_forward_matches_formula);
   tcase_add_test(tc, test_graph_add_grad);
