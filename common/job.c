@@ -503,7 +503,41 @@ static cJSON *job_to_json(const struct mr_job *job, const cJSON *src) {
     cJSON_DeleteItemFromObjectCaseSensitive(out, "cluster");
     cJSON_AddStringToObject(out, "cluster", job->cluster);
   }
+  if (job->n_plugins > 0) {
+    cJSON_DeleteItemFromObjectCaseSensitive(out, "plugins");
+    cJSON_AddItemToObject(out, "plugins",
+                          cJSON_CreateStringArray((const char *const *)job->plugins,
+                                                  job->n_plugins));
+  }
   return out;
+}
+
+/* "plugins": ["lib.so", ...], each a path resolved against the job's folder. */
+static void parse_plugins(struct mr_jv *jv, const cJSON *a, struct mr_job *job) {
+  enum { MAX_PLUGINS = 16 };
+  char shown[96];
+  int n = cJSON_IsArray(a) ? cJSON_GetArraySize(a) : -1;
+  if (n < 0 || n > MAX_PLUGINS) {
+    mr_jv_error(jv, "", "plugins", "expected an array of at most %d shared-object paths, got %s",
+                MAX_PLUGINS, mr_jv_show(a, shown, sizeof shown));
+    return;
+  }
+  job->plugins = calloc((size_t)n + 1, sizeof *job->plugins);
+  if (job->plugins == NULL) {
+    mr_jv_error(jv, "", "plugins", "out of memory");
+    return;
+  }
+  for (int i = 0; i < n; i++) {
+    const cJSON *e = cJSON_GetArrayItem(a, i);
+    if (!cJSON_IsString(e) || e->valuestring[0] == '\0') {
+      char field[32];
+      snprintf(field, sizeof field, "plugins[%d]", i);
+      mr_jv_error(jv, "", field, "expected a shared-object path, got %s",
+                  mr_jv_show(e, shown, sizeof shown));
+      continue;
+    }
+    job->plugins[job->n_plugins++] = resolve(job->dir, e->valuestring);
+  }
 }
 
 int mr_job_parse(const char *text, const char *name, const char *dir,
@@ -525,7 +559,7 @@ int mr_job_parse(const char *text, const char *name, const char *dir,
     goto done;
   }
   static const char *const keys[] = {"model", "data", "train", "strategy", "shard_rules",
-                                     "checkpoint", "cluster", "trace", NULL};
+                                     "checkpoint", "cluster", "plugins", "trace", NULL};
   mr_jv_only_keys(&jv, root, "", keys);
 
   const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
@@ -588,6 +622,9 @@ int mr_job_parse(const char *text, const char *name, const char *dir,
   const char *cluster = NULL;
   if (mr_jv_str(&jv, root, "", "cluster", &cluster) == 1)
     job->cluster = resolve(job->dir, cluster);
+  const cJSON *plugins = cJSON_GetObjectItemCaseSensitive(root, "plugins");
+  if (plugins != NULL)
+    parse_plugins(&jv, plugins, job);
   if (mr_jv_obj(&jv, root, "", "trace", &o) == 1) {
     static const char *const tkeys[] = {"dir", "steps", NULL};
     mr_jv_only_keys(&jv, o, "trace", tkeys);
@@ -671,6 +708,9 @@ void mr_job_close(struct mr_job *job) {
   free(job->strategy.dp_micro);
   free(job->checkpoint.dir);
   free(job->cluster);
+  for (int i = 0; i < job->n_plugins; i++)
+    free(job->plugins[i]);
+  free(job->plugins);
   free(job->trace.dir);
   free(job->text);
   memset(job, 0, sizeof *job);

@@ -106,6 +106,8 @@ struct mr_job {
   int n_shard_rules;
   struct mr_checkpoint_config checkpoint;
   char *cluster;                // resolved path or NULL (measure this machine)
+  char **plugins;               // shared objects adding ops (resolved paths),
+  int n_plugins;                // loaded by launch, plan and every worker
   struct mr_trace_config trace;
   char *text;                   // the job, re-serialized with paths resolved
 };

@@ -174,7 +174,6 @@ int mr_explain(const struct mr_job *job, const struct mr_mesh *m,
 int mr_cmd_explain(int argc, char **argv) {
   struct mr_plugin_api api;
   mr_plugin_api_init(&api);
-  api.spmd_rule_register = mr_spmd_rule_register;
   char **args = calloc((size_t)argc + 2, sizeof *args);
   if (args == NULL)
     return 1;

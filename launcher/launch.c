@@ -19,6 +19,7 @@
 #include "common/log.h"
 #include "common/tokens.h"
 #include "common/tunable.h"
+#include "compiler/plugin.h"
 #include "launcher/agent.h"
 #include "launcher/cli.h"
 #include "launcher/coordinator.h"
@@ -681,6 +682,11 @@ int mr_cmd_launch(int argc, char **argv) {
   }
   if (a.job_path != NULL)
     mr_cli_job_defaults(&job);
+  if ((rc = mr_plugin_load_job(&job)) < 0) {
+    fprintf(stderr, "meshrun launch: %s\n", mr_error_of(rc));
+    mr_job_close(&job);
+    return 2;
+  }
   if ((code = trace_args(&a, &job)) >= 0) {
     mr_job_close(&job);
     return code;

@@ -19,6 +19,7 @@
 #include "launcher/cli.h"
 #include "launcher/explain.h"
 #include "launcher/strategy_choice.h"
+#include "compiler/plugin.h"
 #include "compiler/planner/cluster.h"
 #include "compiler/planner/cost.h"
 #include "compiler/planner/partition.h"
@@ -311,6 +312,11 @@ int mr_cmd_plan(int argc, char **argv) {
     return 2;
   }
   mr_cli_job_defaults(&job);
+  if (mr_plugin_load_job(&job) < 0) {
+    fprintf(stderr, "meshrun plan: %s\n", mr_error_message());
+    mr_job_close(&job);
+    return 2;
+  }
   struct mr_mesh given;
   if (mesh_arg != NULL) {
     if (fix_mesh(mesh_arg, nproc, &job.strategy, &given) < 0) {

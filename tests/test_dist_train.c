@@ -41,6 +41,8 @@
 
 static const char *model_json = TINY_LLAMA;
 static int job_steps = STEPS;
+static const char *job_plugin = NULL; /* a shared object the jobs name */
+static char **run_env = NULL;         /* NAME=VALUE entries for the runs */
 
 static void write_job_named(const char *dir, const char *name, const char *strategy, int batch) {
   char path[160];
@@ -51,8 +53,11 @@ static void write_job_named(const char *dir, const char *name, const char *strat
           " \"data\": {\"train\": \"train.bin\", \"val\": \"train.bin\"},"
           " \"train\": {\"steps\": %d, \"global_batch\": %d, \"seq_len\": 16, \"lr\": 0.002,"
           " \"seed\": 3, \"eval_interval_steps\": 10, \"eval_batches\": 1},"
+          "%s%s%s"
           " \"strategy\": {\"auto_mode\": \"manual\"%s%s}}\n",
-          model_json, job_steps, batch, strategy[0] ? ", " : "", strategy);
+          model_json, job_steps, batch, job_plugin ? " \"plugins\": [\"" : "",
+          job_plugin ? job_plugin : "", job_plugin ? "\"]," : "", strategy[0] ? ", " : "",
+          strategy);
   fclose(f);
 }
 
@@ -65,7 +70,7 @@ static int run_named(const char *dir, const char *name, const char *run_dir, int
   char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", n, "--threads", "1",
                   "--log-dir", logdir, job, NULL};
   struct mr_tproc p;
-  mr_t_spawn(&p, dir, argv, NULL);
+  mr_t_spawn(&p, dir, argv, run_env);
   int code = mr_t_wait(&p, 240);
   if (code != 0) {
     char *err = mr_t_slurp(p.err_path);
@@ -611,6 +616,58 @@ START_TEST(test_dist_train_profile_accounts_for_the_step) {
 }
 END_TEST
 
+START_TEST(test_dist_train_a_plugin_op_under_tensor_parallelism) {
+  /* A job naming the example plugin (examples/plugins/add_rmsnorm.c):
+   * launch plans with it and every worker loads it, its pass fusing each
+   * residual add with the rmsnorm after it.  The fused op computes what
+   * the two did, so on one rank and under tensor parallelism (tp4, and
+   * tp2 with sequence parallelism, where the residual reaches it through
+   * a reduce-scatter) every loss and weight is the plugin-free one rank's;
+   * each rank's profile shows the fused op ran.  A plugin that cannot be
+   * loaded stops the launch naming the field. */
+  struct fixture f;
+  reference(&f);
+  char so[300];
+  const char *b = getenv("MESHRUN_BUILD_DIR");
+  snprintf(so, sizeof so, "%s/examples/plugins/add_rmsnorm.so", b ? b : "build");
+  static char on[] = "MESHRUN_PROFILE=1";
+  char *env[] = {on, NULL};
+  job_plugin = so;
+  run_env = env;
+  const char *names[] = {"plugin1", "plugin_tp4", "plugin_tp2sp"};
+  const char *st[] = {"", "\"tensor_parallel\": {\"degree\": 4}",
+                      "\"tensor_parallel\": {\"degree\": 2}, \"sequence_parallel\": "
+                      "{\"enable\": true}"};
+  const int np[] = {1, 4, 2};
+  for (int i = 0; i < 3; i++) {
+    char job[80], log[200];
+    snprintf(job, sizeof job, "%s.json", names[i]);
+    write_job_named(f.dir, job, st[i], 16);
+    ck_assert_int_eq(run_named(f.dir, job, names[i], np[i]), 0);
+    same_run(f.dir, f.ref, names[i]);
+    snprintf(log, sizeof log, "%s/%s/rank-%d.log", f.dir, names[i], np[i] - 1);
+    char *text = mr_t_slurp(log);
+    ck_assert_msg(strstr(text, "kernels: ") != NULL && strstr(text, " add_rmsnorm ") != NULL,
+                  "%s: no add_rmsnorm in the profile:\n%s", names[i], text);
+    free(text);
+  }
+  job_plugin = "/nonexistent/fused.so";
+  run_env = NULL;
+  write_job_named(f.dir, "missing.json", "", 16);
+  char job[160];
+  snprintf(job, sizeof job, "%s/missing.json", f.dir);
+  char *argv[] = {(char *)mr_t_meshrun(), "launch", "--nproc", "1", job, NULL};
+  struct mr_tproc p;
+  mr_t_spawn(&p, f.dir, argv, NULL);
+  ck_assert_int_eq(mr_t_wait(&p, 60), 2);
+  char *err = mr_t_slurp(p.err_path);
+  ck_assert_msg(strstr(err, "missing.json: plugins[0]: ") != NULL &&
+                    strstr(err, "/nonexistent/fused.so") != NULL, "%s", err);
+  free(err);
+  job_plugin = NULL;
+}
+END_TEST
+
 START_TEST(test_dist_train_batch_not_divisible_is_a_clear_error) {
   char dir[64];
   mr_t_tmpdir(dir, sizeof dir);
@@ -680,6 +737,7 @@ static Suite *dist_train_suite(void) {
   tcase_add_test(tc, test_dist_train_mixed_precision);
   tcase_add_test(tc, test_dist_train_batch_not_divisible_is_a_clear_error);
   tcase_add_test(tc, test_dist_train_profile_accounts_for_the_step);
+  tcase_add_test(tc, test_dist_train_a_plugin_op_under_tensor_parallelism);
   tcase_add_test(tc, test_dist_train_a_group_of_more_than_64_ranks);
   suite_add_tcase(s, tc);
   return s;

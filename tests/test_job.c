@@ -71,7 +71,7 @@ START_TEST(test_job_full_example_parses) {
       " \"shard_rules\": [{\"match\": \"q_proj|k_proj\", \"placements\": {\"model\": \"Shard(0)\"}},"
       " {\"match\": \"o_proj\", \"placements\": {\"model\": \"Shard(1)\", \"data\": \"Replicate()\"}}],"
       " \"checkpoint\": {\"dir\": \"ck\", \"save_interval_steps\": 10, \"keep_last\": 2},"
-      " \"cluster\": \"/c/cpu.json\"";
+      " \"cluster\": \"/c/cpu.json\", \"plugins\": [\"p/fused.so\", \"/abs/q.so\"]";
   struct mr_job job;
   int rc = parse("{\"model\": %s, \"data\": {\"train\": \"t.bin\", \"val\": \"/abs/v.bin\"}%s}",
                  full, &job);
@@ -100,6 +100,15 @@ START_TEST(test_job_full_example_parses) {
   ck_assert_str_eq(job.shard_rules[1].placements[0].placement, "Shard(1)");
   ck_assert_str_eq(job.checkpoint.dir, "/jobs/ck");
   ck_assert_str_eq(job.cluster, "/c/cpu.json");
+  ck_assert_int_eq(job.n_plugins, 2);
+  ck_assert_str_eq(job.plugins[0], "/jobs/p/fused.so");
+  ck_assert_str_eq(job.plugins[1], "/abs/q.so");
+  /* the canonical text a worker gets holds them resolved */
+  struct mr_job again;
+  ck_assert_int_eq(mr_job_parse(job.text, "plan", "/elsewhere", &again), 0);
+  ck_assert_int_eq(again.n_plugins, 2);
+  ck_assert_str_eq(again.plugins[0], "/jobs/p/fused.so");
+  mr_job_close(&again);
   mr_job_close(&job);
 }
 END_TEST
@@ -169,6 +178,12 @@ START_TEST(test_job_out_of_range_and_inconsistent_values) {
                        "key once", NULL};
   expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"strategy\": "
                "{\"pipeline_parallel\": {\"degree\": 2, \"degree\": 1}}}", w14);
+  const char *w15[] = {"job.json: plugins: expected an array of at most 16 shared-object "
+                       "paths, got \"fused.so\"", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"plugins\": \"fused.so\"}", w15);
+  const char *w16[] = {"job.json: plugins[1]: expected a shared-object path, got 3", NULL};
+  expect_error("{\"model\": %s%s, \"data\": {\"train\": \"t\"}, \"plugins\": [\"a.so\", 3]}",
+               w16);
   const char *w8[] = {"job.json: data: missing", NULL};
   expect_error("{\"model\": %s%s}", w8);
   const char *w9[] = {"train.betas: expected each in [0, 1)", NULL};

@@ -25,7 +25,6 @@ static int load(void) {
   snprintf(path, sizeof path, "%s/examples/plugins/add_rmsnorm.so", b ? b : "build");
   struct mr_plugin_api api;
   mr_plugin_api_init(&api);
-  api.spmd_rule_register = mr_spmd_rule_register;
   ck_assert_msg(mr_plugin_load(path, &api) == 0, "%s", mr_error_message());
   kind = mr_op_kind_by_name("add_rmsnorm");
   ck_assert_int_ge(kind, MR_OP_COUNT);

@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "common/job.h"
 #include "common/tunable.h"
+#include "compiler/plugin.h"
 #include "worker/bootstrap_rpc.h"
 #include "worker/calibrate.h"
 #include "worker/client.h"
@@ -124,6 +125,10 @@ static int run_training(struct mr_client *c) {
   int rc = mr_job_parse(text, "the plan's job", "/", &job);
   free(text);
   MR_TRY(rc);
+  if ((rc = mr_plugin_load_job(&job)) < 0) { /* before the program is lowered */
+    mr_job_close(&job);
+    return rc;
+  }
   const char *log_dir = getenv("MESHRUN_LOG_DIR");
   if (log_dir == NULL || log_dir[0] == '\0')
     log_dir = ".";

@@ -5,10 +5,13 @@
  *                 rstd[N]            a0 = eps
  *
  * It registers the op (shape inference, costs, a gradient built from the
- * registry's rmsnorm_bwd and add), its CPU kernel and its SPMD rule: rows
+ * registry's rmsnorm_bwd and add), its CPU kernel, its SPMD rule — rows
  * may be sharded (data or sequence parallel), the normalized dim may not,
  * so a Partial residual (after a row-parallel matmul) is all-reduced, or
- * reduce-scattered under sequence parallelism, before the fused op.
+ * reduce-scattered under sequence parallelism, before the fused op — and
+ * a model pass that fuses each residual add feeding an rmsnorm in the
+ * models meshrun builds (a job with "plugins": ["add_rmsnorm.so"] trains
+ * with it on every rank).
  *
  * Build: cc -shared -fPIC -I<meshrun> add_rmsnorm.c -o add_rmsnorm.so; it
  * uses only the table meshrun passes to meshrun_plugin_init. */
@@ -17,6 +20,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "compiler/model.h"
 #include "compiler/plugin.h"
 #include "compiler/spmd/rules.h"
 
@@ -130,6 +134,38 @@ static int spec(const struct mr_graph *g, const struct mr_op *op,
   return 0;
 }
 
+static int same_2d(const struct mr_tensor *a, const struct mr_tensor *b) {
+  return a->ndim == 2 && b->ndim == 2 && a->shape[0] == b->shape[0] &&
+         a->shape[1] == b->shape[1] && a->dtype == b->dtype;
+}
+
+/* Every rmsnorm whose input is an add of two tensors of its shape becomes
+ * one add_rmsnorm writing the add's sum and the norm's outputs, so every
+ * later reader of either finds what it read before. */
+static int fuse(struct mr_graph *g) {
+  int add = host->op_kind_by_name("add"), norm = host->op_kind_by_name("rmsnorm");
+  for (int j = 0; j < g->n_ops; j++) {
+    const struct mr_op *n = &g->ops[j];
+    if (n->kind != norm || g->tensors[n->in[0]].producer < 0)
+      continue;
+    int i = g->tensors[n->in[0]].producer;
+    const struct mr_op *a = &g->ops[i];
+    const struct mr_tensor *s = T(g, a->out[0]);
+    if (a->kind != add || !same_2d(T(g, a->in[0]), s) || !same_2d(T(g, a->in[1]), s))
+      continue;
+    int ops[2] = {i, j}, in[3] = {a->in[0], a->in[1], n->in[1]};
+    int out[3] = {a->out[0], n->out[0], n->out[1]};
+    double attr[MR_OP_MAX_ATTR] = {n->attr[0]};
+    int rc = host->graph_fuse(g, ops, 2, kind, in, 3, attr, out, 3);
+    if (rc < 0)
+      return rc;
+    j--; /* the norm's place now holds the op after it */
+  }
+  return 0;
+}
+
+static const struct mr_model_pass pass = {"add_rmsnorm", fuse};
+
 static const struct mr_op_def def = {
     .name = "add_rmsnorm", .n_in_min = 3, .n_in_max = 3, .n_out = 3,
     .infer = infer, .grad = grad, .flops = flops, .bytes = bytes};
@@ -137,17 +173,16 @@ static const struct mr_op_def def = {
 static const struct mr_spmd_rule rule = {"add_rmsnorm", spec, NULL};
 
 int meshrun_plugin_init(const struct mr_plugin_api *api) {
-  if (api->version != MR_PLUGIN_API_VERSION)
+  if (api->version < MR_PLUGIN_API_VERSION)
     return api->error_set(MR_EVERSION, "add_rmsnorm: built for plugin API %d, "
                           "host has %d", MR_PLUGIN_API_VERSION, api->version);
   host = api;
-  if (kind < 0) {
-    kind = api->op_register(&def);
-    if (kind < 0)
-      return kind;
-  }
+  if (kind >= 0) /* loaded twice into one process: registered already */
+    return 0;
+  kind = api->op_register(&def);
+  if (kind < 0)
+    return kind;
   api->op_set_kernel(kind, MR_BACKEND_CPU, kernel);
-  if (api->spmd_rule_register)
-    return api->spmd_rule_register(&rule);
-  return 0;
+  int rc = api->spmd_rule_register(&rule);
+  return rc < 0 ? rc : api->pass_register(&pass);
 }
