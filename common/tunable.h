@@ -56,21 +56,6 @@
      "producing it (the GEMM with beta 1); 0: in a buffer of its own, "     \
      "added after each micro-batch (to measure against); a job's "          \
      "strategy.gradient_accumulation_in_op overrides it")                    \
-  XX(TEST_CKPT_DELAY_MS, "MESHRUN_TEST_CKPT_DELAY_MS", "0",                  \
-     "test hook: pause a checkpoint write half way, ms")                     \
-  XX(TEST_CKPT_BYTES_PER_S, "MESHRUN_TEST_CKPT_BYTES_PER_S", "0",            \
-     "test hook: write checkpoints no faster than this (a slow disk; 0: no limit)") \
-  XX(TEST_COMM_WAIT_MS, "MESHRUN_TEST_COMM_WAIT_MS", "0",                   \
-     "test hook: each wait on a communication operation first sleeps this "  \
-     "many ms (a slow network whose operations still complete)")            \
-  XX(TEST_STALL, "MESHRUN_TEST_STALL", "",                                  \
-     "test hook: \"RANK:STEP\" stalls that rank at that step")             \
-  XX(TEST_EXIT, "MESHRUN_TEST_EXIT", "",                                    \
-     "test hook: \"RANK:STEP\" makes that rank exit 0 at that step, unreported") \
-  XX(TEST_SLOW, "MESHRUN_TEST_SLOW", "",                                    \
-     "test hook: \"RANK:MS\" makes that rank MS ms slower every step, "     \
-     "\"RANK:xF\" every kernel of it F times slower; a comma-separated list " \
-     "of them")                                                              \
   XX(STRAGGLER_RATIO, "MESHRUN_STRAGGLER_RATIO", "1.3",                      \
      "a rank whose work per step (step time less communication wait) "      \
      "stays above this many times its stage's median is named slow")        \
@@ -84,14 +69,6 @@
   XX(TRACE_MAX_MB, "MESHRUN_TRACE_MAX_MB", "256",                            \
      "the events a rank's trace (meshrun launch --trace) keeps, MiB; "      \
      "beyond it they are counted and left out")                             \
-  XX(TEST_PLAN_DIGEST, "MESHRUN_TEST_PLAN_DIGEST", "-1",                     \
-     "test hook: the launcher sends this rank a wrong program digest")      \
-  XX(TEST_COMM_TRACE, "MESHRUN_TEST_COMM_TRACE", "",                        \
-     "test hook: each rank appends every collective it issues to PATH.RANK") \
-  XX(TEST_PLAN_DELAY_MS, "MESHRUN_TEST_PLAN_DELAY_MS", "0",                 \
-     "test hook: the launcher's re-plans take this many ms longer (a slow plan)") \
-  XX(TEST_START_DELAY_MS, "MESHRUN_TEST_START_DELAY_MS", "0",               \
-     "test hook: each rank takes this many ms longer to start (a slow lowering)") \
   XX(LOG_TAIL_LINES, "MESHRUN_LOG_TAIL_LINES", "10",                         \
      "lines of a failed rank's log shown on exit")                           \
   XX(LOSS_SCALE_GROWTH, "MESHRUN_LOSS_SCALE_GROWTH_INTERVAL", "2000",        \

@@ -4,18 +4,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "common/error.h"
-#include "common/tunable.h"
+#include "common/test_hooks.h"
 #include "launcher/rebalance.h"
 
 /* On a pool thread: the plan, or the error and its message. */
 static void plan_on_pool(uv_work_t *req) {
   struct mr_plan_work *w = req->data;
-  int64_t delay = mr_tunable_int(MR_TUNABLE_TEST_PLAN_DELAY_MS);
-  if (delay > 0) /* test hook: a plan that takes long */
-    usleep((useconds_t)delay * 1000u);
+  mr_hook_plan_delay();
   w->digests = calloc((size_t)w->world, sizeof *w->digests);
   if (w->digests == NULL) {
     w->rc = MR_ENOMEM;

@@ -150,24 +150,25 @@ struct comm_result {
   int ok;
 };
 
-static void comm_rank(int rank, int world, struct mr_bootstrap_local *bl, const char *job,
+/* One forked rank of the measurement; returns its exit status. */
+static int comm_rank(int rank, int world, struct mr_bootstrap_local *bl, const char *job,
                       struct comm_result *res) {
   struct mr_bootstrap bs;
   mr_bootstrap_local_rank(bl, rank, "calibrate-host", job, 30000, &bs);
   const struct mr_comm_ops *ops = mr_comm_cpu_ops();
   struct mr_comm *comm = NULL;
   if (ops->open(&bs, &comm) != 0)
-    _exit(1);
+    return 1;
   int *ranks = malloc(sizeof(int) * (size_t)world);
   for (int i = 0; i < world; i++)
     ranks[i] = i;
   struct mr_comm_group *g = NULL;
-  if (ops->group_new(comm, "calibrate", ranks, world, &g) != 0)
-    _exit(1);
+  if (ranks == NULL || ops->group_new(comm, "calibrate", ranks, world, &g) != 0)
+    return 1;
   size_t big = (size_t)4 << 20; // floats: 16 MiB
   float *buf = calloc(big, sizeof(float));
   if (buf == NULL)
-    _exit(1);
+    return 1;
   struct mr_comm_req *req;
   double t_small = 1e30, t_large = 1e30;
   for (int rep = 0; rep < 5; rep++) {
@@ -176,7 +177,7 @@ static void comm_rank(int rank, int world, struct mr_bootstrap_local *bl, const 
     for (int i = 0; i < iters; i++) {
       if (mr_comm_all_reduce(g, buf, buf, 1024, MR_F32, MR_RED_SUM, &req) != 0 ||
           mr_comm_wait(req) != 0)
-        _exit(1);
+        return 1;
     }
     double dt = (mr_clock_s() - t0) / iters;
     t_small = dt < t_small ? dt : t_small;
@@ -185,7 +186,7 @@ static void comm_rank(int rank, int world, struct mr_bootstrap_local *bl, const 
     double t0 = mr_clock_s();
     if (mr_comm_all_reduce(g, buf, buf, big, MR_F32, MR_RED_SUM, &req) != 0 ||
         mr_comm_wait(req) != 0)
-      _exit(1);
+      return 1;
     double dt = mr_clock_s() - t0;
     if (rep > 0)
       t_large = dt < t_large ? dt : t_large;
@@ -199,7 +200,7 @@ static void comm_rank(int rank, int world, struct mr_bootstrap_local *bl, const 
   ops->close(comm);
   free(buf);
   free(ranks);
-  _exit(0);
+  return 0;
 }
 
 static int measure_comm(int world, struct comm_result *out) {
@@ -216,8 +217,8 @@ static int measure_comm(int world, struct comm_result *out) {
   fflush(stderr);
   for (int r = 0; r < world; r++) {
     pids[r] = fork();
-    if (pids[r] == 0)
-      comm_rank(r, world, bl, job, res);
+    if (pids[r] == 0) /* a forked child ends without the parent's atexit */
+      _exit(comm_rank(r, world, bl, job, res));
   }
   int bad = 0;
   for (int r = 0; r < world; r++) {

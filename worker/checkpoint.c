@@ -22,6 +22,7 @@
 #include "common/log.h"
 #include "common/safetensors.h"
 #include "common/checksum.h"
+#include "common/test_hooks.h"
 #include "common/tunable.h"
 #include "compiler/spmd/lower.h"
 #include "worker/optim.h"
@@ -199,7 +200,7 @@ static void *write_main(void *arg) {
                 : MR_ENOMEM;
     if (rc == 0) /* its bytes, for the heartbeat (and a slow disk, for tests) */
       mr_st_writer_meter(w, s->reporter.checkpoint_bytes,
-                         (double)mr_tunable_int(MR_TUNABLE_TEST_CKPT_BYTES_PER_S));
+                         mr_hook_ckpt_bytes_per_s());
     for (int i = 0; rc == 0 && i < s->n; i++) {
       const struct snapshot_piece *p = &s->pieces[i];
       rc = mr_st_writer_add(w, p->name, MR_F32, 1, &p->count, p->data);
@@ -228,9 +229,7 @@ static void *write_main(void *arg) {
     mr_st_writer_free(w);
     if (rc == 0)
       names[nfiles++] = file;
-    int64_t delay = mr_tunable_int(MR_TUNABLE_TEST_CKPT_DELAY_MS);
-    if (delay > 0) /* test hook: widen the window in which a save is half done */
-      usleep((useconds_t)delay * 1000u);
+    mr_hook_ckpt_file_written(); /* a window in which a save is half done */
   }
   if (rc == 0 && s->index != NULL) {
     char ip[4200];

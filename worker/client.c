@@ -198,11 +198,14 @@ static void send_heartbeat(struct mr_client *c) {
   mr_client_send(c, &env);
 }
 
+/* The connection is gone: the job stops as on a stop request (every wait
+ * breaks off, a rendezvous gives up), and main exits 1. */
 static void coordinator_gone(struct mr_client *c, const char *why) {
   if (atomic_load(&c->shutting_down))
     return;
   MR_ERROR("rpc", "lost the coordinator (%s): exiting", why);
-  _exit(1);
+  atomic_store(&c->coordinator_lost, 1);
+  atomic_store(&c->stop_requested, 1);
 }
 
 static void handle(struct mr_client *c, Meshrun__Envelope *env) {
@@ -238,7 +241,7 @@ static void *rpc_main(void *arg) {
   struct mr_client *c = arg;
   int interval = (int)mr_tunable_int(MR_TUNABLE_HEARTBEAT_MS);
   uint64_t next = (uint64_t)mr_clock_us();
-  while (!atomic_load(&c->shutting_down)) {
+  while (!atomic_load(&c->shutting_down) && !atomic_load(&c->coordinator_lost)) {
     uint64_t t = (uint64_t)mr_clock_us();
     if (t >= next) {
       send_heartbeat(c);
@@ -248,8 +251,10 @@ static void *rpc_main(void *arg) {
     const uint8_t *payload;
     size_t len;
     int got = mr_frame_reader_next(&c->reader, &payload, &len);
-    if (got < 0)
+    if (got < 0) {
       coordinator_gone(c, mr_error_message());
+      break;
+    }
     if (got == 1) {
       Meshrun__Envelope *env;
       if (mr_rpc_decode(payload, len, &env) < 0)
@@ -261,14 +266,18 @@ static void *rpc_main(void *arg) {
     int wait_ms = (int)((next - (uint64_t)mr_clock_us()) / 1000u) + 1;
     struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
     int pr = poll(&pfd, 1, wait_ms);
-    if (pr < 0 && errno != EINTR)
+    if (pr < 0 && errno != EINTR) {
       coordinator_gone(c, strerror(errno));
+      break;
+    }
     if (pr <= 0)
       continue;
     uint8_t chunk[16384];
     ssize_t n = recv(c->fd, chunk, sizeof chunk, 0);
-    if (n == 0)
+    if (n == 0) {
       coordinator_gone(c, "connection closed");
+      break;
+    }
     if (n < 0) {
       if (errno == EINTR || errno == EAGAIN)
         continue;

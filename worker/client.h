@@ -31,6 +31,7 @@ struct mr_client {
   atomic_int stop_requested;
   atomic_int checkpoint_requested;
   atomic_int shutting_down;
+  atomic_int coordinator_lost;      // the connection broke: stop, exit 1
   /* published position, for heartbeats */
   pthread_mutex_t pos_lock;
   int64_t step, last_done, waiting_on;

@@ -3,11 +3,10 @@
 
 #include <stdio.h>
 #include <stdlib.h>
-#include <unistd.h>
 
 #include "common/error.h"
 #include "common/log.h"
-#include "common/tunable.h"
+#include "common/test_hooks.h"
 #include "compiler/spmd/lower.h"
 #include "worker/checkpoint.h"
 #include "worker/runtime.h"
@@ -55,27 +54,11 @@ int mr_dist_train_run(const struct mr_job *job, const struct mr_run_env *env,
             (long long)mr_model_param_count(&job->model), lay,
             (double)mr_rank_program_peak_bytes(mr_runtime_program(rt)) / 1048576.0);
   }
-  int stall_rank = -1;
-  long long stall_step = -1;
-  if (sscanf(mr_tunable_str(MR_TUNABLE_TEST_STALL), "%d:%lld", &stall_rank, &stall_step) != 2)
-    stall_rank = -1;
-  int exit_rank = -1;
-  long long exit_step = -1;
-  if (sscanf(mr_tunable_str(MR_TUNABLE_TEST_EXIT), "%d:%lld", &exit_rank, &exit_step) != 2)
-    exit_rank = -1;
-  int64_t start_delay = mr_tunable_int(MR_TUNABLE_TEST_START_DELAY_MS); /* test hook */
-  if (start_delay > 0)
-    usleep((useconds_t)start_delay * 1000);
+  mr_hook_start();
   if (env->reporter->running != NULL)
     env->reporter->running(env->reporter->ctx);
   for (int64_t s = first; s <= job->train.steps; s++) {
-    /* test hook: this rank leaves quietly, as a job that returned early */
-    if (exit_rank == env->rank && exit_step == s)
-      _exit(0);
-    /* test hook: this rank stops working (its heartbeats go on): a hang */
-    while (stall_rank == env->rank && stall_step == s &&
-           !env->reporter->stop_requested(env->reporter->ctx))
-      usleep(10000);
+    mr_hook_step(env->rank, s, env->reporter->stop_requested, env->reporter->ctx);
     if (env->reporter->stop_requested && env->reporter->stop_requested(env->reporter->ctx))
       break;
     struct mr_step_report r;

@@ -277,7 +277,10 @@ int main(int argc, char **argv) {
   int rc = run();
   if (rc < 0 && rc != MR_ECANCELED)
     MR_ERROR("worker", "%s", mr_error_of(rc));
+  int lost = atomic_load(&client.coordinator_lost);
   mr_client_close(&client);
+  if (lost)
+    return 1;
   if (rc == MR_ECANCELED)
     return 143;
   return rc < 0 ? 1 : 0;

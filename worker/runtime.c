@@ -9,6 +9,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "compiler/ops.h"
+#include "common/test_hooks.h"
 #include "common/tunable.h"
 #include "worker/backend/cpu/pool.h"
 #include "worker/runtime_internal.h"
@@ -93,8 +94,7 @@ void mr__rt_done(struct mr_runtime *rt, int idx) {
 
 int mr__rt_wait_req(struct mr_runtime *rt, struct mr_comm_req *req) {
   double t0 = mr_clock_s();
-  if (rt->test_comm_wait_ms > 0) /* test hook: a slow network */
-    usleep((useconds_t)rt->test_comm_wait_ms * 1000u);
+  mr_hook_comm_wait();
   int rc = mr_comm_wait(req);
   rt->comm_wait_s += mr_clock_s() - t0;
   if (rc == 0 && rt->rep != NULL && rt->rep->comm_done != NULL)
@@ -258,17 +258,7 @@ int mr_runtime_new(const struct mr_job *job, const struct mr_lowered *L, int ran
   rt->adamw = mr_adamw_of_job(&job->train);
   mr_loss_scaler_of_job(&rt->scaler, job, L->lay.amp == MR_AMP_FP16);
   rt->inject_step = mr_tunable_int(MR_TUNABLE_INJECT_OVERFLOW_STEP);
-  rt->test_comm_wait_ms = (int)mr_tunable_int(MR_TUNABLE_TEST_COMM_WAIT_MS);
-  /* test hook: "RANK:MS" or "RANK:xF", a comma-separated list of them */
-  for (const char *slow = mr_tunable_str(MR_TUNABLE_TEST_SLOW); slow != NULL && *slow != '\0';
-       slow = strchr(slow, ',') != NULL ? strchr(slow, ',') + 1 : NULL) {
-    int slow_rank = -1, slow_ms = 0;
-    double slow_factor = 0;
-    if (sscanf(slow, "%d:x%lf", &slow_rank, &slow_factor) == 2 && slow_rank == rank)
-      rt->slow_factor = slow_factor;
-    else if (sscanf(slow, "%d:%d", &slow_rank, &slow_ms) == 2 && slow_rank == rank)
-      rt->slow_ms = slow_ms;
-  }
+  rt->slow = mr_hook_slow_of(rank);
   rt->overlap = mr_tunable_int(MR_TUNABLE_GRAD_SYNC_OVERLAP) != 0;
   if (mr_tunable_int(MR_TUNABLE_PROFILE) &&
       (rt->prof_op = calloc((size_t)mr_op_count(), sizeof *rt->prof_op)) == NULL) {
@@ -447,8 +437,7 @@ int mr_runtime_step(struct mr_runtime *rt, int64_t step, struct mr_step_report *
   r->step = step;
   r->val_loss = NAN;
   r->stage = p->pipe;
-  if (rt->slow_ms > 0) /* test hook: a slow device */
-    usleep((useconds_t)rt->slow_ms * 1000u);
+  mr_hook_slow_step(&rt->slow);
   rt->cur_step = step;
   rt->comm_wait_s = 0;
   rt->loss_sum = 0;

@@ -7,6 +7,7 @@
 #include "worker/runtime.h"
 #include "worker/reshard_run.h"
 #include "worker/optim.h"
+#include "common/test_hooks.h"
 #include "common/tokens.h"
 #include "worker/backend/cpu/kernels.h"
 
@@ -51,10 +52,7 @@ struct mr_runtime {
   struct mr_loss_scaler scaler;
   struct mr_adamw adamw;
   int64_t inject_step;
-  int slow_ms;                   // test hook: sleep this long every step
-  int test_comm_wait_ms;         // test hook: sleep this long before each comm wait
-  double slow_factor;            // test hook: every kernel takes this many times as long
-  double slow_debt;              //   the time owed, s
+  struct mr_hook_slow slow;      // test hook: how slow this rank is made (test_hooks.h)
   int overlap;                  // MESHRUN_GRAD_SYNC_OVERLAP
   double comm_wait_s;           // this step
   const struct mr_reporter *rep;

@@ -1,11 +1,10 @@
 /* runtime_ops.c - the runtime's instructions and the optimizer step. */
 #include <math.h>
 #include <stdlib.h>
-#include <time.h>
 
-#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/test_hooks.h"
 #include "compiler/ops.h"
 #include "worker/runtime_internal.h"
 
@@ -110,19 +109,9 @@ int mr__rt_kernel(struct mr_runtime *rt, const struct mr_ins *in, const struct m
   if (fn == NULL)
     return mr_error_set(MR_ENOTSUP, "op %s has no %s kernel", mr_op_def(op->kind)->name,
                         rt->be->ops->name);
-  double t0 = rt->slow_factor > 1 ? mr_clock_s() : 0;
+  double t0 = mr_hook_kernel_begin(&rt->slow);
   int rc = fn(rt->be->ops->kernel_ctx(rt->be), lg, op, bufs);
-  if (rt->slow_factor > 1) { /* test hook: a device this many times slower; the
-                               * time owed is slept in sleeps of 1 ms or more (each
-                               * costs tens of µs more than asked, which is counted) */
-    rt->slow_debt += (rt->slow_factor - 1) * (mr_clock_s() - t0);
-    if (rt->slow_debt >= 1e-3) {
-      double s0 = mr_clock_s(), d = rt->slow_debt;
-      struct timespec ts = {(time_t)d, (long)((d - floor(d)) * 1e9)};
-      nanosleep(&ts, NULL);
-      rt->slow_debt -= mr_clock_s() - s0;
-    }
-  }
+  mr_hook_kernel_end(&rt->slow, t0);
   if (rc < 0)
     MR_ERROR("exec", "op %d (%s -> %s): %s", in->op, mr_op_def(op->kind)->name,
              lg->tensors[op->out[0]].name, mr_error_message());

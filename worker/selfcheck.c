@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/test_hooks.h"
 #include "common/tunable.h"
 
 static void sleep_ms(int64_t ms) {
@@ -16,15 +17,6 @@ static void sleep_ms(int64_t ms) {
     ;
 }
 
-/* MESHRUN_TEST_STALL="RANK:STEP" makes that rank stop working at that step
- * while its heartbeats go on: a hang, for testing the diagnosis. */
-static int stall_here(const struct mr_client *c, int64_t step) {
-  const char *spec = mr_tunable_str(MR_TUNABLE_TEST_STALL);
-  int rank;
-  long long at;
-  return spec[0] != '\0' && sscanf(spec, "%d:%lld", &rank, &at) == 2 && rank == c->rank &&
-         at == step;
-}
 
 int mr_selfcheck_run(struct mr_client *c) {
   struct mr_reporter rep;
@@ -40,7 +32,7 @@ int mr_selfcheck_run(struct mr_client *c) {
                             (long long)s);
       sleep_ms(left < 10 ? left : 10);
     }
-    while (stall_here(c, s) && !rep.stop_requested(rep.ctx))
+    while (mr_hook_stalls(c->rank, s) && !rep.stop_requested(rep.ctx))
       sleep_ms(10);
     /* every step ends in a barrier through the coordinator */
     char key[48], detail[96];

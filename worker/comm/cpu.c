@@ -27,6 +27,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/test_hooks.h"
 #include "common/tunable.h"
 
 struct occurrence {
@@ -52,7 +53,7 @@ struct mr__cpu {
   size_t wake_bytes;           /* ops this large wake the progress thread */
   uint64_t moves;              /* times any op advanced: waiters stop backing
                                   off while data moves */
-  FILE *trace;                 /* MESHRUN_TEST_COMM_TRACE: every op issued */
+  FILE *trace;                 /* test hook (mr_hook_comm_trace): every op issued */
 };
 
 const char *mr__op_name(enum mr__op_kind k) {
@@ -710,8 +711,8 @@ static int cpu_open(const struct mr_bootstrap *bs, struct mr_comm **out) {
       goto err;
     }
   c->info.job_id = c->job_id;
-  const char *trace = mr_tunable_str(MR_TUNABLE_TEST_COMM_TRACE);
-  if (trace != NULL && trace[0] != '\0') {
+  const char *trace = mr_hook_comm_trace();
+  if (trace != NULL) {
     char path[4096];
     snprintf(path, sizeof path, "%s.%d", trace, bs->rank);
     if ((c->trace = fopen(path, "a")) == NULL) {
