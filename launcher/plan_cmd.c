@@ -251,36 +251,42 @@ static int explain_section(const struct mr_job *job, const struct mr_mesh *given
   return 0;
 }
 
-int mr_cmd_plan(int argc, char **argv) {
+struct plan_args {
+  const char *cluster, *mesh, *job_path;
+  long nproc, top, dump_rank;
+  int json, explain, dump;
+};
+
+/* The flags into a; returns -1 to go on, else the exit code. */
+static int parse_args(int argc, char **argv, struct plan_args *a) {
   static const struct option opts[] = {
       {"cluster", required_argument, NULL, 'c'}, {"nproc", required_argument, NULL, 'n'},
       {"top", required_argument, NULL, 'k'},     {"json", no_argument, NULL, 'j'},
       {"mesh", required_argument, NULL, 'm'},    {"explain", no_argument, NULL, 'e'},
       {"rank", required_argument, NULL, 'r'},    {"dump", no_argument, NULL, 'd'},
       {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0}};
-  const char *cluster_arg = NULL, *mesh_arg = NULL;
-  long nproc = 0, top = 5, dump_rank = -1;
-  int json = 0, explain = 0, dump = 0, c;
+  *a = (struct plan_args){.top = 5, .dump_rank = -1};
+  int c;
   optind = 1;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     switch (c) {
-    case 'c': cluster_arg = optarg; break;
+    case 'c': a->cluster = optarg; break;
     case 'n':
-      if (mr_cli_int("plan", "--nproc", optarg, 1, 1 << 24, &nproc) < 0)
+      if (mr_cli_int("plan", "--nproc", optarg, 1, 1 << 24, &a->nproc) < 0)
         return 2;
       break;
     case 'k':
-      if (mr_cli_int("plan", "--top", optarg, 1, MR_PLAN_TOP_MAX, &top) < 0)
+      if (mr_cli_int("plan", "--top", optarg, 1, MR_PLAN_TOP_MAX, &a->top) < 0)
         return 2;
       break;
-    case 'j': json = 1; break;
-    case 'm': mesh_arg = optarg; break;
-    case 'e': explain = 1; break;
+    case 'j': a->json = 1; break;
+    case 'm': a->mesh = optarg; break;
+    case 'e': a->explain = 1; break;
     case 'r':
-      if (mr_cli_int("plan", "--rank", optarg, 0, 1 << 24, &dump_rank) < 0)
+      if (mr_cli_int("plan", "--rank", optarg, 0, 1 << 24, &a->dump_rank) < 0)
         return 2;
       break;
-    case 'd': dump = 1; break;
+    case 'd': a->dump = 1; break;
     case 'h': usage(stdout); return 0;
     default: usage(stderr); return 2;
     }
@@ -290,179 +296,228 @@ int mr_cmd_plan(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  if (dump && dump_rank < 0)
-    dump_rank = 0;
-  if (dump_rank >= 0 && !dump) {
+  a->job_path = argv[optind];
+  if (a->dump && a->dump_rank < 0)
+    a->dump_rank = 0;
+  if (a->dump_rank >= 0 && !a->dump) {
     fprintf(stderr, "meshrun plan: --rank R prints rank R's program: expected --dump too\n");
     return 2;
   }
-  if (dump && json) {
+  if (a->dump && a->json) {
     fprintf(stderr, "meshrun plan: --dump prints text: expected it without --json\n");
     return 2;
   }
-  if (explain && json) {
+  if (a->explain && a->json) {
     fprintf(stderr, "meshrun plan: --explain prints text: expected it without "
             "--json\n");
     return 2;
   }
-  const char *job_path = argv[optind];
-  struct mr_job job;
-  if (mr_job_load(job_path, &job) < 0) {
+  return -1;
+}
+
+/* The job as the flags leave it (--mesh fixing its degrees), and the
+ * cluster planned for, grown to --nproc; returns -1 to go on, else the
+ * exit code (the job closed). */
+static int load_inputs(struct plan_args *a, struct mr_job *job, struct mr_mesh *given,
+                       struct mr_cluster *cl) {
+  if (mr_job_load(a->job_path, job) < 0) {
     fprintf(stderr, "meshrun plan: %s\n", mr_error_message());
     return 2;
   }
-  mr_cli_job_defaults(&job);
-  if (mr_plugin_load_job(&job) < 0) {
+  mr_cli_job_defaults(job);
+  int code = -1;
+  if (mr_plugin_load_job(job) < 0) {
     fprintf(stderr, "meshrun plan: %s\n", mr_error_message());
-    mr_job_close(&job);
-    return 2;
+    code = 2;
+  } else if (a->mesh != NULL && fix_mesh(a->mesh, a->nproc, &job->strategy, given) < 0) {
+    code = 2;
+  } else {
+    if (a->mesh != NULL)
+      a->nproc = mr_mesh_size(given);
+    const char *spec = a->cluster != NULL ? a->cluster
+                       : job->cluster != NULL ? job->cluster
+                                              : mr_default_cluster();
+    if (load_cluster(spec, cl) < 0)
+      code = 2;
   }
-  struct mr_mesh given;
-  if (mesh_arg != NULL) {
-    if (fix_mesh(mesh_arg, nproc, &job.strategy, &given) < 0) {
-      mr_job_close(&job);
-      return 2;
-    }
-    nproc = mr_mesh_size(&given);
-  }
-  struct mr_cluster cl;
-  int rc = load_cluster(cluster_arg != NULL ? cluster_arg
-                        : job.cluster != NULL ? job.cluster
-                                              : mr_default_cluster(),
-                        &cl);
-  if (rc < 0) {
-    mr_job_close(&job);
-    return 2;
+  if (code >= 0) {
+    mr_job_close(job);
+    return code;
   }
   /* more ranks than the spec's devices: a CPU host's share its cores, as
    * `meshrun launch` runs them; other specs grow by nodes */
-  if (nproc > 0 && nproc > mr_cluster_devices(&cl) && !mr_cluster_share_host(&cl, (int)nproc))
-    cl.nodes = (int)((nproc + cl.devices_per_node - 1) / cl.devices_per_node);
-  struct mr_plan_request req = {&job.model, &job.train, &job.strategy, &cl, (int)nproc,
-                                (int)top};
-  int world = nproc > 0 ? (int)nproc : (int)mr_cluster_devices(&cl);
+  if (a->nproc > 0 && a->nproc > mr_cluster_devices(cl) &&
+      !mr_cluster_share_host(cl, (int)a->nproc))
+    cl->nodes = (int)((a->nproc + cl->devices_per_node - 1) / cl->devices_per_node);
+  return -1;
+}
+
+/* The search, or under auto_mode manual the job's own strategy priced;
+ * returns 0, MR_ENOFIT (res holds the least-memory plan) or an error. */
+static int plan(const struct mr_job *job, const struct mr_cluster *cl, const struct plan_args *a,
+                struct mr_plan_result *res) {
+  struct mr_plan_request req = {&job->model, &job->train, &job->strategy, cl, (int)a->nproc,
+                                (int)a->top};
+  if (job->strategy.auto_mode != MR_AUTO_MANUAL)
+    return mr_plan_search(&req, res);
+  MR_TRY(mr_plan_manual(&req, &res->top[0].strategy));
+  struct mr_workload w = mr_workload_of(&job->model, &job->train, &job->strategy);
+  mr_cost_evaluate(&w, cl, &res->top[0].strategy, &res->top[0].cost);
+  res->considered = 1;
+  if (res->top[0].cost.fits) {
+    res->n_top = 1;
+    return 0;
+  }
+  res->least_memory = res->top[0];
+  res->pruned_memory = 1;
+  res->fits_with_offload = res->fits_with_recompute = res->fits_with_both = -1;
+  return MR_ENOFIT;
+}
+
+/* What the search found, for both printers. */
+struct plan_view {
+  const struct mr_job *job;
+  const char *job_path;
+  const struct mr_cluster *cl;
+  const struct mr_plan_result *res;
+  struct mr_workload wl;
+  int world, fits;
+  double params, search_s;
+};
+
+static void print_json(const struct plan_view *v) {
+  const struct mr_plan_result *res = v->res;
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "job", v->job_path);
+  cJSON_AddStringToObject(o, "cluster", v->cl->name);
+  cJSON_AddNumberToObject(o, "world_size", v->world);
+  cJSON_AddNumberToObject(o, "parameters", v->params);
+  cJSON_AddBoolToObject(o, "fits", v->fits);
+  if (v->fits) {
+    candidate_json(o, &res->top[0], &v->wl, v->cl);
+  } else {
+    cJSON_AddNumberToObject(o, "least_memory_bytes", res->least_memory.cost.mem.total);
+    cJSON *lm = cJSON_AddObjectToObject(o, "least_memory_plan");
+    candidate_json(lm, &res->least_memory, &v->wl, v->cl);
+    cJSON *wf = cJSON_AddObjectToObject(o, "would_fit_with");
+    cJSON_AddNumberToObject(wf, "offload", res->fits_with_offload);
+    cJSON_AddNumberToObject(wf, "recompute", res->fits_with_recompute);
+    cJSON_AddNumberToObject(wf, "offload_recompute_any_zero", res->fits_with_both);
+    cJSON_AddNumberToObject(wf, "devices", (double)res->devices_to_fit);
+  }
+  cJSON_AddNumberToObject(o, "search_time_s", v->search_s);
+  cJSON_AddNumberToObject(o, "considered", (double)res->considered);
+  cJSON_AddNumberToObject(o, "pruned_memory", (double)res->pruned_memory);
+  cJSON *alts = cJSON_AddArrayToObject(o, "alternatives");
+  for (int i = 1; i < res->n_top; i++) {
+    cJSON *alt = cJSON_CreateObject();
+    candidate_json(alt, &res->top[i], &v->wl, v->cl);
+    char why[256];
+    mr_plan_explain(&res->top[0], &res->top[i], why, sizeof why);
+    cJSON_AddStringToObject(alt, "why_slower", why);
+    cJSON_AddItemToArray(alts, alt);
+  }
+  char *text = cJSON_Print(o);
+  if (text != NULL)
+    printf("%s\n", text);
+  free(text);
+  cJSON_Delete(o);
+}
+
+/* No strategy fits: the least memory one needs, and what would help. */
+static void print_no_fit(const struct plan_view *v) {
+  const struct mr_plan_result *res = v->res;
+  const double g = 1073741824.0;
+  char d[512];
+  describe(&res->least_memory.strategy, d, sizeof d);
+  printf("does not fit: no strategy fits in %.2f GiB per device.\n", v->cl->memory_bytes / g);
+  printf("least memory any plan needs: %.2f GiB per rank, with\n  %s\n",
+         res->least_memory.cost.mem.total / g, d);
+  print_memory(&res->least_memory.cost.mem, v->cl->memory_bytes);
+  printf("what would make it fit:");
+  int any = 0;
+  if (res->fits_with_offload == 1)
+    printf(" letting the planner offload optimizer states;"), any = 1;
+  if (res->fits_with_recompute == 1)
+    printf(" letting the planner recompute activations;"), any = 1;
+  if (res->fits_with_both == 1 && !res->fits_with_offload && !res->fits_with_recompute)
+    printf(" offload with recompute and any ZeRO stage;"), any = 1;
+  if (res->devices_to_fit > 0)
+    printf(" %lld devices (--nproc %lld);", (long long)res->devices_to_fit,
+           (long long)res->devices_to_fit), any = 1;
+  if (!any)
+    printf(" nothing up to 64x the devices; a device with more memory");
+  printf("\n");
+}
+
+static void print_text(const struct plan_view *v) {
+  const struct mr_plan_result *res = v->res;
+  printf("plan for %s: %.4g B parameters, batch %lld x %lld tokens, on %s: %d ranks "
+         "(%d per node)\n",
+         v->job_path, v->params / 1e9, (long long)v->job->train.global_batch,
+         (long long)v->job->train.seq_len, v->cl->name, v->world, v->cl->devices_per_node);
+  if (v->fits) {
+    printf("chosen:\n");
+    print_candidate(&res->top[0], v->cl->memory_bytes);
+    if (res->n_top > 1)
+      printf("runners-up:\n");
+    for (int i = 1; i < res->n_top; i++) {
+      char d[512], why[256];
+      describe(&res->top[i].strategy, d, sizeof d);
+      mr_plan_explain(&res->top[0], &res->top[i], why, sizeof why);
+      printf("  %d. %s\n     %.4g s, %s\n", i + 1, d, res->top[i].cost.step_time_s, why);
+    }
+  } else {
+    print_no_fit(v);
+  }
+  printf("searched %lld strategies (%lld too big for a device) in %.3f s\n",
+         (long long)res->considered, (long long)res->pruned_memory, v->search_s);
+}
+
+/* meshrun plan: the flags, the job and cluster, the search, what it found
+ * (text or JSON), then --explain and --dump. */
+int mr_cmd_plan(int argc, char **argv) {
+  struct plan_args a;
+  struct mr_job job;
+  struct mr_mesh given;
+  struct mr_cluster cl;
+  int code;
+  if ((code = parse_args(argc, argv, &a)) >= 0 ||
+      (code = load_inputs(&a, &job, &given, &cl)) >= 0)
+    return code;
+  int world = a.nproc > 0 ? (int)a.nproc : (int)mr_cluster_devices(&cl);
   struct mr_plan_result *res = calloc(1, sizeof *res);
   if (res == NULL) {
     mr_job_close(&job);
     return 1;
   }
   double t0 = mr_clock_s();
-  if (job.strategy.auto_mode == MR_AUTO_MANUAL) {
-    rc = mr_plan_manual(&req, &res->top[0].strategy);
-    if (rc == 0) {
-      struct mr_workload w = mr_workload_of(&job.model, &job.train, &job.strategy);
-      mr_cost_evaluate(&w, &cl, &res->top[0].strategy, &res->top[0].cost);
-      res->considered = 1;
-      if (res->top[0].cost.fits) {
-        res->n_top = 1;
-      } else {
-        res->least_memory = res->top[0];
-        res->pruned_memory = 1;
-        res->fits_with_offload = res->fits_with_recompute = res->fits_with_both = -1;
-        rc = MR_ENOFIT;
-      }
-    }
-  } else {
-    rc = mr_plan_search(&req, res);
-  }
+  int rc = plan(&job, &cl, &a, res);
   double search_s = mr_clock_s() - t0;
   if (rc < 0 && rc != MR_ENOFIT) {
-    if (mesh_arg != NULL)
-      fprintf(stderr, "meshrun plan: %s: --mesh \"%s\": %s\n", job_path, mesh_arg,
+    if (a.mesh != NULL)
+      fprintf(stderr, "meshrun plan: %s: --mesh \"%s\": %s\n", a.job_path, a.mesh,
               mr_error_message());
     else
-      fprintf(stderr, "meshrun plan: %s: %s\n", job_path, mr_error_message());
+      fprintf(stderr, "meshrun plan: %s: %s\n", a.job_path, mr_error_message());
     free(res);
     mr_job_close(&job);
     return 2;
   }
-  double params = (double)mr_model_param_count(&job.model);
-  struct mr_workload wl = mr_workload_of(&job.model, &job.train, &job.strategy);
-  if (json) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "job", job_path);
-    cJSON_AddStringToObject(o, "cluster", cl.name);
-    cJSON_AddNumberToObject(o, "world_size", world);
-    cJSON_AddNumberToObject(o, "parameters", params);
-    cJSON_AddBoolToObject(o, "fits", rc == 0);
-    if (rc == 0) {
-      candidate_json(o, &res->top[0], &wl, &cl);
-    } else {
-      cJSON_AddNumberToObject(o, "least_memory_bytes", res->least_memory.cost.mem.total);
-      cJSON *lm = cJSON_AddObjectToObject(o, "least_memory_plan");
-      candidate_json(lm, &res->least_memory, &wl, &cl);
-      cJSON *wf = cJSON_AddObjectToObject(o, "would_fit_with");
-      cJSON_AddNumberToObject(wf, "offload", res->fits_with_offload);
-      cJSON_AddNumberToObject(wf, "recompute", res->fits_with_recompute);
-      cJSON_AddNumberToObject(wf, "offload_recompute_any_zero", res->fits_with_both);
-      cJSON_AddNumberToObject(wf, "devices", (double)res->devices_to_fit);
-    }
-    cJSON_AddNumberToObject(o, "search_time_s", search_s);
-    cJSON_AddNumberToObject(o, "considered", (double)res->considered);
-    cJSON_AddNumberToObject(o, "pruned_memory", (double)res->pruned_memory);
-    cJSON *alts = cJSON_AddArrayToObject(o, "alternatives");
-    for (int i = 1; i < res->n_top; i++) {
-      cJSON *a = cJSON_CreateObject();
-      candidate_json(a, &res->top[i], &wl, &cl);
-      char why[256];
-      mr_plan_explain(&res->top[0], &res->top[i], why, sizeof why);
-      cJSON_AddStringToObject(a, "why_slower", why);
-      cJSON_AddItemToArray(alts, a);
-    }
-    char *text = cJSON_Print(o);
-    if (text != NULL)
-      printf("%s\n", text);
-    free(text);
-    cJSON_Delete(o);
-  } else {
-    printf("plan for %s: %.4g B parameters, batch %lld x %lld tokens, on %s: %d ranks "
-           "(%d per node)\n",
-           job_path, params / 1e9, (long long)job.train.global_batch,
-           (long long)job.train.seq_len, cl.name, world, cl.devices_per_node);
-    if (rc == 0) {
-      printf("chosen:\n");
-      print_candidate(&res->top[0], cl.memory_bytes);
-      if (res->n_top > 1)
-        printf("runners-up:\n");
-      for (int i = 1; i < res->n_top; i++) {
-        char d[512], why[256];
-        describe(&res->top[i].strategy, d, sizeof d);
-        mr_plan_explain(&res->top[0], &res->top[i], why, sizeof why);
-        printf("  %d. %s\n     %.4g s, %s\n", i + 1, d, res->top[i].cost.step_time_s, why);
-      }
-    } else {
-      const double g = 1073741824.0;
-      char d[512];
-      describe(&res->least_memory.strategy, d, sizeof d);
-      printf("does not fit: no strategy fits in %.2f GiB per device.\n", cl.memory_bytes / g);
-      printf("least memory any plan needs: %.2f GiB per rank, with\n  %s\n",
-             res->least_memory.cost.mem.total / g, d);
-      print_memory(&res->least_memory.cost.mem, cl.memory_bytes);
-      printf("what would make it fit:");
-      int any = 0;
-      if (res->fits_with_offload == 1)
-        printf(" letting the planner offload optimizer states;"), any = 1;
-      if (res->fits_with_recompute == 1)
-        printf(" letting the planner recompute activations;"), any = 1;
-      if (res->fits_with_both == 1 && !res->fits_with_offload && !res->fits_with_recompute)
-        printf(" offload with recompute and any ZeRO stage;"), any = 1;
-      if (res->devices_to_fit > 0)
-        printf(" %lld devices (--nproc %lld);", (long long)res->devices_to_fit,
-               (long long)res->devices_to_fit), any = 1;
-      if (!any)
-        printf(" nothing up to 64x the devices; a device with more memory");
-      printf("\n");
-    }
-    printf("searched %lld strategies (%lld too big for a device) in %.3f s\n",
-           (long long)res->considered, (long long)res->pruned_memory, search_s);
-  }
+  struct plan_view v = {&job, a.job_path, &cl, res,
+                        mr_workload_of(&job.model, &job.train, &job.strategy), world, rc == 0,
+                        (double)mr_model_param_count(&job.model), search_s};
+  if (a.json)
+    print_json(&v);
+  else
+    print_text(&v);
   int ex = 0;
-  if (explain) /* what fits, else what needs the least memory */
-    ex = explain_section(&job, mesh_arg != NULL ? &given : NULL,
+  if (a.explain) /* what fits, else what needs the least memory */
+    ex = explain_section(&job, a.mesh != NULL ? &given : NULL,
                          rc == 0 ? &res->top[0].strategy : &res->least_memory.strategy,
                          rc == 0 ? "chosen strategy's" : "least-memory strategy's");
-  if (dump && rc == 0 && ex == 0)
-    ex = mr_plan_dump_rank(&job, &res->top[0].strategy, world, (int)dump_rank, stdout);
+  if (a.dump && rc == 0 && ex == 0)
+    ex = mr_plan_dump_rank(&job, &res->top[0].strategy, world, (int)a.dump_rank, stdout);
   free(res);
   mr_job_close(&job);
   return ex != 0 ? ex : rc == 0 ? 0 : 1;
