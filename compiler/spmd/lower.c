@@ -323,42 +323,25 @@ int mr_lower_graph(const struct mr_job *job, int world, struct mr_lowered *L) {
   return mr_lower_graph_form(job, world, MR_LOSS_FUSED, L);
 }
 
-int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr_lowered *L) {
-  memset(L, 0, sizeof *L);
-  int rc;
-  MR_TRY(mr_layout_from_job(job, world, &L->lay));
+/* The layer of every op and the pipeline chunk it runs in: chunks
+ * balanced by FLOPs, or as the job's pipeline_parallel.layers says. */
+static int assign_chunks(const struct mr_job *job, struct mr_lowered *L) {
   const struct mr_layout *lay = &L->lay;
-  if (job->strategy.n_dp_micro > 0) {
-    if ((L->dp_micro = malloc((size_t)lay->dp * sizeof *L->dp_micro)) == NULL)
-      return MR_ENOMEM;
-    memcpy(L->dp_micro, job->strategy.dp_micro, (size_t)lay->dp * sizeof *L->dp_micro);
-  }
-  MR_TRY_GOTO(rc, mr_model_build_loss(&job->model, lay->micro_seqs, job->train.seq_len,
-                                      (enum mr_loss_form)form, &L->model),
-              err);
   struct mr_graph *g = &L->model.graph;
-  MR_TRY_GOTO(rc, mr_autodiff(g, L->model.loss, &L->seed), err);
   int n_layers = (int)job->model.num_hidden_layers;
-  if (lay->recompute != MR_RC_NONE)
-    MR_TRY_GOTO(rc, recompute_pass(g, n_layers, lay->recompute, lay->recompute_every), err);
-
-  /* layers of every op; chunks balanced by FLOPs */
-  rc = MR_ENOMEM;
   L->op_layer = malloc((size_t)g->n_ops * sizeof *L->op_layer);
   L->op_chunk = malloc((size_t)g->n_ops * sizeof *L->op_chunk);
   L->n_chunks = lay->pp * lay->vp;
   L->chunk_first_layer = malloc((size_t)(L->n_chunks + 1) * sizeof *L->chunk_first_layer);
   if (!L->op_layer || !L->op_chunk || !L->chunk_first_layer)
-    goto err;
+    return MR_ENOMEM;
   forward_layers(g, n_layers, L->op_layer);
   for (int k = g->n_forward_ops; k < g->n_ops; k++)
     L->op_layer[k] = g->ops[k].fwd_op >= 0 ? L->op_layer[g->ops[k].fwd_op] : n_layers;
-  if (n_layers < L->n_chunks) {
-    rc = mr_error_set(MR_EINVAL, "%s: %d layers cannot be split over %d pipeline chunks "
-                      "(pipeline_parallel.degree %d x virtual_stages %d)", job->path,
-                      n_layers, L->n_chunks, lay->pp, lay->vp);
-    goto err;
-  }
+  if (n_layers < L->n_chunks)
+    return mr_error_set(MR_EINVAL, "%s: %d layers cannot be split over %d pipeline chunks "
+                        "(pipeline_parallel.degree %d x virtual_stages %d)", job->path,
+                        n_layers, L->n_chunks, lay->pp, lay->vp);
   double layer_f = 0, first_f = 0, last_f = 0;
   for (int k = 0; k < g->n_forward_ops; k++) {
     int l = L->op_layer[k];
@@ -371,25 +354,21 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
       layer_f += f;
   }
   L->layer_flops = layer_f, L->first_flops = first_f, L->last_flops = last_f;
+  const struct mr_strategy_hint *h = &job->strategy;
+  if (h->n_chunk_layers > 0 && h->n_chunk_layers != L->n_chunks)
+    return mr_error_set(MR_EINVAL, "%s: strategy.pipeline_parallel.layers: expected %d "
+                        "entries (degree %d x virtual_stages %d), got %d", job->path,
+                        L->n_chunks, lay->pp, lay->vp, h->n_chunk_layers);
   int *counts = malloc((size_t)L->n_chunks * sizeof *counts);
   if (!counts)
-    goto err;
-  const struct mr_strategy_hint *h = &job->strategy;
-  if (h->n_chunk_layers > 0 && h->n_chunk_layers != L->n_chunks) {
-    free(counts);
-    rc = mr_error_set(MR_EINVAL, "%s: strategy.pipeline_parallel.layers: expected %d entries "
-                      "(degree %d x virtual_stages %d), got %d", job->path, L->n_chunks,
-                      lay->pp, lay->vp, h->n_chunk_layers);
-    goto err;
-  }
+    return MR_ENOMEM;
   if (h->n_chunk_layers > 0) { /* the job's split, checked against the model when read */
     memcpy(counts, h->chunk_layers, (size_t)L->n_chunks * sizeof *counts);
   } else if (mr_partition_uniform(n_layers, layer_f > 0 ? layer_f : 1, first_f, last_f,
                                   L->n_chunks, counts) < 0) {
     free(counts);
-    rc = mr_error_set(MR_EINVAL, "%s: cannot partition %d layers over %d chunks", job->path,
-                      n_layers, L->n_chunks);
-    goto err;
+    return mr_error_set(MR_EINVAL, "%s: cannot partition %d layers over %d chunks", job->path,
+                        n_layers, L->n_chunks);
   }
   L->chunk_first_layer[0] = 0;
   for (int c = 0; c < L->n_chunks; c++)
@@ -405,8 +384,13 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
     L->op_chunk[k] = c;
     g->ops[k].stage = c % lay->pp;
   }
+  return 0;
+}
 
-  /* one stage's mesh: the dims of size > 1 */
+/* One stage's mesh (the dims of size > 1) and every tensor's placement on
+ * it, from the job's shard rules or the model family's defaults. */
+static int complete(const struct mr_job *job, struct mr_lowered *L) {
+  const struct mr_layout *lay = &L->lay;
   int shape[2], nd = 0;
   const char *names[2];
   if (lay->dp > 1) {
@@ -421,7 +405,7 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
     shape[nd] = 1;
     names[nd++] = "data";
   }
-  MR_TRY_GOTO(rc, mr_mesh_init(&L->mesh, nd, shape, names), err);
+  MR_TRY(mr_mesh_init(&L->mesh, nd, shape, names));
   L->data_dim = lay->dp > 1 ? 0 : -1;
   L->model_dim = lay->tp > 1 ? (lay->dp > 1 ? 1 : 0) : -1;
   struct mr_completion_opts o;
@@ -440,21 +424,19 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
 #undef RULES
   o.data_dim = L->data_dim >= 0 ? L->data_dim : (lay->dp == 1 && lay->tp == 1 ? 0 : -1);
   o.seq_dim = lay->sp ? L->model_dim : -1;
-  MR_TRY_GOTO(rc, mr_spmd_complete(g, &L->mesh, &o, &L->dg), err);
-  if (form == MR_LOSS_FUSED && mr_dist_graph_splits(&L->dg, L->model.logits, 1)) {
-    /* the head is split by vocabulary: the vocabulary-parallel loss reads
-     * the logits where they lie instead of gathering them */
-    mr_lowered_close(L);
-    return mr_lower_graph_form(job, world, MR_LOSS_VOCAB_PARALLEL, L);
-  }
+  return mr_spmd_complete(&L->model.graph, &L->mesh, &o, &L->dg);
+}
 
-  /* where each edge runs: before its first consumer */
+/* Where each reshard edge runs (before its first consumer), and what the
+ * runtime cannot run: a reshard across meshes, a data-parallel gradient
+ * not summed, one edge feeding two pipeline chunks. */
+static int place_edges(struct mr_lowered *L) {
+  const struct mr_graph *g = &L->model.graph;
   const struct mr_dist_graph *dg = &L->dg;
   L->n_local = g->n_tensors + dg->n_edges;
-  rc = MR_ENOMEM;
   L->edge_at = malloc((size_t)(dg->n_edges > 0 ? dg->n_edges : 1) * sizeof *L->edge_at);
   if (!L->edge_at)
-    goto err;
+    return MR_ENOMEM;
   for (int e = 0; e < dg->n_edges; e++)
     L->edge_at[e] = -1;
   for (int k = g->n_ops - 1; k >= 0; k--)
@@ -467,31 +449,60 @@ int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr
     const struct mr_reshard_edge *ed = &dg->edges[e];
     for (int s = 0; s < ed->plan.n_steps; s++) {
       const struct mr_reshard_step *st = &ed->plan.steps[s];
-      if (st->kind == MR_RS_SEND_RECV) {
-        rc = mr_error_set(MR_ENOTSUP, "lowering: reshard of %s crosses meshes",
-                          g->tensors[ed->tensor].name);
-        goto err;
-      }
+      if (st->kind == MR_RS_SEND_RECV)
+        return mr_error_set(MR_ENOTSUP, "lowering: reshard of %s crosses meshes",
+                            g->tensors[ed->tensor].name);
       if (ed->kind == MR_EDGE_GRAD_SYNC && st->mesh_dim == L->data_dim &&
-          st->group_size > 1 && !(st->kind == MR_RS_ALL_REDUCE && st->op == MR_REDUCE_SUM)) {
-        rc = mr_error_set(MR_ENOTSUP, "lowering: the gradient of %s needs a %s on data; "
-                          "data-parallel gradients are summed", g->tensors[ed->tensor].name,
-                          mr_reshard_kind_name(st->kind));
-        goto err;
-      }
+          st->group_size > 1 && !(st->kind == MR_RS_ALL_REDUCE && st->op == MR_REDUCE_SUM))
+        return mr_error_set(MR_ENOTSUP, "lowering: the gradient of %s needs a %s on data; "
+                            "data-parallel gradients are summed", g->tensors[ed->tensor].name,
+                            mr_reshard_kind_name(st->kind));
     }
-    if (ed->kind == MR_EDGE_OPERAND && L->edge_at[e] >= 0) {
-      /* consumers of one edge must share a chunk and a direction */
-      for (int k = 0; k < g->n_ops; k++)
-        for (int i = 0; i < g->ops[k].n_in; i++)
-          if (dg->edge_of[k * MR_OP_MAX_IN + i] == e &&
-              L->op_chunk[k] != L->op_chunk[L->edge_at[e]]) {
-            rc = mr_error_set(MR_ENOTSUP, "lowering: a reshard of %s feeds two pipeline "
+    if (ed->kind != MR_EDGE_OPERAND || L->edge_at[e] < 0)
+      continue;
+    /* consumers of one edge must share a chunk and a direction */
+    for (int k = 0; k < g->n_ops; k++)
+      for (int i = 0; i < g->ops[k].n_in; i++)
+        if (dg->edge_of[k * MR_OP_MAX_IN + i] == e &&
+            L->op_chunk[k] != L->op_chunk[L->edge_at[e]])
+          return mr_error_set(MR_ENOTSUP, "lowering: a reshard of %s feeds two pipeline "
                               "chunks", g->tensors[ed->tensor].name);
-            goto err;
-          }
-    }
   }
+  return 0;
+}
+
+/* The job's graph lowered for `world` ranks: the layout, the model with
+ * its backward (and recomputation), the chunks, the placements, the
+ * edges.  A head split by vocabulary is lowered again with the
+ * vocabulary-parallel loss. */
+int mr_lower_graph_form(const struct mr_job *job, int world, int form, struct mr_lowered *L) {
+  memset(L, 0, sizeof *L);
+  int rc;
+  MR_TRY(mr_layout_from_job(job, world, &L->lay));
+  const struct mr_layout *lay = &L->lay;
+  if (job->strategy.n_dp_micro > 0) {
+    if ((L->dp_micro = malloc((size_t)lay->dp * sizeof *L->dp_micro)) == NULL)
+      return MR_ENOMEM;
+    memcpy(L->dp_micro, job->strategy.dp_micro, (size_t)lay->dp * sizeof *L->dp_micro);
+  }
+  MR_TRY_GOTO(rc, mr_model_build_loss(&job->model, lay->micro_seqs, job->train.seq_len,
+                                      (enum mr_loss_form)form, &L->model),
+              err);
+  struct mr_graph *g = &L->model.graph;
+  MR_TRY_GOTO(rc, mr_autodiff(g, L->model.loss, &L->seed), err);
+  if (lay->recompute != MR_RC_NONE)
+    MR_TRY_GOTO(rc, recompute_pass(g, (int)job->model.num_hidden_layers, lay->recompute,
+                                   lay->recompute_every),
+                err);
+  MR_TRY_GOTO(rc, assign_chunks(job, L), err);
+  MR_TRY_GOTO(rc, complete(job, L), err);
+  if (form == MR_LOSS_FUSED && mr_dist_graph_splits(&L->dg, L->model.logits, 1)) {
+    /* the head is split by vocabulary: the vocabulary-parallel loss reads
+     * the logits where they lie instead of gathering them */
+    mr_lowered_close(L);
+    return mr_lower_graph_form(job, world, MR_LOSS_VOCAB_PARALLEL, L);
+  }
+  MR_TRY_GOTO(rc, place_edges(L), err);
   return 0;
 err:
   mr_lowered_close(L);
