@@ -64,33 +64,13 @@ static int accumulates_into(const struct mr_graph *g, int op, int t) {
   return 0;
 }
 
-int mr__lower_plan_buffers(struct build *b) {
+/* Parameters are persistent (under ZeRO-3 only their block); a gradient
+ * the op producing it can add into lives in its accumulator. */
+static void place_params(struct build *b) {
   struct mr_rank_program *p = b->p;
-  const struct mr_lowered *L = b->L;
   const struct mr_graph *g = b->g;
-  const struct mr_layout *lay = &L->lay;
-  int nl = L->n_local;
-  /* which chunk's forward writes a tensor and whose backward reads it */
-  int *fw = malloc((size_t)nl * sizeof *fw);
-  int *first = malloc((size_t)nl * sizeof *first), *last = malloc((size_t)nl * sizeof *last);
-  struct mr_fit fit = {malloc((size_t)(nl + 1) * sizeof(struct mr_fit_live)), 0};
-  p->stash_bytes = calloc((size_t)L->n_chunks, sizeof *p->stash_bytes);
-  p->send_off = malloc((size_t)nl * sizeof *p->send_off);
-  int rd[MR_OP_MAX_IN + 2], wr[MR_OP_MAX_OUT + 3], nr, nw;
-  if (!fw || !first || !last || !fit.lv || !p->stash_slots || !p->stash_bytes || !p->send_off) {
-    free(fw);
-    free(first);
-    free(last);
-    free(fit.lv);
-    return MR_ENOMEM;
-  }
-  for (int t = 0; t < nl; t++) {
-    fw[t] = -1;
-    p->send_off[t] = -1;
-  }
-  /* parameters: persistent (under ZeRO-3 only their block) */
+  const struct mr_layout *lay = &b->L->lay;
   int64_t param = 0;
-  int in_op = lay->accum_in_op;
   for (int i = 0; i < p->n_params; i++) {
     const struct mr_param_plan *pp = &p->params[i];
     struct mr_lbuf *bf = &p->buf[pp->tensor];
@@ -119,7 +99,7 @@ int mr__lower_plan_buffers(struct build *b) {
      * the norms' and the embedding's column sums): no buffer per
      * micro-batch and no pass adding it to the accumulator */
     int producer = g->tensors[g->tensors[pp->tensor].grad].producer;
-    int adds = in_op && producer >= 0 &&
+    int adds = lay->accum_in_op && producer >= 0 &&
                accumulates_into(g, producer, g->tensors[pp->tensor].grad);
     if ((lay->n_micro == 1 || adds) && lay->zero < 2 && !pp->off_data && pp->replica_of < 0) {
       gb->region = MR_REG_ACC;
@@ -127,6 +107,16 @@ int mr__lower_plan_buffers(struct build *b) {
     }
   }
   p->param_bytes = param;
+}
+
+/* What a chunk's forward writes and its backward reads is kept between
+ * them, in the chunk's stash (fw: scratch, a chunk per local tensor). */
+static void place_stash(struct build *b, int *fw) {
+  struct mr_rank_program *p = b->p;
+  const struct mr_graph *g = b->g;
+  int rd[MR_OP_MAX_IN + 2], wr[MR_OP_MAX_OUT + 3], nr, nw;
+  for (int t = 0; t < b->L->n_local; t++)
+    fw[t] = -1;
   for (int pi = 0; pi < p->n_passes; pi++) {
     const struct mr_pass *ps = &p->passes[pi];
     if (ps->backward)
@@ -134,9 +124,7 @@ int mr__lower_plan_buffers(struct build *b) {
     for (int i = ps->first; i < ps->first + ps->n; i++) {
       ins_access(b, &p->tmpl[i], rd, &nr, wr, &nw);
       for (int j = 0; j < nw; j++)
-        if (wr[j] < g->n_tensors && g->tensors[wr[j]].role == MR_ROLE_PARAM)
-          continue;
-        else
+        if (wr[j] >= g->n_tensors || g->tensors[wr[j]].role != MR_ROLE_PARAM)
           fw[wr[j]] = ps->chunk;
     }
   }
@@ -157,74 +145,117 @@ int mr__lower_plan_buffers(struct build *b) {
       }
     }
   }
-  /* everything else: the arena, first fit per pass */
+}
+
+/* One pass's live ranges in the arena: first[t] and last[t], the
+ * instructions writing a tensor first and reading it last (a gradient
+ * whose reduce-scatter is in flight lives to the pass's end); its sends'
+ * offsets; and every read having a home.  Returns 0 or MR_EPLAN. */
+static int pass_lifetimes(struct build *b, struct mr_pass *ps, int *first, int *last) {
+  struct mr_rank_program *p = b->p;
+  const struct mr_graph *g = b->g;
+  int rd[MR_OP_MAX_IN + 2], wr[MR_OP_MAX_OUT + 3], nr, nw;
+  for (int t = 0; t < b->L->n_local; t++)
+    first[t] = last[t] = -1;
+  int end = ps->n - 1;
+  for (int i = 0; i < ps->n; i++) {
+    const struct mr_ins *in = &p->tmpl[ps->first + i];
+    ins_access(b, in, rd, &nr, wr, &nw);
+    for (int j = 0; j < nw; j++)
+      if (p->buf[wr[j]].region == MR_REG_NONE || p->buf[wr[j]].region == MR_REG_ARENA) {
+        p->buf[wr[j]].region = MR_REG_ARENA;
+        if (first[wr[j]] < 0)
+          first[wr[j]] = last[wr[j]] = i;
+      }
+    for (int j = 0; j < nr; j++)
+      if (first[rd[j]] >= 0)
+        last[rd[j]] = i;
+    if (in->kind == MR_INS_GRAD) {
+      int gt = g->tensors[in->tensor].grad;
+      if (b->L->lay.zero >= 2 && first[gt] >= 0) /* reduce-scatter in flight */
+        last[gt] = end;
+    }
+    if (in->kind == MR_INS_SEND) {
+      p->send_off[in->tensor] = ps->send_bytes;
+      ps->send_bytes += p->buf[in->tensor].bytes;
+    }
+  }
+  for (int i = 0; i < ps->n; i++) { /* everything read has a home */
+    ins_access(b, &p->tmpl[ps->first + i], rd, &nr, wr, &nw);
+    for (int j = 0; j < nr; j++)
+      if (p->buf[rd[j]].region == MR_REG_NONE ||
+          (p->buf[rd[j]].region == MR_REG_ARENA && first[rd[j]] < 0))
+        return mr_error_set(MR_EPLAN, "lowering: rank %d reads %s in pass (chunk %d, %s) "
+                            "but nothing there writes it", p->rank,
+                            p->local.tensors[rd[j]].name, ps->chunk,
+                            ps->backward ? "backward" : "forward");
+  }
+  return 0;
+}
+
+/* First fit of one pass's arena tensors over their lifetimes; returns the
+ * pass's high-water mark. */
+static int64_t pass_fit(struct build *b, struct mr_pass *ps, const int *first, const int *last,
+                        struct mr_fit *fit) {
+  struct mr_rank_program *p = b->p;
+  int rd[MR_OP_MAX_IN + 2], wr[MR_OP_MAX_OUT + 3], nr, nw;
+  fit->n = 0;
+  int64_t high = 0;
+  for (int i = 0; i < ps->n; i++) {
+    const struct mr_ins *in = &p->tmpl[ps->first + i];
+    ins_access(b, in, rd, &nr, wr, &nw);
+    for (int j = 0; j < nw; j++) {
+      int t = wr[j];
+      if (first[t] != i || ps->arena_off[t] >= 0)
+        continue;
+      ps->arena_off[t] = mr_fit_place(fit, p->buf[t].bytes, t);
+      if (ps->arena_off[t] + p->buf[t].bytes > high)
+        high = ps->arena_off[t] + p->buf[t].bytes;
+    }
+    for (int t = 0; t < b->L->n_local; t++) /* small graphs: a scan is fine */
+      if (last[t] == i && ps->arena_off[t] >= 0)
+        mr_fit_release(fit, t);
+  }
+  return high;
+}
+
+/* Every local tensor's home: parameters, the accumulators, each chunk's
+ * stash, and the arena, first fit per pass; the send slots. */
+int mr__lower_plan_buffers(struct build *b) {
+  struct mr_rank_program *p = b->p;
+  const struct mr_lowered *L = b->L;
+  int nl = L->n_local;
+  int *fw = malloc((size_t)nl * sizeof *fw);
+  int *first = malloc((size_t)nl * sizeof *first), *last = malloc((size_t)nl * sizeof *last);
+  struct mr_fit fit = {malloc((size_t)(nl + 1) * sizeof(struct mr_fit_live)), 0};
+  p->stash_bytes = calloc((size_t)L->n_chunks, sizeof *p->stash_bytes);
+  p->send_off = malloc((size_t)nl * sizeof *p->send_off);
+  if (!fw || !first || !last || !fit.lv || !p->stash_slots || !p->stash_bytes || !p->send_off) {
+    free(fw);
+    free(first);
+    free(last);
+    free(fit.lv);
+    return MR_ENOMEM;
+  }
+  for (int t = 0; t < nl; t++)
+    p->send_off[t] = -1;
+  place_params(b);
+  place_stash(b, fw);
   int64_t arena = 0, send = 0;
-  for (int pi = 0; pi < p->n_passes; pi++) {
+  for (int pi = 0; pi < p->n_passes && b->rc == 0; pi++) {
     struct mr_pass *ps = &p->passes[pi];
     ps->arena_off = malloc((size_t)nl * sizeof *ps->arena_off);
     if (!ps->arena_off) {
       b->rc = MR_ENOMEM;
       break;
     }
-    for (int t = 0; t < nl; t++) {
+    for (int t = 0; t < nl; t++)
       ps->arena_off[t] = -1;
-      first[t] = last[t] = -1;
-    }
-    int end = ps->n - 1;
-    for (int i = 0; i < ps->n; i++) {
-      const struct mr_ins *in = &p->tmpl[ps->first + i];
-      ins_access(b, in, rd, &nr, wr, &nw);
-      for (int j = 0; j < nw; j++)
-        if (p->buf[wr[j]].region == MR_REG_NONE || p->buf[wr[j]].region == MR_REG_ARENA) {
-          p->buf[wr[j]].region = MR_REG_ARENA;
-          if (first[wr[j]] < 0)
-            first[wr[j]] = last[wr[j]] = i;
-        }
-      for (int j = 0; j < nr; j++)
-        if (first[rd[j]] >= 0)
-          last[rd[j]] = i;
-      if (in->kind == MR_INS_GRAD) {
-        int gt = g->tensors[in->tensor].grad;
-        if (lay->zero >= 2 && first[gt] >= 0) /* reduce-scatter in flight */
-          last[gt] = end;
-      }
-      if (in->kind == MR_INS_SEND) {
-        p->send_off[in->tensor] = ps->send_bytes;
-        ps->send_bytes += p->buf[in->tensor].bytes;
-      }
-    }
-    for (int i = 0; i < ps->n; i++) { /* everything read has a home */
-      ins_access(b, &p->tmpl[ps->first + i], rd, &nr, wr, &nw);
-      for (int j = 0; j < nr; j++)
-        if (p->buf[rd[j]].region == MR_REG_NONE ||
-            (p->buf[rd[j]].region == MR_REG_ARENA && first[rd[j]] < 0)) {
-          b->rc = mr_error_set(MR_EPLAN, "lowering: rank %d reads %s in pass (chunk %d, %s) "
-                               "but nothing there writes it", p->rank,
-                               p->local.tensors[rd[j]].name, ps->chunk,
-                               ps->backward ? "backward" : "forward");
-          break;
-        }
-    }
+    b->rc = pass_lifetimes(b, ps, first, last);
     ps->send_base = send;
     /* a slot per micro-batch: this rank's of a step, an evaluation's */
-    send += ps->send_bytes * (p->n_micro > lay->n_micro ? p->n_micro : lay->n_micro);
-    fit.n = 0;
-    int64_t high = 0;
-    for (int i = 0; i < ps->n; i++) {
-      const struct mr_ins *in = &p->tmpl[ps->first + i];
-      ins_access(b, in, rd, &nr, wr, &nw);
-      for (int j = 0; j < nw; j++) {
-        int t = wr[j];
-        if (first[t] != i || ps->arena_off[t] >= 0)
-          continue;
-        ps->arena_off[t] = mr_fit_place(&fit, p->buf[t].bytes, t);
-        if (ps->arena_off[t] + p->buf[t].bytes > high)
-          high = ps->arena_off[t] + p->buf[t].bytes;
-      }
-      for (int t = 0; t < nl; t++) /* small graphs: a scan is fine */
-        if (last[t] == i && ps->arena_off[t] >= 0)
-          mr_fit_release(&fit, t);
-    }
+    send += ps->send_bytes * (p->n_micro > L->lay.n_micro ? p->n_micro : L->lay.n_micro);
+    int64_t high = pass_fit(b, ps, first, last, &fit);
     if (high > arena)
       arena = high;
   }
