@@ -512,6 +512,98 @@ static cJSON *job_to_json(const struct mr_job *job, const cJSON *src) {
   return out;
 }
 
+/* "model": a config.json path or the object itself. */
+static void parse_model(struct mr_jv *jv, const cJSON *root, const char *name,
+                        struct mr_job *job) {
+  const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+  if (model == NULL) {
+    mr_jv_error(jv, "", "model", "missing (a Hugging Face config.json path, or the object)");
+  } else if (cJSON_IsString(model)) {
+    job->model_path = resolve(job->dir, model->valuestring);
+    cJSON *obj = NULL;
+    if (mr_model_config_load_json(job->model_path, &job->model, &obj) < 0)
+      mr_jv_error(jv, "", "model", "%s", mr_error_message());
+    else
+      job->model_json = cJSON_PrintUnformatted(obj);
+    cJSON_Delete(obj);
+  } else if (cJSON_IsObject(model)) {
+    char where[512];
+    snprintf(where, sizeof where, "%s: model", name);
+    if (mr_model_config_parse(model, where, &job->model) < 0)
+      mr_jv_error(jv, "", "model", "%s", mr_error_message());
+    else
+      job->model_json = cJSON_PrintUnformatted(model);
+  } else {
+    char shown[96];
+    mr_jv_error(jv, "", "model", "expected a path or an object, got %s",
+                mr_jv_show(model, shown, sizeof shown));
+  }
+}
+
+/* "data": the train and optional val token files. */
+static void parse_data(struct mr_jv *jv, const cJSON *root, struct mr_job *job) {
+  const cJSON *data = NULL;
+  if (mr_jv_obj(jv, root, "", "data", &data) == 1) {
+    static const char *const dkeys[] = {"train", "val", NULL};
+    mr_jv_only_keys(jv, data, "data", dkeys);
+    const char *s = NULL;
+    if (mr_jv_str(jv, data, "data", "train", &s) == 1)
+      job->data_train = resolve(job->dir, s);
+    else if (cJSON_GetObjectItemCaseSensitive(data, "train") == NULL)
+      mr_jv_error(jv, "data", "train", "missing (a token file)");
+    if (mr_jv_str(jv, data, "data", "val", &s) == 1)
+      job->data_val = resolve(job->dir, s);
+  } else if (cJSON_GetObjectItemCaseSensitive(root, "data") == NULL) {
+    mr_jv_error(jv, "", "data", "missing (an object with train and optional val)");
+  }
+}
+
+static void parse_checkpoint(struct mr_jv *jv, const cJSON *o, struct mr_job *job) {
+  static const char *const ckeys[] = {"dir", "save_interval_steps", "keep_last", NULL};
+  mr_jv_only_keys(jv, o, "checkpoint", ckeys);
+  const char *s = NULL;
+  if (mr_jv_str(jv, o, "checkpoint", "dir", &s) == 1)
+    job->checkpoint.dir = resolve(job->dir, s);
+  mr_jv_int(jv, o, "checkpoint", "save_interval_steps", 0, BIG,
+            &job->checkpoint.save_interval_steps);
+  mr_jv_int(jv, o, "checkpoint", "keep_last", 1, 1000000, &job->checkpoint.keep_last);
+}
+
+static void parse_trace(struct mr_jv *jv, const cJSON *o, struct mr_job *job) {
+  static const char *const tkeys[] = {"dir", "steps", NULL};
+  mr_jv_only_keys(jv, o, "trace", tkeys);
+  const char *s = NULL;
+  if (mr_jv_str(jv, o, "trace", "dir", &s) == 1)
+    job->trace.dir = resolve(job->dir, s);
+  else if (cJSON_GetObjectItemCaseSensitive(o, "dir") == NULL)
+    mr_jv_error(jv, "trace", "dir", "missing (the folder the ranks' timelines go to)");
+  if (mr_jv_str(jv, o, "trace", "steps", &s) == 1 &&
+      mr_job_steps_range(NULL, s, job->train.steps, &job->trace.first,
+                         &job->trace.last) < 0)
+    mr_jv_error(jv, "trace", "steps", "%s", mr_error_message());
+}
+
+static void check_whole(struct mr_jv *jv, struct mr_job *job) {
+  if (jv->n_errors == 0 && job->model.family == MR_MODEL_GPT2 &&
+      job->train.seq_len > job->model.max_position_embeddings)
+    mr_jv_error(jv, "train", "seq_len",
+                "expected at most the model's n_positions (%lld), got %lld",
+                (long long)job->model.max_position_embeddings,
+                (long long)job->train.seq_len);
+  if (jv->n_errors == 0 && mr_model_check_seq(&job->model, job->train.seq_len) < 0)
+    mr_jv_error(jv, "train", "seq_len", "%lld: the model's %s", (long long)job->train.seq_len,
+                mr_error_message());
+  if (jv->n_errors == 0 && job->strategy.n_chunk_layers > 0) {
+    int64_t sum = 0;
+    for (int i = 0; i < job->strategy.n_chunk_layers; i++)
+      sum += job->strategy.chunk_layers[i];
+    if (sum != job->model.num_hidden_layers)
+      mr_jv_error(jv, "strategy.pipeline_parallel", "layers",
+                  "expected counts adding up to the model's %lld layers, got %lld",
+                  (long long)job->model.num_hidden_layers, (long long)sum);
+  }
+}
+
 /* "plugins": ["lib.so", ...], each a path resolved against the job's folder. */
 static void parse_plugins(struct mr_jv *jv, const cJSON *a, struct mr_job *job) {
   enum { MAX_PLUGINS = 16 };
@@ -561,46 +653,8 @@ int mr_job_parse(const char *text, const char *name, const char *dir,
   static const char *const keys[] = {"model", "data", "train", "strategy", "shard_rules",
                                      "checkpoint", "cluster", "plugins", "trace", NULL};
   mr_jv_only_keys(&jv, root, "", keys);
-
-  const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
-  if (model == NULL) {
-    mr_jv_error(&jv, "", "model", "missing (a Hugging Face config.json path, or the object)");
-  } else if (cJSON_IsString(model)) {
-    job->model_path = resolve(job->dir, model->valuestring);
-    cJSON *obj = NULL;
-    if (mr_model_config_load_json(job->model_path, &job->model, &obj) < 0)
-      mr_jv_error(&jv, "", "model", "%s", mr_error_message());
-    else
-      job->model_json = cJSON_PrintUnformatted(obj);
-    cJSON_Delete(obj);
-  } else if (cJSON_IsObject(model)) {
-    char where[512];
-    snprintf(where, sizeof where, "%s: model", name);
-    if (mr_model_config_parse(model, where, &job->model) < 0)
-      mr_jv_error(&jv, "", "model", "%s", mr_error_message());
-    else
-      job->model_json = cJSON_PrintUnformatted(model);
-  } else {
-    char shown[96];
-    mr_jv_error(&jv, "", "model", "expected a path or an object, got %s",
-                mr_jv_show(model, shown, sizeof shown));
-  }
-
-  const cJSON *data = NULL;
-  if (mr_jv_obj(&jv, root, "", "data", &data) == 1) {
-    static const char *const dkeys[] = {"train", "val", NULL};
-    mr_jv_only_keys(&jv, data, "data", dkeys);
-    const char *s = NULL;
-    if (mr_jv_str(&jv, data, "data", "train", &s) == 1)
-      job->data_train = resolve(job->dir, s);
-    else if (cJSON_GetObjectItemCaseSensitive(data, "train") == NULL)
-      mr_jv_error(&jv, "data", "train", "missing (a token file)");
-    if (mr_jv_str(&jv, data, "data", "val", &s) == 1)
-      job->data_val = resolve(job->dir, s);
-  } else if (cJSON_GetObjectItemCaseSensitive(root, "data") == NULL) {
-    mr_jv_error(&jv, "", "data", "missing (an object with train and optional val)");
-  }
-
+  parse_model(&jv, root, name, job);
+  parse_data(&jv, root, job);
   const cJSON *o = NULL;
   if (mr_jv_obj(&jv, root, "", "train", &o) == 1)
     parse_train(&jv, o, job);
@@ -609,54 +663,17 @@ int mr_job_parse(const char *text, const char *name, const char *dir,
   const cJSON *rules = cJSON_GetObjectItemCaseSensitive(root, "shard_rules");
   if (rules != NULL)
     parse_shard_rules(&jv, rules, job);
-  if (mr_jv_obj(&jv, root, "", "checkpoint", &o) == 1) {
-    static const char *const ckeys[] = {"dir", "save_interval_steps", "keep_last", NULL};
-    mr_jv_only_keys(&jv, o, "checkpoint", ckeys);
-    const char *s = NULL;
-    if (mr_jv_str(&jv, o, "checkpoint", "dir", &s) == 1)
-      job->checkpoint.dir = resolve(job->dir, s);
-    mr_jv_int(&jv, o, "checkpoint", "save_interval_steps", 0, BIG,
-              &job->checkpoint.save_interval_steps);
-    mr_jv_int(&jv, o, "checkpoint", "keep_last", 1, 1000000, &job->checkpoint.keep_last);
-  }
+  if (mr_jv_obj(&jv, root, "", "checkpoint", &o) == 1)
+    parse_checkpoint(&jv, o, job);
   const char *cluster = NULL;
   if (mr_jv_str(&jv, root, "", "cluster", &cluster) == 1)
     job->cluster = resolve(job->dir, cluster);
   const cJSON *plugins = cJSON_GetObjectItemCaseSensitive(root, "plugins");
   if (plugins != NULL)
     parse_plugins(&jv, plugins, job);
-  if (mr_jv_obj(&jv, root, "", "trace", &o) == 1) {
-    static const char *const tkeys[] = {"dir", "steps", NULL};
-    mr_jv_only_keys(&jv, o, "trace", tkeys);
-    const char *s = NULL;
-    if (mr_jv_str(&jv, o, "trace", "dir", &s) == 1)
-      job->trace.dir = resolve(job->dir, s);
-    else if (cJSON_GetObjectItemCaseSensitive(o, "dir") == NULL)
-      mr_jv_error(&jv, "trace", "dir", "missing (the folder the ranks' timelines go to)");
-    if (mr_jv_str(&jv, o, "trace", "steps", &s) == 1 &&
-        mr_job_steps_range(NULL, s, job->train.steps, &job->trace.first,
-                           &job->trace.last) < 0)
-      mr_jv_error(&jv, "trace", "steps", "%s", mr_error_message());
-  }
-
-  if (jv.n_errors == 0 && job->model.family == MR_MODEL_GPT2 &&
-      job->train.seq_len > job->model.max_position_embeddings)
-    mr_jv_error(&jv, "train", "seq_len",
-                "expected at most the model's n_positions (%lld), got %lld",
-                (long long)job->model.max_position_embeddings,
-                (long long)job->train.seq_len);
-  if (jv.n_errors == 0 && mr_model_check_seq(&job->model, job->train.seq_len) < 0)
-    mr_jv_error(&jv, "train", "seq_len", "%lld: the model's %s", (long long)job->train.seq_len,
-                mr_error_message());
-  if (jv.n_errors == 0 && job->strategy.n_chunk_layers > 0) {
-    int64_t sum = 0;
-    for (int i = 0; i < job->strategy.n_chunk_layers; i++)
-      sum += job->strategy.chunk_layers[i];
-    if (sum != job->model.num_hidden_layers)
-      mr_jv_error(&jv, "strategy.pipeline_parallel", "layers",
-                  "expected counts adding up to the model's %lld layers, got %lld",
-                  (long long)job->model.num_hidden_layers, (long long)sum);
-  }
+  if (mr_jv_obj(&jv, root, "", "trace", &o) == 1)
+    parse_trace(&jv, o, job);
+  check_whole(&jv, job);
   if (jv.n_errors == 0) {
     cJSON *canon = job_to_json(job, root);
     job->text = canon ? cJSON_PrintUnformatted(canon) : NULL;
