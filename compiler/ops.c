@@ -1,5 +1,6 @@
 /* ops.c - the op registry table: inference, gradient builders, costs. */
 #include "compiler/ops.h"
+#include "compiler/spmd/rules.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -567,10 +568,10 @@ static double bytes_io(const struct mr_graph *g, const struct mr_op *op) {
 
 /* kind and name as MR_OP_LIST spells them (a test holds the two together) */
 #define ROW(kind, name, lo, hi, nout, inf, gr, fl)                           \
-  [MR_OP_##kind] = {#name, lo, hi, nout, inf, gr, fl, bytes_io, NULL, 0}
+  [MR_OP_##kind] = {#name, lo, hi, nout, inf, gr, fl, bytes_io, &mr_spmd_rule_##name, 0}
 /* an op whose kernels can add into the outputs in mask (accum_outs) */
 #define ROW_ACC(kind, name, lo, hi, nout, inf, gr, fl, mask)                 \
-  [MR_OP_##kind] = {#name, lo, hi, nout, inf, gr, fl, bytes_io, NULL, mask}
+  [MR_OP_##kind] = {#name, lo, hi, nout, inf, gr, fl, bytes_io, &mr_spmd_rule_##name, mask}
 
 static const struct mr_op_def defs[MR_OP_COUNT] = {
     ROW(EMBEDDING, embedding, 2, 2, 1, infer_embedding, grad_embedding,

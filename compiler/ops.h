@@ -1,10 +1,13 @@
 /* ops.h - the op registry: for every op kind its name, arity, shape
- * inference, gradient builder, cost (FLOPs, bytes moved) and kernels per
- * device backend, with a slot for its SPMD rule.
+ * inference, gradient builder, cost (FLOPs, bytes moved), SPMD rule and
+ * kernels per device backend.
  *
- * Adding an op means one line in MR_OP_LIST below, its row in ops.c, a
- * kernel k_<name> in each backend (bound from the list: a missing one does
- * not compile) and its SPMD rule (compiler/spmd/rules_ops.c).  Activations are 2-D [rows, features] with rows = batch *
+ * Adding an op means one line in MR_OP_LIST below, its row in ops.c (shape
+ * inference, gradient, costs and its rule, mr_spmd_rule_<name>, defined in
+ * compiler/spmd/rules_ops.c: a missing one does not link) and a kernel
+ * k_<name> in each backend (bound from the list: a missing one does not
+ * compile).  The kernels stay with their backends, which the compiler does
+ * not link; each backend binds its whole list into the row at start-up.  Activations are 2-D [rows, features] with rows = batch *
  * sequence; ops that need the sequence structure (RoPE, attention) carry the
  * sequence length and head counts as attributes.
  *
@@ -117,6 +120,8 @@ enum mr_op_kind { MR_OP_LIST(MR__OP_ENUM) MR_OP_COUNT };
 
 enum mr_backend_kind { MR_BACKEND_CPU = 0, MR_BACKEND_CUDA = 1, MR_BACKEND_COUNT };
 
+struct mr_spmd_rule;
+
 /* An inferred output: shape and dtype. */
 struct mr_shape {
   int ndim;
@@ -145,7 +150,9 @@ struct mr_op_def {
   /* Floating-point operations and bytes read + written by one execution. */
   double (*flops)(const struct mr_graph *g, const struct mr_op *op);
   double (*bytes)(const struct mr_graph *g, const struct mr_op *op);
-  void *spmd_rule;             // sharding propagation, filled by the planner
+  /* How placements propagate through the op (compiler/spmd/rules.h);
+   * NULL: none (a plugin op without one cannot be sharded). */
+  const struct mr_spmd_rule *spmd;
   /* Bit j: every backend's kernel honours mr_op.accum_out for output j
    * (adds into it).  Set for the ops producing parameter gradients, whose
    * gradient then accumulates over micro-batches in the op itself (a

@@ -2,9 +2,9 @@
  *
  * A plugin exports one function, meshrun_plugin_init, which receives a
  * table of the host's registration functions and calls them: a new op
- * kind (shape inference, gradient builder, costs), its kernels per
- * backend, its SPMD rule (the counterpart of Paddle's register_spmd_rule)
- * and, to put its op into the models meshrun builds, a pass over the
+ * kind (its row: shape inference, gradient builder, costs and SPMD rule,
+ * the counterpart of Paddle's register_spmd_rule), its kernels per
+ * backend and, to put its op into the models meshrun builds, a pass over the
  * forward graph (a fusion through graph_fuse).  The table is all a plugin
  * needs of the host, so it links against nothing of meshrun's and the host
  * exports no symbols.

@@ -38,7 +38,7 @@ static int run_op(const struct mr_dist_graph *dg, int k,
     if (sim_plan(&view[i], &dg->edges[e].plan, m) < 0)
       return -1;
   }
-  const struct mr_spmd_rule *rule = mr_spmd_rule_find(mr_op_def(op->kind)->name);
+  const struct mr_spmd_rule *rule = mr_spmd_rule_of(op->kind);
   int n = mr_mesh_size(m);
   for (int j = 0; j < op->n_out; j++) {
     struct sim_tensor *o = &vals[op->out[j]];

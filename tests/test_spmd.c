@@ -428,10 +428,19 @@ START_TEST(test_spmd_rule_reverse_every_output_placement) {
 END_TEST
 
 START_TEST(test_spmd_every_op_has_a_rule) {
-  for (int k = 0; k < MR_OP_COUNT; k++)
-    ck_assert_msg(mr_spmd_rule_find(mr_op_def(k)->name) != NULL, "%s",
-                  mr_op_def(k)->name);
+  /* in its row, named for it; one registered by name takes its place */
+  for (int k = 0; k < MR_OP_COUNT; k++) {
+    const struct mr_op_def *d = mr_op_def(k);
+    ck_assert_msg(d->spmd != NULL && strcmp(d->spmd->op, d->name) == 0, "%s", d->name);
+    ck_assert_ptr_eq(mr_spmd_rule_find(d->name), d->spmd);
+    ck_assert_ptr_eq(mr_spmd_rule_of(k), d->spmd);
+  }
   ck_assert_ptr_null(mr_spmd_rule_find("no_such_op"));
+  ck_assert_ptr_null(mr_spmd_rule_of(MR_OP_MAX_KINDS));
+  static const struct mr_spmd_rule other = {"gelu", NULL, NULL};
+  ck_assert_int_eq(mr_spmd_rule_register(&other), 0);
+  ck_assert_ptr_eq(mr_spmd_rule_of(MR_OP_GELU), &other);
+  ck_assert_ptr_eq(mr_op_def(MR_OP_GELU)->spmd, &mr_spmd_rule_gelu);
 }
 END_TEST
 

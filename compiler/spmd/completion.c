@@ -90,8 +90,7 @@ static int seed(const struct mr_graph *g, const struct mr_mesh *m,
 }
 
 static const struct mr_spmd_rule *rule_of(const struct mr_op *op) {
-  const struct mr_op_def *def = mr_op_def(op->kind);
-  return def ? mr_spmd_rule_find(def->name) : NULL;
+  return mr_spmd_rule_of(op->kind);
 }
 
 static unsigned hinted(const struct mr_graph *g, const struct mr_op *op) {

@@ -128,7 +128,7 @@ static int local_graph(struct build *b) {
   for (int k = 0; k < g->n_ops; k++) {
     struct mr_op *lo = &lg->ops[k];
     *lo = g->ops[k];
-    const struct mr_spmd_rule *rule = mr_spmd_rule_find(mr_op_def(lo->kind)->name);
+    const struct mr_spmd_rule *rule = mr_spmd_rule_of(lo->kind);
     if (rule && rule->localize)
       rule->localize(g, &g->ops[k], &L->mesh, &dg->need[k * MR_OP_MAX_IN], p->coord, lo->attr);
     for (int i = 0; i < lo->n_in; i++) {

@@ -9,13 +9,12 @@
 #include "compiler/ops.h"
 #include "compiler/spmd/reshard.h"
 
-#define MAX_RULES 128
+#define MAX_RULES 128 /* rules registered in place of a row's */
 
 static const struct mr_spmd_rule *registry[MAX_RULES];
 static int n_registry;
 
 int mr_spmd_rule_register(const struct mr_spmd_rule *r) {
-  mr__spmd_builtin_register();
   for (int i = 0; i < n_registry; i++)
     if (!strcmp(registry[i]->op, r->op)) {
       registry[i] = r;
@@ -27,12 +26,26 @@ int mr_spmd_rule_register(const struct mr_spmd_rule *r) {
   return 0;
 }
 
-const struct mr_spmd_rule *mr_spmd_rule_find(const char *op) {
-  mr__spmd_builtin_register();
+static const struct mr_spmd_rule *registered(const char *op) {
   for (int i = 0; i < n_registry; i++)
     if (!strcmp(registry[i]->op, op))
       return registry[i];
   return NULL;
+}
+
+const struct mr_spmd_rule *mr_spmd_rule_of(int kind) {
+  const struct mr_op_def *def = mr_op_def(kind);
+  if (def == NULL)
+    return NULL;
+  const struct mr_spmd_rule *r = registered(def->name);
+  return r != NULL ? r : def->spmd;
+}
+
+const struct mr_spmd_rule *mr_spmd_rule_find(const char *op) {
+  for (int k = 0; k < mr_op_count(); k++)
+    if (!strcmp(mr_op_def(k)->name, op))
+      return mr_spmd_rule_of(k);
+  return registered(op);
 }
 
 /* A choice per mesh dim: the letter it shards, or a Partial carried

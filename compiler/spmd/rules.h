@@ -15,13 +15,15 @@
  * in each input (matmul) pass it through when exactly one is.  Inputs marked
  * additive (a bias) must be Partial where the output is.
  *
- * Rules live in one registry keyed by op name; plugins add theirs with
- * mr_spmd_rule_register(). */
+ * An op's rule is in its row of the op registry (mr_op_def(kind)->spmd);
+ * mr_spmd_rule_register() puts another in its place by op name (a plugin
+ * with a better rule for a built-in op, or a version-1 plugin's own). */
 #ifndef MR_SPMD_RULES_H
 #define MR_SPMD_RULES_H
 
 #include "compiler/graph.h"
 #include "compiler/mesh.h"
+#include "compiler/ops.h"
 
 #define MR_SPMD_MAX_TENSORS 9 // MR_OP_MAX_IN + MR_OP_MAX_OUT
 
@@ -67,11 +69,16 @@ struct mr_spmd_rule {
   mr_spmd_localize_fn localize; // NULL: attributes unchanged
 };
 
-/* Registers a rule (replacing one with the same op name); the rule is
- * borrowed and must outlive its use.  Returns 0 or MR_ENOMEM. */
+/* Registers a rule in place of the row's for op r->op (replacing one
+ * registered before); the rule is borrowed and must outlive its use.
+ * Returns 0 or MR_ENOMEM. */
 int mr_spmd_rule_register(const struct mr_spmd_rule *r);
 
-/* The rule for op name, or NULL. */
+/* The rule of op kind: one registered for its name, else its row's; NULL
+ * when it has none. */
+const struct mr_spmd_rule *mr_spmd_rule_of(int kind);
+
+/* The same by op name; NULL for no such op. */
 const struct mr_spmd_rule *mr_spmd_rule_find(const char *op);
 
 /* What resharding input `slot` from src to dst would cost the caller (it
@@ -107,7 +114,10 @@ int mr_spmd_infer_reverse(const struct mr_spmd_rule *r,
                           struct mr_dist_attr *need,
                           struct mr_dist_attr *out_fixed);
 
-/* Registers the built-in rules once (called by the registry itself). */
-void mr__spmd_builtin_register(void);
+/* The built-in ops' rules, one per MR_OP_LIST entry, which their rows in
+ * compiler/ops.c name. */
+#define MR__SPMD_RULE_DECL(kind, name) extern const struct mr_spmd_rule mr_spmd_rule_##name;
+MR_OP_LIST(MR__SPMD_RULE_DECL)
+#undef MR__SPMD_RULE_DECL
 
 #endif

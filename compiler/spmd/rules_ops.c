@@ -426,39 +426,32 @@ static void xent_rows_localize(const struct mr_graph *g, const struct mr_op *op,
   attr[0] = (double)T(g, op->in[0])->shape[0]; /* the mean is over all rows */
 }
 
-static const struct mr_spmd_rule builtin[] = {
-    {"embedding", spec_embedding, embedding_localize},
-    {"embedding_bwd", spec_embedding_bwd, NULL},
-    {"matmul", spec_matmul, NULL},
-    {"bias_grad", spec_bias_grad, NULL},
-    {"add", spec_add, NULL},
-    {"rmsnorm", spec_norm, NULL},
-    {"rmsnorm_bwd", spec_norm_bwd, NULL},
-    {"layernorm", spec_norm, NULL},
-    {"layernorm_bwd", spec_norm_bwd, NULL},
-    {"rope", spec_rope, rope_localize},
-    {"swiglu", spec_pointwise, NULL},
-    {"swiglu_bwd", spec_pointwise, NULL},
-    {"gelu", spec_pointwise, NULL},
-    {"gelu_bwd", spec_pointwise, NULL},
-    {"attention", spec_attention, attention_localize},
-    {"attention_bwd", spec_attention_bwd, attention_localize},
-    {"split3", spec_split_concat, NULL},
-    {"concat3", spec_split_concat, NULL},
-    {"cross_entropy", spec_xent, xent_localize},
-    {"cross_entropy_bwd", spec_xent_bwd, xent_localize},
-    {"xent_max", spec_xent_max, NULL},
-    {"xent_sumexp", spec_xent_sumexp, xent_vocab_localize},
-    {"xent_sumexp_bwd", spec_xent_sumexp_bwd, xent_vocab_localize},
-    {"xent_finish", spec_xent_finish, xent_rows_localize},
-    {"xent_finish_bwd", spec_xent_finish_bwd, xent_rows_localize},
-};
-
-void mr__spmd_builtin_register(void) {
-  static int done;
-  if (done)
-    return;
-  done = 1; /* before registering: mr_spmd_rule_register calls back here */
-  for (size_t i = 0; i < MR_ARRAY_LEN(builtin); i++)
-    mr_spmd_rule_register(&builtin[i]);
-}
+/* every built-in op's rule, named for its row in compiler/ops.c */
+#define RULE(name, spec, localize) \
+  const struct mr_spmd_rule mr_spmd_rule_##name = {#name, spec, localize};
+RULE(embedding, spec_embedding, embedding_localize)
+RULE(embedding_bwd, spec_embedding_bwd, NULL)
+RULE(matmul, spec_matmul, NULL)
+RULE(bias_grad, spec_bias_grad, NULL)
+RULE(add, spec_add, NULL)
+RULE(rmsnorm, spec_norm, NULL)
+RULE(rmsnorm_bwd, spec_norm_bwd, NULL)
+RULE(layernorm, spec_norm, NULL)
+RULE(layernorm_bwd, spec_norm_bwd, NULL)
+RULE(rope, spec_rope, rope_localize)
+RULE(swiglu, spec_pointwise, NULL)
+RULE(swiglu_bwd, spec_pointwise, NULL)
+RULE(gelu, spec_pointwise, NULL)
+RULE(gelu_bwd, spec_pointwise, NULL)
+RULE(attention, spec_attention, attention_localize)
+RULE(attention_bwd, spec_attention_bwd, attention_localize)
+RULE(split3, spec_split_concat, NULL)
+RULE(concat3, spec_split_concat, NULL)
+RULE(cross_entropy, spec_xent, xent_localize)
+RULE(cross_entropy_bwd, spec_xent_bwd, xent_localize)
+RULE(xent_max, spec_xent_max, NULL)
+RULE(xent_sumexp, spec_xent_sumexp, xent_vocab_localize)
+RULE(xent_sumexp_bwd, spec_xent_sumexp_bwd, xent_vocab_localize)
+RULE(xent_finish, spec_xent_finish, xent_rows_localize)
+RULE(xent_finish_bwd, spec_xent_finish_bwd, xent_rows_localize)
+#undef RULE

@@ -4,14 +4,14 @@
  *   add_rmsnorm   x[N,C], r[N,C], w[C] -> s = x + r, y = rmsnorm(s) * w,
  *                 rstd[N]            a0 = eps
  *
- * It registers the op (shape inference, costs, a gradient built from the
- * registry's rmsnorm_bwd and add), its CPU kernel, its SPMD rule — rows
- * may be sharded (data or sequence parallel), the normalized dim may not,
- * so a Partial residual (after a row-parallel matmul) is all-reduced, or
- * reduce-scattered under sequence parallelism, before the fused op — and
- * a model pass that fuses each residual add feeding an rmsnorm in the
- * models meshrun builds (a job with "plugins": ["add_rmsnorm.so"] trains
- * with it on every rank).
+ * It registers the op's row (shape inference, costs, a gradient built
+ * from the registry's rmsnorm_bwd and add, and its SPMD rule: rows may be
+ * sharded, data or sequence parallel, the normalized dim may not, so a
+ * Partial residual after a row-parallel matmul is all-reduced, or
+ * reduce-scattered under sequence parallelism, before the fused op), its
+ * CPU kernel, and a model pass that fuses each residual add feeding an
+ * rmsnorm in the models meshrun builds (a job with "plugins":
+ * ["add_rmsnorm.so"] trains with it on every rank).
  *
  * Build: cc -shared -fPIC -I<meshrun> add_rmsnorm.c -o add_rmsnorm.so; it
  * uses only the table meshrun passes to meshrun_plugin_init. */
@@ -166,11 +166,12 @@ static int fuse(struct mr_graph *g) {
 
 static const struct mr_model_pass pass = {"add_rmsnorm", fuse};
 
+static const struct mr_spmd_rule rule = {"add_rmsnorm", spec, NULL};
+
+/* the op's one row: shape inference, gradient, costs and rule */
 static const struct mr_op_def def = {
     .name = "add_rmsnorm", .n_in_min = 3, .n_in_max = 3, .n_out = 3,
-    .infer = infer, .grad = grad, .flops = flops, .bytes = bytes};
-
-static const struct mr_spmd_rule rule = {"add_rmsnorm", spec, NULL};
+    .infer = infer, .grad = grad, .flops = flops, .bytes = bytes, .spmd = &rule};
 
 int meshrun_plugin_init(const struct mr_plugin_api *api) {
   if (api->version < MR_PLUGIN_API_VERSION)
@@ -183,6 +184,5 @@ int meshrun_plugin_init(const struct mr_plugin_api *api) {
   if (kind < 0)
     return kind;
   api->op_set_kernel(kind, MR_BACKEND_CPU, kernel);
-  int rc = api->spmd_rule_register(&rule);
-  return rc < 0 ? rc : api->pass_register(&pass);
+  return api->pass_register(&pass);
 }
