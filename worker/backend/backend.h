@@ -22,7 +22,14 @@
 struct mr_backend;
 struct mr_stream;
 struct mr_event;
-struct mr_adamw; // worker/backend/cpu/kernels.h: AdamW hyper-parameters
+/* AdamW's hyper-parameters, as every backend's adamw takes them. */
+struct mr_adamw {
+  float lr;            // 1e-3
+  float beta1, beta2;  // 0.9, 0.999
+  float eps;           // 1e-8
+  float weight_decay;  // 0.01 (decoupled, torch.optim.AdamW)
+  float grad_scale;    // multiplies g before use (1/loss_scale * clip); 1
+};
 
 enum mr_copy_kind {
   MR_COPY_HOST_TO_DEVICE = 0,

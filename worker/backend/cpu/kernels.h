@@ -45,6 +45,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "worker/backend/backend.h"
 #include "worker/backend/cpu/pool.h"
 
 /* ---- matmuls ----------------------------------------------------------- */
@@ -237,13 +238,7 @@ int mr_cpu_xent_bwd(struct mr_pool *pool, float *dlogits, const float *logits,
 
 /* ---- optimizer ---------------------------------------------------------- */
 
-struct mr_adamw {
-  float lr;            // 1e-3
-  float beta1, beta2;  // 0.9, 0.999
-  float eps;           // 1e-8
-  float weight_decay;  // 0.01 (decoupled, torch.optim.AdamW)
-  float grad_scale;    // multiplies g before use (1/loss_scale * clip); 1
-};
+/* struct mr_adamw: the hyper-parameters, in worker/backend/backend.h */
 
 /* torch.optim.AdamW defaults. */
 struct mr_adamw mr_adamw_defaults(void);
