@@ -839,26 +839,24 @@ static void close_walk(uv_handle_t *h, void *arg) {
     uv_close(h, NULL);
 }
 
-int mr_coordinator_run(const struct mr_launch_opts *opts) {
-  struct coordinator *co = calloc(1, sizeof *co);
-  if (co == NULL)
-    return 1;
+/* The coordinator's state before its loop: the group's nodes, the plan,
+ * the job's token and id.  Returns 0 or -1 (logged). */
+static int coordinator_init(struct coordinator *co, const struct mr_launch_opts *opts) {
   co->opts = opts;
   co->token_fd = -1;
   co->sock_lock_fd = -1;
   co->failed_rank = -1;
   co->last_ckpt_step = -1;
   co->predicted_s = opts->predicted_step_s;
-  int code = 1;
   if (mr_auth_init() < 0)
-    goto out;
+    return -1;
   co->nnodes = opts->nnodes > 1 ? opts->nnodes : 1;
   co->node_ranks = opts->node_ranks > 0 ? opts->node_ranks : opts->nproc;
   co->agents = calloc((size_t)co->nnodes, sizeof *co->agents);
   co->group_nodes = calloc((size_t)co->nnodes, sizeof *co->group_nodes);
   co->left_out = calloc((size_t)co->nnodes, 1);
   if (co->agents == NULL || co->group_nodes == NULL || co->left_out == NULL)
-    goto out;
+    return -1;
   co->world = opts->nproc; /* the launch planned for every node */
   co->n_group_nodes = co->nnodes;
   for (int k = 0; k < co->nnodes; k++)
@@ -866,17 +864,18 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   use_launch_plan(co);
   if (make_token(co) < 0) {
     MR_ERROR("launch", "%s", mr_error_message());
-    goto out;
+    return -1;
   }
   uint8_t id[8];
   mr_auth_random(id, sizeof id);
   sodium_bin2hex(co->job_id, sizeof co->job_id, id, sizeof id);
-  uv_loop_init(&co->loop);
-  if (listen_all(co) < 0 || (co->token_fd = mr_auth_token_memfd(co->token)) < 0 ||
-      write_coordinator_file(co) < 0) {
-    MR_ERROR("launch", "%s", mr_error_message());
-    goto close_loop;
-  }
+  return 0;
+}
+
+/* The run's records: metrics.jsonl (required), TensorBoard's scalars and
+ * the run log (a run without them trains on).  Returns 0 or -1 (logged). */
+static int open_records(struct coordinator *co) {
+  const struct mr_launch_opts *opts = co->opts;
   const char *mpath = opts->metrics_path;
   char mbuf[1024];
   if (mpath == NULL && !opts->selfcheck) {
@@ -886,21 +885,20 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   int64_t tb_written = mpath != NULL ? mr_tb_written(opts->log_dir, mpath) : 0;
   if (mpath != NULL && (co->metrics = fopen(mpath, "a")) == NULL) {
     MR_ERROR("launch", "metrics file %s: %s", mpath, strerror(errno));
-    goto close_loop;
+    return -1;
   }
-  /* TensorBoard's view of the same records; a run without one trains on */
   if (mpath != NULL && mr_tb_open(opts->log_dir, tb_written, &co->tb) < 0)
     MR_WARN("launch", "%s: no TensorBoard scalars for this run", mr_error_message());
-  /* what happens to the run, for `meshrun report`; likewise */
+  /* what happens to the run, for `meshrun report` */
   if (!opts->selfcheck && mr_run_log_open(opts->log_dir, &co->run_log) < 0)
     MR_WARN("launch", "%s: no record of the run's plan, failures and restarts",
             mr_error_message());
   mr_run_log_start(co->run_log, co->job_id, opts->nproc, co->nnodes, opts->max_restarts);
-  if (mr_ranks_init(&co->ranks, &co->loop, opts->nproc, co->node_ranks, 0, opts->log_dir, co,
-                    on_rank_exit) < 0) {
-    MR_ERROR("launch", "%s", mr_error_message());
-    goto close_loop;
-  }
+  return 0;
+}
+
+/* The loop's handles: signals and the 20 ms tick. */
+static void start_handles(struct coordinator *co) {
   uv_signal_init(&co->loop, &co->sigint);
   uv_signal_init(&co->loop, &co->sigterm);
   co->sigint.data = co->sigterm.data = co;
@@ -912,17 +910,10 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
   uv_timer_init(&co->loop, &co->tick);
   co->tick.data = co;
   uv_timer_start(&co->tick, on_tick, 20, 20);
-  MR_INFO("launch", "job %s: %d ranks%s, logs in %s, coordinator on unix:%s and tcp:%s:%d",
-          co->job_id, opts->nproc, co->nnodes > 1 ? " on several nodes" : "", opts->log_dir,
-          co->unix_path, co->master_addr, co->master_port);
-  start_group(co);
-  co->last_tick_ms = mr_clock_ms();
-  uv_run(&co->loop, UV_RUN_DEFAULT);
-  code = co->exit_code;
-  mr_ranks_close(&co->ranks);
-  uv_run(&co->loop, UV_RUN_DEFAULT);
-  mr_shm_sweep(co->job_id);
-close_loop:
+}
+
+/* Everything the loop and the records hold, the loop closed last. */
+static void close_loop(struct coordinator *co) {
   rendezvous_clear(co);
   mr__co_pending_clear(co);
   if (co->metrics != NULL)
@@ -936,7 +927,9 @@ close_loop:
   uv_walk(&co->loop, close_walk, NULL);
   uv_run(&co->loop, UV_RUN_DEFAULT);
   uv_loop_close(&co->loop);
-out:
+}
+
+static void coordinator_free(struct coordinator *co) {
   sodium_memzero(co->token, sizeof co->token);
   mr_split_close(&co->split);
   free(co->balanced_text), free(co->balanced_digests);
@@ -946,5 +939,40 @@ out:
   free(co->group_nodes);
   free(co->agents);
   free(co);
+}
+
+int mr_coordinator_run(const struct mr_launch_opts *opts) {
+  struct coordinator *co = calloc(1, sizeof *co);
+  if (co == NULL)
+    return 1;
+  int code = 1;
+  if (coordinator_init(co, opts) < 0) {
+    coordinator_free(co);
+    return 1;
+  }
+  uv_loop_init(&co->loop);
+  if (listen_all(co) < 0 || (co->token_fd = mr_auth_token_memfd(co->token)) < 0 ||
+      write_coordinator_file(co) < 0) {
+    MR_ERROR("launch", "%s", mr_error_message());
+  } else if (open_records(co) == 0) {
+    if (mr_ranks_init(&co->ranks, &co->loop, opts->nproc, co->node_ranks, 0, opts->log_dir, co,
+                      on_rank_exit) < 0) {
+      MR_ERROR("launch", "%s", mr_error_message());
+    } else {
+      start_handles(co);
+      MR_INFO("launch", "job %s: %d ranks%s, logs in %s, coordinator on unix:%s and tcp:%s:%d",
+              co->job_id, opts->nproc, co->nnodes > 1 ? " on several nodes" : "",
+              opts->log_dir, co->unix_path, co->master_addr, co->master_port);
+      start_group(co);
+      co->last_tick_ms = mr_clock_ms();
+      uv_run(&co->loop, UV_RUN_DEFAULT);
+      code = co->exit_code;
+      mr_ranks_close(&co->ranks);
+      uv_run(&co->loop, UV_RUN_DEFAULT);
+      mr_shm_sweep(co->job_id);
+    }
+  }
+  close_loop(co);
+  coordinator_free(co);
   return code;
 }
