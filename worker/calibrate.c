@@ -252,6 +252,120 @@ static void set_str(cJSON *o, const char *key, const char *v) {
   cJSON_AddStringToObject(o, key, v);
 }
 
+/* What one core computes and moves. */
+struct core_rates {
+  double peak;            // FMA loop, FLOP/s
+  double big, small;      // fp32 GEMM at 1024^3 and 2048x128x128
+  double big_bf16, small_bf16; // the same in bf16 (0: no AVX512_BF16)
+  double e, g;            // the matmul efficiency model: e / (1 + g·S)
+  double bw;              // memcpy, bytes/s
+};
+
+/* Measures one core; check is the base spec (its peak where the FMA loop
+ * cannot run). */
+static int measure_core(const struct mr_cluster *check, int quiet, struct core_rates *r) {
+  memset(r, 0, sizeof *r);
+  if (!quiet)
+    fprintf(stderr, "meshrun calibrate: FMA peak, matmul, memcpy (one core)...\n");
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) /* the kernels' own sgemm uses it */
+    r->peak = fma_peak_512();
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    r->peak = fma_peak();
+#endif
+  struct mr_pool *pool = NULL;
+  int rc = mr_pool_new(1, &pool);
+  if (rc == 0)
+    rc = gemm_rate(pool, false, 1024, 1024, 1024, &r->big);
+  if (rc == 0)
+    rc = gemm_rate(pool, false, 2048, 128, 128, &r->small);
+  if (rc == 0 && mr_cpu_has_bf16_gemm()) {
+    rc = gemm_rate(pool, true, 1024, 1024, 1024, &r->big_bf16);
+    if (rc == 0)
+      rc = gemm_rate(pool, true, 2048, 128, 128, &r->small_bf16);
+  }
+  mr_pool_free(pool);
+  MR_TRY(rc);
+  if (!(r->peak > r->big))
+    r->peak = check->peak_flops[MR_AMP_FP32];
+  /* eff = e / (1 + g·S), S = 1/M + 1/N + 1/K, from the two shapes. */
+  double s_big = 3.0 / 1024, s_small = 1.0 / 2048 + 2.0 / 128;
+  r->g = (r->big - r->small) / (r->small * s_small - r->big * s_big);
+  if (!(r->g > 0) || r->g > 1e5)
+    r->g = 0;
+  r->e = r->big * (1 + r->g * s_big) / r->peak;
+  if (r->e > 1)
+    r->e = 1;
+  r->bw = memcpy_bandwidth();
+  return 0;
+}
+
+/* The spec's device: its name, peaks, matmul model, memory. */
+static void write_device(cJSON *spec, const struct core_rates *r, long ranks) {
+  char src[4096 + 512];
+  cJSON *dev = num_obj(spec, "device");
+  char block[16384], model[240], cpu[256];
+  mr_cpuinfo_block(block, sizeof block);
+  mr_cpuinfo_value(block, "model name", model, sizeof model);
+  snprintf(cpu, sizeof cpu, "%s core", model[0] ? model : "CPU"); /* "AMD EPYC core" */
+  set_str(dev, "name", cpu);
+  cJSON *pf = num_obj(dev, "peak_flops");
+  /* one matmul efficiency for every type: bf16's peak is fp32's scaled
+   * by the two kernels' measured rates */
+  double ratio = r->big_bf16 > r->big && r->small_bf16 > 0
+                     ? sqrt(r->big_bf16 / r->big * r->small_bf16 / r->small)
+                     : 1;
+  set_num(pf, "fp32", r->peak);
+  set_num(pf, "bf16", r->peak * (ratio > 1 ? ratio : 1));
+  set_num(pf, "fp16", r->peak);
+  if (ratio > 1)
+    snprintf(src, sizeof src, "FMA loop, 12 chains of 16-wide (AVX-512) fused multiply-adds, "
+             "one core; bf16: that times the AVX512_BF16 matmul's rate over fp32's, the "
+             "geometric mean of 1024^3 (%.1f / %.1f GFLOP/s) and 2048x128x128 (%.1f / %.1f); "
+             "fp16 computes in fp32", r->big_bf16 / 1e9, r->big / 1e9, r->small_bf16 / 1e9,
+             r->small / 1e9);
+  else
+    snprintf(src, sizeof src, "FMA loop, 12 chains of 16-wide (AVX-512) or 8-wide (AVX2) "
+             "fused multiply-adds, one core; 16-bit types compute in fp32");
+  set_str(pf, "source", src);
+  long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+  set_num(dev, "matmul_efficiency", r->e);
+  set_num(dev, "gemm_half_dim", r->g);
+  set_num(dev, "memory_bytes", (double)pages * (double)psz / (double)ranks);
+  set_num(dev, "memory_bandwidth", r->bw);
+  snprintf(src, sizeof src, "mr_cpu_gemm one thread: %.1f GFLOP/s at 1024^3, %.1f at "
+           "2048x128x128; memcpy 128 MiB %.2f GB/s; physical memory / ranks",
+           r->big / 1e9, r->small / 1e9, r->bw / 1e9);
+  set_str(dev, "source", src);
+}
+
+/* The spec's links: the ranks' AllReduce fitted to α–β (small ≈ 2(n−1)α;
+ * large = 2(n−1)α + 2(n−1)/n·S/β), and the host, which is the device. */
+static void write_links(cJSON *spec, const struct comm_result *cr, int world, double bw) {
+  double n = world, S = 16.0 * 1048576;
+  double alpha = cr->small_s / (2 * (n - 1));
+  double beta = 2 * (n - 1) / n * S / (cr->large_s - 2 * (n - 1) * alpha);
+  if (!(beta > 0))
+    beta = 2 * (n - 1) / n * S / cr->large_s;
+  char src[512];
+  cJSON *in = num_obj(spec, "intra_node");
+  set_num(in, "bus_bandwidth", beta);
+  set_num(in, "latency", alpha);
+  snprintf(src, sizeof src, "CPU comm backend AllReduce, %d ranks: 4 KiB in %.2f us, "
+           "16 MiB in %.2f ms", world, cr->small_s * 1e6, cr->large_s * 1e3);
+  set_str(in, "source", src);
+  cJSON *host = num_obj(spec, "host");
+  set_num(host, "link_bandwidth", bw);
+  set_num(host, "memory_bandwidth", bw);
+  cJSON_DeleteItemFromObjectCaseSensitive(host, "is_device");
+  cJSON_AddBoolToObject(host, "is_device", 1);
+  set_str(host, "source", "the host is the device: memcpy bandwidth; offload frees no memory");
+}
+
+/* The base spec (a shipped name or a file) with this machine's
+ * measurements in place: one core's compute and copies, `ranks` ranks'
+ * AllReduce; checked by the spec parser before it is returned. */
 int mr_calibrate_spec(long ranks, const char *base, int quiet, char **text) {
   *text = NULL;
   if (ranks < 1)
@@ -262,69 +376,21 @@ int mr_calibrate_spec(long ranks, const char *base, int quiet, char **text) {
   cJSON *spec = NULL;
   MR_TRY(mr_json_load(base_path, &spec));
   struct mr_cluster check;
-  int rc = mr_cluster_parse(spec, base_path, &check);
-  if (rc < 0) {
-    cJSON_Delete(spec);
-    return rc;
-  }
-
-  if (!quiet)
-    fprintf(stderr, "meshrun calibrate: FMA peak, matmul, memcpy (one core)...\n");
-  double peak = 0;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) /* the kernels' own sgemm uses it */
-    peak = fma_peak_512();
-  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    peak = fma_peak();
-#endif
-  struct mr_pool *pool = NULL;
-  rc = mr_pool_new(1, &pool);
-  double big = 0, small = 0, big_bf16 = 0, small_bf16 = 0;
-  if (rc == 0)
-    rc = gemm_rate(pool, false, 1024, 1024, 1024, &big);
-  if (rc == 0)
-    rc = gemm_rate(pool, false, 2048, 128, 128, &small);
-  if (rc == 0 && mr_cpu_has_bf16_gemm()) {
-    rc = gemm_rate(pool, true, 1024, 1024, 1024, &big_bf16);
-    if (rc == 0)
-      rc = gemm_rate(pool, true, 2048, 128, 128, &small_bf16);
-  }
-  mr_pool_free(pool);
-  if (rc < 0) {
-    cJSON_Delete(spec);
-    return rc;
-  }
-  if (!(peak > big))
-    peak = check.peak_flops[MR_AMP_FP32];
-  /* eff = e / (1 + g·S), S = 1/M + 1/N + 1/K, from the two shapes. */
-  double s_big = 3.0 / 1024, s_small = 1.0 / 2048 + 2.0 / 128;
-  double g = (big - small) / (small * s_small - big * s_big);
-  if (!(g > 0) || g > 1e5)
-    g = 0;
-  double e = big * (1 + g * s_big) / peak;
-  if (e > 1)
-    e = 1;
-  double bw = memcpy_bandwidth();
-  if (!quiet)
-    fprintf(stderr, "meshrun calibrate: AllReduce over %ld ranks (CPU comm backend)...\n",
-            ranks);
+  struct core_rates r;
   struct comm_result cr = {0, 0, 0};
   int world = ranks < 2 ? 2 : (int)ranks;
-  rc = measure_comm(world, &cr);
+  int rc = mr_cluster_parse(spec, base_path, &check);
+  if (rc == 0)
+    rc = measure_core(&check, quiet, &r);
+  if (rc == 0 && !quiet)
+    fprintf(stderr, "meshrun calibrate: AllReduce over %ld ranks (CPU comm backend)...\n",
+            ranks);
+  if (rc == 0)
+    rc = measure_comm(world, &cr);
   if (rc < 0) {
     cJSON_Delete(spec);
     return rc;
   }
-  /* α–β: small ≈ 2(n−1)α; large = 2(n−1)α + 2(n−1)/n·S/β */
-  double n = world, S = 16.0 * 1048576;
-  double alpha = cr.small_s / (2 * (n - 1));
-  double beta = 2 * (n - 1) / n * S / (cr.large_s - 2 * (n - 1) * alpha);
-  if (!(beta > 0))
-    beta = 2 * (n - 1) / n * S / cr.large_s;
-  long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-  double mem = (double)pages * (double)psz / (double)ranks;
-
   char when[64], src[4096 + 512];
   time_t now = time(NULL);
   strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", gmtime(&now));
@@ -334,49 +400,8 @@ int mr_calibrate_spec(long ranks, const char *base, int quiet, char **text) {
   snprintf(src, sizeof src, "measured by meshrun calibrate on %s, %ld ranks; inter_node "
            "and reserved_bytes from %s", when, ranks, base_path);
   set_str(spec, "source", src);
-  cJSON *dev = num_obj(spec, "device");
-  char block[16384], model[240], cpu[256];
-  mr_cpuinfo_block(block, sizeof block);
-  mr_cpuinfo_value(block, "model name", model, sizeof model);
-  snprintf(cpu, sizeof cpu, "%s core", model[0] ? model : "CPU"); /* "AMD EPYC core" */
-  set_str(dev, "name", cpu);
-  cJSON *pf = num_obj(dev, "peak_flops");
-  /* one matmul efficiency for every type: bf16's peak is fp32's scaled
-   * by the two kernels' measured rates */
-  double ratio = big_bf16 > big && small_bf16 > 0 ? sqrt(big_bf16 / big * small_bf16 / small) : 1;
-  set_num(pf, "fp32", peak);
-  set_num(pf, "bf16", peak * (ratio > 1 ? ratio : 1));
-  set_num(pf, "fp16", peak);
-  if (ratio > 1)
-    snprintf(src, sizeof src, "FMA loop, 12 chains of 16-wide (AVX-512) fused multiply-adds, "
-             "one core; bf16: that times the AVX512_BF16 matmul's rate over fp32's, the "
-             "geometric mean of 1024^3 (%.1f / %.1f GFLOP/s) and 2048x128x128 (%.1f / %.1f); "
-             "fp16 computes in fp32", big_bf16 / 1e9, big / 1e9, small_bf16 / 1e9, small / 1e9);
-  else
-    snprintf(src, sizeof src, "FMA loop, 12 chains of 16-wide (AVX-512) or 8-wide (AVX2) "
-             "fused multiply-adds, one core; 16-bit types compute in fp32");
-  set_str(pf, "source", src);
-  set_num(dev, "matmul_efficiency", e);
-  set_num(dev, "gemm_half_dim", g);
-  set_num(dev, "memory_bytes", mem);
-  set_num(dev, "memory_bandwidth", bw);
-  snprintf(src, sizeof src, "mr_cpu_gemm one thread: %.1f GFLOP/s at 1024^3, %.1f at "
-           "2048x128x128; memcpy 128 MiB %.2f GB/s; physical memory / ranks",
-           big / 1e9, small / 1e9, bw / 1e9);
-  set_str(dev, "source", src);
-  cJSON *in = num_obj(spec, "intra_node");
-  set_num(in, "bus_bandwidth", beta);
-  set_num(in, "latency", alpha);
-  snprintf(src, sizeof src, "CPU comm backend AllReduce, %d ranks: 4 KiB in %.2f us, "
-           "16 MiB in %.2f ms", world, cr.small_s * 1e6, cr.large_s * 1e3);
-  set_str(in, "source", src);
-  cJSON *host = num_obj(spec, "host");
-  set_num(host, "link_bandwidth", bw);
-  set_num(host, "memory_bandwidth", bw);
-  cJSON_DeleteItemFromObjectCaseSensitive(host, "is_device");
-  cJSON_AddBoolToObject(host, "is_device", 1);
-  set_str(host, "source", "the host is the device: memcpy bandwidth; offload frees no memory");
-
+  write_device(spec, &r, ranks);
+  write_links(spec, &cr, world, r.bw);
   struct mr_cluster parsed;
   rc = mr_cluster_parse(spec, "calibrated spec", &parsed);
   if (rc < 0) {
