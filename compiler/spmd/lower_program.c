@@ -585,6 +585,78 @@ static void emit_step(struct build *b, enum mr_ins_kind k) {
     mr__lower_events_of(b, x, &b->p->scratch_bytes);
 }
 
+/* After the step's passes: the gradient syncs waited, the optimizer,
+ * tied parameters made equal again, the step's end. */
+static void emit_step_tail(struct build *b) {
+  const struct mr_rank_program *p = b->p;
+  emit_step(b, MR_INS_SYNC_WAIT);
+  emit_step(b, MR_INS_OPTIMIZER);
+  int tied = 0;
+  for (int i = 0; i < p->n_params; i++)
+    tied |= p->params[i].replica_of >= 0 || p->params[i].n_replicas > 0;
+  if (tied)
+    emit_step(b, MR_INS_PARAM_SYNC);
+  emit_step(b, MR_INS_STEP_END);
+}
+
+/* An evaluation batch: the forward passes fpass[], micro-batch outer,
+ * chunks inner, with their communication and the loss's. */
+static int plan_eval(struct build *b, const int *fpass) {
+  struct mr_rank_program *p = b->p;
+  const struct mr_layout *lay = &b->L->lay;
+  p->eval_passes = malloc((size_t)(lay->n_micro * lay->vp) * sizeof *p->eval_passes);
+  p->eval_micro = malloc((size_t)(lay->n_micro * lay->vp) * sizeof *p->eval_micro);
+  if (!p->eval_passes || !p->eval_micro)
+    return MR_ENOMEM;
+  for (int m = 0; m < lay->n_micro; m++)
+    for (int j = 0; j < lay->vp; j++) {
+      p->eval_passes[p->n_eval] = fpass[j];
+      p->eval_micro[p->n_eval++] = m;
+      const struct mr_pass *ps = &p->passes[fpass[j]];
+      for (int i = ps->first; i < ps->first + ps->n && b->rc == 0; i++) {
+        struct mr_ins in = p->tmpl[i];
+        in.micro = m;
+        in.slot = 0;
+        mr__lower_events_of(b, &in, &p->scratch_bytes);
+      }
+    }
+  mr__lower_loss_events(b, NULL);
+  if (lay->pp > 1)
+    mr__lower_add_event(b, NULL, MR_CEV_BROADCAST, &p->pipe_group, -1, 1, MR_F32, lay->pp - 1,
+                        -1, "the evaluation loss");
+  return 0;
+}
+
+/* The staging buffers the optimizer's collectives need: ZeRO-2/3's
+ * reduce-scatter landing blocks (one per parameter, and each phantom
+ * slot's apart), an off-data gradient's stage, ZeRO-1's all-gather block. */
+static void size_staging(struct mr_rank_program *p, const struct mr_layout *lay) {
+  p->scratch_bytes = ALIGNED(p->scratch_bytes * 4);
+  if (lay->zero >= 2) {
+    int64_t z = 0, pad = 0;
+    for (int i = 0; i < p->n_params; i++) {
+      p->params[i].zero_tmp_offset = z;
+      z += ALIGNED(p->params[i].block * 4);
+      if (ALIGNED(p->params[i].block * lay->dp * 4) > pad)
+        pad = ALIGNED(p->params[i].block * lay->dp * 4);
+    }
+    p->zero_landing_bytes = p->zero_tmp_bytes = z;
+    if (p->n_slots > p->n_micro) /* each phantom's blocks land apart; the zeros they send */
+      p->zero_tmp_bytes += (p->n_slots - p->n_micro) * z + pad;
+  }
+  for (int i = 0; i < p->n_params; i++) {
+    struct mr_param_plan *pp = &p->params[i];
+    int64_t need = pp->block * lay->dp > pp->numel ? pp->block * lay->dp : pp->numel;
+    if (pp->off_data && ALIGNED(need * 4) > p->grad_stage_bytes)
+      p->grad_stage_bytes = ALIGNED(need * 4);
+  }
+  if (lay->zero == 1) { /* the block an all-gather sends */
+    for (int i = 0; i < p->n_params; i++)
+      if (ALIGNED(p->params[i].block * 4) > p->zero_tmp_bytes)
+        p->zero_tmp_bytes = ALIGNED(p->params[i].block * 4);
+  }
+}
+
 int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_program *p) {
   memset(p, 0, sizeof *p);
   struct build b = {.p = p, .L = L, .g = &L->model.graph};
@@ -651,62 +723,10 @@ int mr_rank_program_build(const struct mr_lowered *L, int rank, struct mr_rank_p
   MR_TRY_GOTO(rc, mr__lower_plan_buffers(&b), out);
   for (int i = 0; i < ns && b.rc == 0; i++)
     expand(&b, sp[i], sm[i]);
-  emit_step(&b, MR_INS_SYNC_WAIT);
-  emit_step(&b, MR_INS_OPTIMIZER);
-  int tied = 0;
-  for (int i = 0; i < p->n_params; i++)
-    tied |= p->params[i].replica_of >= 0 || p->params[i].n_replicas > 0;
-  if (tied)
-    emit_step(&b, MR_INS_PARAM_SYNC);
-  emit_step(&b, MR_INS_STEP_END);
+  emit_step_tail(&b);
   p->n_ev_step = p->n_ev;
-  /* an evaluation batch: forward passes, micro-batch outer, chunks inner */
-  p->eval_passes = malloc((size_t)(lay->n_micro * lay->vp) * sizeof *p->eval_passes);
-  p->eval_micro = malloc((size_t)(lay->n_micro * lay->vp) * sizeof *p->eval_micro);
-  if (!p->eval_passes || !p->eval_micro) {
-    rc = MR_ENOMEM;
-    goto out;
-  }
-  for (int m = 0; m < lay->n_micro; m++)
-    for (int j = 0; j < lay->vp; j++) {
-      p->eval_passes[p->n_eval] = fpass[j];
-      p->eval_micro[p->n_eval++] = m;
-      const struct mr_pass *ps = &p->passes[fpass[j]];
-      for (int i = ps->first; i < ps->first + ps->n && b.rc == 0; i++) {
-        struct mr_ins in = p->tmpl[i];
-        in.micro = m;
-        in.slot = 0;
-        mr__lower_events_of(&b, &in, &p->scratch_bytes);
-      }
-    }
-  mr__lower_loss_events(&b, NULL);
-  if (lay->pp > 1)
-    mr__lower_add_event(&b, NULL, MR_CEV_BROADCAST, &p->pipe_group, -1, 1, MR_F32, lay->pp - 1, -1,
-              "the evaluation loss");
-  p->scratch_bytes = ALIGNED(p->scratch_bytes * 4);
-  if (lay->zero >= 2) { /* reduce-scatter landing blocks, one per parameter */
-    int64_t z = 0, pad = 0;
-    for (int i = 0; i < p->n_params; i++) {
-      p->params[i].zero_tmp_offset = z;
-      z += ALIGNED(p->params[i].block * 4);
-      if (ALIGNED(p->params[i].block * lay->dp * 4) > pad)
-        pad = ALIGNED(p->params[i].block * lay->dp * 4);
-    }
-    p->zero_landing_bytes = p->zero_tmp_bytes = z;
-    if (p->n_slots > p->n_micro) /* each phantom's blocks land apart; the zeros they send */
-      p->zero_tmp_bytes += (p->n_slots - p->n_micro) * z + pad;
-  }
-  for (int i = 0; i < p->n_params; i++) {
-    struct mr_param_plan *pp = &p->params[i];
-    int64_t need = pp->block * lay->dp > pp->numel ? pp->block * lay->dp : pp->numel;
-    if (pp->off_data && ALIGNED(need * 4) > p->grad_stage_bytes)
-      p->grad_stage_bytes = ALIGNED(need * 4);
-  }
-  if (lay->zero == 1) { /* the block an all-gather sends */
-    for (int i = 0; i < p->n_params; i++)
-      if (ALIGNED(p->params[i].block * 4) > p->zero_tmp_bytes)
-        p->zero_tmp_bytes = ALIGNED(p->params[i].block * 4);
-  }
+  MR_TRY_GOTO(rc, plan_eval(&b, fpass), out);
+  size_staging(p, lay);
   rc = b.rc;
   for (int i = 0; i < p->n_step && rc == 0; i++) /* events name their instruction */
     for (int e = p->step[i].ev; e >= 0 && e < p->step[i].ev + p->step[i].n_ev; e++)
