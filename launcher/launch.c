@@ -179,6 +179,89 @@ struct launch_args {
 };
 
 /* The flags into a; returns -1 to go on, else the exit code (0: --help). */
+/* One recognized flag c with its argument into a; returns -1, or 2 on a
+ * bad value (said); 0 when c is none of them. */
+static int take_flag(int c, const char *arg, struct launch_args *a) {
+  switch (c) {
+  case 'n':
+    if (mr_cli_int("launch", "--nproc", arg, 1, 100000, &a->nproc) < 0)
+      return 2;
+    break;
+  case 'D':
+    a->devices_spec = arg;
+    break;
+  case 'V':
+    if (strcmp(arg, "cpu") != 0 && strcmp(arg, "cuda") != 0) {
+      fprintf(stderr, "meshrun launch: --device \"%s\": expected cpu or cuda\n", arg);
+      return 2;
+    }
+    a->device = arg;
+    break;
+  case 't':
+    if (mr_cli_int("launch", "--threads", arg, 1, 4096, &a->threads) < 0)
+      return 2;
+    break;
+  case 'r':
+    if (mr_cli_int("launch", "--max-restarts", arg, 0, 1000000, &a->restarts) < 0)
+      return 2;
+    break;
+  case 'l':
+    a->log_dir = arg;
+    break;
+  case 'm':
+    a->metrics = arg;
+    break;
+  case 'h':
+    if (mr_cli_num("launch", "--heartbeat-timeout", arg, 0.05, 1e6, &a->hb) < 0)
+      return 2;
+    break;
+  case 'b':
+    a->bind = arg;
+    break;
+  case 'H':
+    if (mr_cli_num("launch", "--hang-timeout", arg, 0, 1e7, &a->hang) < 0)
+      return 2;
+    break;
+  case 's':
+    a->selfcheck = 1;
+    break;
+  case 'N': { /* N, or MIN:MAX (elastic) */
+    char lo[32];
+    const char *colon = strchr(arg, ':');
+    snprintf(lo, sizeof lo, "%.*s", colon ? (int)(colon - arg) : (int)strlen(arg), arg);
+    if (mr_cli_int("launch", "--nnodes", colon ? colon + 1 : arg, 1, 100000, &a->nnodes) < 0 ||
+        mr_cli_int("launch", "--nnodes", lo, 1, a->nnodes, &a->min_nodes) < 0)
+      return 2;
+    a->nnodes_given = 1;
+    break;
+  }
+  case 'K':
+    if (mr_cli_int("launch", "--node-rank", arg, 0, 99999, &a->node_rank) < 0)
+      return 2;
+    a->rank_given = 1;
+    break;
+  case 'M':
+    a->master = arg;
+    break;
+  case 'T':
+    a->token_file = arg;
+    break;
+  case 'J':
+    if (mr_cli_num("launch", "--join-timeout", arg, 0.1, 1e7, &a->join_timeout) < 0)
+      return 2;
+    break;
+  case 'P':
+    a->trace_dir = arg;
+    break;
+  case 'Q':
+    a->trace_steps = arg;
+    break;
+  default:
+    return 0;
+  }
+  return -1;
+}
+
 static int parse_flags(int argc, char **argv, struct launch_args *a) {
   static const struct option longopts[] = {
       {"nproc", required_argument, NULL, 'n'},
@@ -205,90 +288,19 @@ static int parse_flags(int argc, char **argv, struct launch_args *a) {
   opterr = 0;
   int c;
   while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
-    switch (c) {
-    case 'n':
-      if (mr_cli_int("launch", "--nproc", optarg, 1, 100000, &a->nproc) < 0)
+    int got = take_flag(c, optarg, a);
+    if (got != 0) {
+      if (got == 2)
         return 2;
-      break;
-    case 'D':
-      a->devices_spec = optarg;
-      break;
-    case 'V':
-      if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "cuda") != 0) {
-        fprintf(stderr, "meshrun launch: --device \"%s\": expected cpu or cuda\n", optarg);
-        return 2;
-      }
-      a->device = optarg;
-      break;
-    case 't':
-      if (mr_cli_int("launch", "--threads", optarg, 1, 4096, &a->threads) < 0)
-        return 2;
-      break;
-    case 'r':
-      if (mr_cli_int("launch", "--max-restarts", optarg, 0, 1000000, &a->restarts) < 0)
-        return 2;
-      break;
-    case 'l':
-      a->log_dir = optarg;
-      break;
-    case 'm':
-      a->metrics = optarg;
-      break;
-    case 'h':
-      if (mr_cli_num("launch", "--heartbeat-timeout", optarg, 0.05, 1e6, &a->hb) < 0)
-        return 2;
-      break;
-    case 'b':
-      a->bind = optarg;
-      break;
-    case 'H':
-      if (mr_cli_num("launch", "--hang-timeout", optarg, 0, 1e7, &a->hang) < 0)
-        return 2;
-      break;
-    case 's':
-      a->selfcheck = 1;
-      break;
-    case 'N': { /* N, or MIN:MAX (elastic) */
-      char lo[32];
-      const char *colon = strchr(optarg, ':');
-      snprintf(lo, sizeof lo, "%.*s", colon ? (int)(colon - optarg) : (int)strlen(optarg), optarg);
-      if (mr_cli_int("launch", "--nnodes", colon ? colon + 1 : optarg, 1, 100000, &a->nnodes) < 0 ||
-          mr_cli_int("launch", "--nnodes", lo, 1, a->nnodes, &a->min_nodes) < 0)
-        return 2;
-      a->nnodes_given = 1;
-      break;
+      continue;
     }
-    case 'K':
-      if (mr_cli_int("launch", "--node-rank", optarg, 0, 99999, &a->node_rank) < 0)
-        return 2;
-      a->rank_given = 1;
-      break;
-    case 'M':
-      a->master = optarg;
-      break;
-    case 'T':
-      a->token_file = optarg;
-      break;
-    case 'J':
-      if (mr_cli_num("launch", "--join-timeout", optarg, 0.1, 1e7, &a->join_timeout) < 0)
-        return 2;
-      break;
-    case 'P':
-      a->trace_dir = optarg;
-      break;
-    case 'Q':
-      a->trace_steps = optarg;
-      break;
-    default:
-      if (optopt == 0 && strcmp(argv[optind - 1], "--help") == 0) {
-        usage(stdout);
-        return 0;
-      }
-      fprintf(stderr, "meshrun launch: unknown or incomplete option \"%s\"\n",
-              argv[optind - 1]);
-      usage(stderr);
-      return 2;
+    if (optopt == 0 && strcmp(argv[optind - 1], "--help") == 0) {
+      usage(stdout);
+      return 0;
     }
+    fprintf(stderr, "meshrun launch: unknown or incomplete option \"%s\"\n", argv[optind - 1]);
+    usage(stderr);
+    return 2;
   }
   int rest = argc - optind;
   if (rest > 1 || (rest == 0 && !a->selfcheck)) {
