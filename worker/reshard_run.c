@@ -73,122 +73,164 @@ static int wait_req(struct mr_reshard_ctx *x, struct mr_comm_req *req) {
   return rc;
 }
 
+/* One step's view of the tensor on this rank: its box before and after,
+ * the group along the step's mesh dim and this rank's place in it. */
+struct local {
+  const struct mr_reshard_step *s;
+  const struct mr_dist_attr *before;
+  int ndim;
+  const int64_t *shape;
+  enum mr_dtype dt;
+  size_t es;
+  int64_t len[MR_TENSOR_MAX_DIMS], alen[MR_TENSOR_MAX_DIMS];
+  int k, c;
+  struct mr_comm_group *grp;
+  size_t n_in, n_out;
+};
+
+static const int64_t zero[MR_TENSOR_MAX_DIMS];
+
+/* Each peer's block gathered, laid out in mesh order along tdim. */
+static int all_gather(struct mr_reshard_ctx *x, const struct local *l, const void *cur,
+                      void *dst) {
+  const struct mr_reshard_step *s = l->s;
+  size_t *counts = malloc((size_t)l->k * sizeof *counts);
+  if (counts == NULL)
+    return MR_ENOMEM;
+  int64_t o2[MR_TENSOR_MAX_DIMS], l2[MR_TENSOR_MAX_DIMS];
+  for (int i = 0; i < l->k; i++) {
+    peer_local(x, s->mesh_dim, i, l->before, l->ndim, l->shape, o2, l2);
+    counts[i] = (size_t)numel(l->ndim, l2);
+  }
+  void *tmp = x->scratch[2];
+  struct mr_comm_req *req;
+  int rc = mr_comm_all_gather(l->grp, cur, tmp, l->n_in, counts, l->dt, &req);
+  if (rc == 0)
+    rc = wait_req(x, req);
+  free(counts);
+  MR_TRY(rc);
+  size_t at = 0;
+  int64_t doff[MR_TENSOR_MAX_DIMS] = {0};
+  for (int i = 0; i < l->k; i++) {
+    peer_local(x, s->mesh_dim, i, l->before, l->ndim, l->shape, o2, l2);
+    int64_t plen[MR_TENSOR_MAX_DIMS];
+    memcpy(plen, l->len, sizeof plen);
+    plen[s->tdim] = l2[s->tdim];
+    MR_TRY(mr_box_copy(x->be, l->ndim, plen, dst, l->alen, doff, (char *)tmp + at * l->es, plen,
+                       zero, l->es));
+    doff[s->tdim] += plen[s->tdim];
+    at += (size_t)numel(l->ndim, l2);
+  }
+  return 0;
+}
+
+/* Pieces along tdim packed (each padded to the first's size), reduced,
+ * this rank's piece kept. */
+static int reduce_scatter(struct mr_reshard_ctx *x, const struct local *l, const void *cur,
+                          void *dst) {
+  const struct mr_reshard_step *s = l->s;
+  struct mr_backend *be = x->be;
+  int64_t piece = (int64_t)l->n_in / (l->len[s->tdim] ? l->len[s->tdim] : 1) *
+                  mr_split_len(l->len[s->tdim], l->k, 0);
+  char *pack = x->scratch[2];
+  int64_t so[MR_TENSOR_MAX_DIMS] = {0};
+  for (int i = 0; i < l->k; i++) {
+    int64_t plen[MR_TENSOR_MAX_DIMS];
+    memcpy(plen, l->len, sizeof plen);
+    plen[s->tdim] = mr_split_len(l->len[s->tdim], l->k, i);
+    so[s->tdim] = mr_split_off(l->len[s->tdim], l->k, i);
+    int64_t used = numel(l->ndim, plen);
+    MR_TRY(mr_box_copy(be, l->ndim, plen, pack + (size_t)(i * piece) * l->es, plen, zero, cur,
+                       l->len, so, l->es));
+    if (used < piece)
+      MR_TRY(be->ops->memset(be, NULL, pack + (size_t)(i * piece + used) * l->es, 0,
+                             (size_t)(piece - used) * l->es));
+  }
+  char *recv = pack + (size_t)(l->k * piece) * l->es;
+  struct mr_comm_req *req;
+  MR_TRY(mr_comm_reduce_scatter(l->grp, pack, recv, (size_t)piece, l->dt,
+                                mr_reshard_red_op(s->op), &req));
+  MR_TRY(wait_req(x, req));
+  return be->ops->copy2d(be, dst, 0, recv, 0, l->n_out * l->es, 1);
+}
+
+/* tdim2 split into k pieces (block j to rank j), tdim gathered. */
+static int all_to_all(struct mr_reshard_ctx *x, const struct local *l, const void *cur,
+                      void *dst) {
+  const struct mr_reshard_step *s = l->s;
+  int64_t o0[MR_TENSOR_MAX_DIMS], l0[MR_TENSOR_MAX_DIMS];
+  peer_local(x, s->mesh_dim, 0, l->before, l->ndim, l->shape, o0, l0);
+  int64_t blen[MR_TENSOR_MAX_DIMS];
+  memcpy(blen, l->len, sizeof blen);
+  blen[s->tdim2] = mr_split_len(l->len[s->tdim2], l->k, 0);
+  blen[s->tdim] = l0[s->tdim];
+  int64_t block = numel(l->ndim, blen);
+  char *pack = x->scratch[2], *recv = pack + (size_t)(l->k * block) * l->es;
+  int64_t so[MR_TENSOR_MAX_DIMS] = {0};
+  for (int j = 0; j < l->k; j++) {
+    int64_t plen[MR_TENSOR_MAX_DIMS];
+    memcpy(plen, l->len, sizeof plen);
+    plen[s->tdim2] = mr_split_len(l->len[s->tdim2], l->k, j);
+    so[s->tdim2] = mr_split_off(l->len[s->tdim2], l->k, j);
+    MR_TRY(mr_box_copy(x->be, l->ndim, plen, pack + (size_t)(j * block) * l->es, plen, zero, cur,
+                       l->len, so, l->es));
+  }
+  struct mr_comm_req *req;
+  MR_TRY(mr_comm_all_to_all(l->grp, pack, recv, (size_t)block, l->dt, &req));
+  MR_TRY(wait_req(x, req));
+  int64_t doff[MR_TENSOR_MAX_DIMS] = {0};
+  for (int i = 0; i < l->k; i++) {
+    int64_t o2[MR_TENSOR_MAX_DIMS], l2[MR_TENSOR_MAX_DIMS];
+    peer_local(x, s->mesh_dim, i, l->before, l->ndim, l->shape, o2, l2);
+    int64_t plen[MR_TENSOR_MAX_DIMS];
+    memcpy(plen, l->alen, sizeof plen);
+    plen[s->tdim] = l2[s->tdim];
+    MR_TRY(mr_box_copy(x->be, l->ndim, plen, dst, l->alen, doff, recv + (size_t)(i * block) * l->es,
+                       plen, zero, l->es));
+    doff[s->tdim] += l2[s->tdim];
+  }
+  return 0;
+}
+
 /* One step: cur (shape len under before) -> dst (shape after). */
 static int step(struct mr_reshard_ctx *x, const struct mr_reshard_step *s,
                 const struct mr_dist_attr *before, int ndim, const int64_t *shape,
                 enum mr_dtype dt, const void *cur, void *dst) {
   struct mr_backend *be = x->be;
-  size_t es = mr_dtype_size(dt);
-  int64_t off[MR_TENSOR_MAX_DIMS], len[MR_TENSOR_MAX_DIMS], aoff[MR_TENSOR_MAX_DIMS], alen[MR_TENSOR_MAX_DIMS];
-  mr_dist_local(x->mesh, before, ndim, shape, x->coord, off, len);
-  mr_dist_local(x->mesh, &s->after, ndim, shape, x->coord, aoff, alen);
-  int64_t zero[MR_TENSOR_MAX_DIMS] = {0};
-  int k = s->group_size, c = s->mesh_dim >= 0 ? x->coord[s->mesh_dim] : 0;
-  struct mr_comm_group *grp = s->mesh_dim >= 0 ? x->group[s->mesh_dim] : NULL;
-  size_t n_in = (size_t)numel(ndim, len), n_out = (size_t)numel(ndim, alen);
+  struct local l = {.s = s, .before = before, .ndim = ndim, .shape = shape, .dt = dt,
+                    .es = mr_dtype_size(dt), .k = s->group_size,
+                    .c = s->mesh_dim >= 0 ? x->coord[s->mesh_dim] : 0,
+                    .grp = s->mesh_dim >= 0 ? x->group[s->mesh_dim] : NULL};
+  int64_t off[MR_TENSOR_MAX_DIMS], aoff[MR_TENSOR_MAX_DIMS];
+  mr_dist_local(x->mesh, before, ndim, shape, x->coord, off, l.len);
+  mr_dist_local(x->mesh, &s->after, ndim, shape, x->coord, aoff, l.alen);
+  l.n_in = (size_t)numel(ndim, l.len);
+  l.n_out = (size_t)numel(ndim, l.alen);
+  if (l.grp == NULL && (s->kind == MR_RS_ALL_GATHER || s->kind == MR_RS_ALL_REDUCE ||
+                        s->kind == MR_RS_REDUCE_SCATTER || s->kind == MR_RS_ALL_TO_ALL))
+    return be->ops->copy2d(be, dst, 0, cur, 0, l.n_in * l.es, 1); /* a group of one */
   struct mr_comm_req *req;
-  if (grp == NULL && (s->kind == MR_RS_ALL_GATHER || s->kind == MR_RS_ALL_REDUCE ||
-                      s->kind == MR_RS_REDUCE_SCATTER || s->kind == MR_RS_ALL_TO_ALL))
-    return be->ops->copy2d(be, dst, 0, cur, 0, n_in * es, 1); /* a group of one */
   switch (s->kind) {
   case MR_RS_SLICE: {
     int64_t so[MR_TENSOR_MAX_DIMS] = {0};
-    so[s->tdim] = mr_split_off(len[s->tdim], k, c);
-    return mr_box_copy(be, ndim, alen, dst, alen, zero, cur, len, so, es);
+    so[s->tdim] = mr_split_off(l.len[s->tdim], l.k, l.c);
+    return mr_box_copy(be, ndim, l.alen, dst, l.alen, zero, cur, l.len, so, l.es);
   }
-  case MR_RS_ALL_GATHER: {
-    size_t *counts = malloc((size_t)k * sizeof *counts);
-    if (counts == NULL)
-      return MR_ENOMEM;
-    int64_t o2[MR_TENSOR_MAX_DIMS], l2[MR_TENSOR_MAX_DIMS];
-    for (int i = 0; i < k; i++) {
-      peer_local(x, s->mesh_dim, i, before, ndim, shape, o2, l2);
-      counts[i] = (size_t)numel(ndim, l2);
-    }
-    void *tmp = x->scratch[2];
-    int rc = mr_comm_all_gather(grp, cur, tmp, n_in, counts, dt, &req);
-    if (rc == 0)
-      rc = wait_req(x, req);
-    free(counts);
-    MR_TRY(rc);
-    size_t at = 0;
-    int64_t doff[MR_TENSOR_MAX_DIMS] = {0};
-    for (int i = 0; i < k; i++) { /* each peer's box, in mesh order along tdim */
-      peer_local(x, s->mesh_dim, i, before, ndim, shape, o2, l2);
-      int64_t plen[MR_TENSOR_MAX_DIMS];
-      memcpy(plen, len, sizeof plen);
-      plen[s->tdim] = l2[s->tdim];
-      MR_TRY(mr_box_copy(be, ndim, plen, dst, alen, doff, (char *)tmp + at * es, plen, zero, es));
-      doff[s->tdim] += plen[s->tdim];
-      at += (size_t)numel(ndim, l2);
-    }
-    return 0;
-  }
+  case MR_RS_ALL_GATHER:
+    return all_gather(x, &l, cur, dst);
   case MR_RS_ALL_REDUCE:
-    MR_TRY(mr_comm_all_reduce(grp, cur, dst, n_in, dt, mr_reshard_red_op(s->op), &req));
+    MR_TRY(mr_comm_all_reduce(l.grp, cur, dst, l.n_in, dt, mr_reshard_red_op(s->op), &req));
     return wait_req(x, req);
-  case MR_RS_REDUCE_SCATTER: {
-    int64_t piece = n_in / (size_t)(len[s->tdim] ? len[s->tdim] : 1) *
-                    mr_split_len(len[s->tdim], k, 0);
-    char *pack = x->scratch[2];
-    int64_t so[MR_TENSOR_MAX_DIMS] = {0};
-    for (int i = 0; i < k; i++) {
-      int64_t plen[MR_TENSOR_MAX_DIMS];
-      memcpy(plen, len, sizeof plen);
-      plen[s->tdim] = mr_split_len(len[s->tdim], k, i);
-      so[s->tdim] = mr_split_off(len[s->tdim], k, i);
-      int64_t used = numel(ndim, plen);
-      MR_TRY(mr_box_copy(be, ndim, plen, pack + (size_t)(i * piece) * es, plen, zero, cur, len,
-                         so, es));
-      if (used < piece)
-        MR_TRY(be->ops->memset(be, NULL, pack + (size_t)(i * piece + used) * es, 0,
-                               (size_t)(piece - used) * es));
-    }
-    char *recv = pack + (size_t)(k * piece) * es;
-    MR_TRY(mr_comm_reduce_scatter(grp, pack, recv, (size_t)piece, dt, mr_reshard_red_op(s->op), &req));
-    MR_TRY(wait_req(x, req));
-    return be->ops->copy2d(be, dst, 0, recv, 0, n_out * es, 1);
-  }
-  case MR_RS_ALL_TO_ALL: {
-    /* split tdim2 into k pieces (block j to rank j), gather tdim */
-    int64_t o0[MR_TENSOR_MAX_DIMS], l0[MR_TENSOR_MAX_DIMS];
-    peer_local(x, s->mesh_dim, 0, before, ndim, shape, o0, l0);
-    int64_t blen[MR_TENSOR_MAX_DIMS];
-    memcpy(blen, len, sizeof blen);
-    blen[s->tdim2] = mr_split_len(len[s->tdim2], k, 0);
-    blen[s->tdim] = l0[s->tdim];
-    int64_t block = numel(ndim, blen);
-    char *pack = x->scratch[2], *recv = pack + (size_t)(k * block) * es;
-    int64_t so[MR_TENSOR_MAX_DIMS] = {0};
-    for (int j = 0; j < k; j++) {
-      int64_t plen[MR_TENSOR_MAX_DIMS];
-      memcpy(plen, len, sizeof plen);
-      plen[s->tdim2] = mr_split_len(len[s->tdim2], k, j);
-      so[s->tdim2] = mr_split_off(len[s->tdim2], k, j);
-      MR_TRY(mr_box_copy(be, ndim, plen, pack + (size_t)(j * block) * es, plen, zero, cur, len,
-                         so, es));
-    }
-    MR_TRY(mr_comm_all_to_all(grp, pack, recv, (size_t)block, dt, &req));
-    MR_TRY(wait_req(x, req));
-    int64_t doff[MR_TENSOR_MAX_DIMS] = {0};
-    for (int i = 0; i < k; i++) {
-      int64_t o2[MR_TENSOR_MAX_DIMS], l2[MR_TENSOR_MAX_DIMS];
-      peer_local(x, s->mesh_dim, i, before, ndim, shape, o2, l2);
-      int64_t plen[MR_TENSOR_MAX_DIMS];
-      memcpy(plen, alen, sizeof plen);
-      plen[s->tdim] = l2[s->tdim];
-      MR_TRY(mr_box_copy(be, ndim, plen, dst, alen, doff, recv + (size_t)(i * block) * es, plen,
-                         zero, es));
-      doff[s->tdim] += l2[s->tdim];
-    }
-    return 0;
-  }
+  case MR_RS_REDUCE_SCATTER:
+    return reduce_scatter(x, &l, cur, dst);
+  case MR_RS_ALL_TO_ALL:
+    return all_to_all(x, &l, cur, dst);
   case MR_RS_ZERO_NONROOT:
-    if (c != 0)
-      return be->ops->memset(be, NULL, dst, 0, n_out * es);
-    return be->ops->copy2d(be, dst, 0, cur, 0, n_out * es, 1);
+    if (l.c != 0)
+      return be->ops->memset(be, NULL, dst, 0, l.n_out * l.es);
+    return be->ops->copy2d(be, dst, 0, cur, 0, l.n_out * l.es, 1);
   case MR_RS_SCALE:
-    return be->ops->axpby(be, dst, cur, 0.0f, (float)s->factor, n_out);
+    return be->ops->axpby(be, dst, cur, 0.0f, (float)s->factor, l.n_out);
   default:
     return mr_error_set(MR_ENOTSUP, "reshard: step %s is not run within a stage",
                         mr_reshard_kind_name(s->kind));
