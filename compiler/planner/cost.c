@@ -324,122 +324,150 @@ struct stage_mem {
   double psi; // parameters held (before ZeRO sharding)
 };
 
-static void stage_memory(const struct mr_workload *w, const struct mr_cluster *c,
-                         const struct mr_strategy *s, const struct mr_layer_times *lt,
-                         int stage, int layers, struct stage_mem *out) {
+/* One stage's place in the model, for its activations and buffers. */
+struct stage_view {
+  int stage, layers, first, last;
+  int engine_sp;          // the embedding kept whole under sequence parallelism
+  double psi;             // the stage's parameters on this rank
+  double T;               // tokens of a micro-batch
+  double wb;              // bytes of an activation element
+};
+
+/* meshrun's engine (compiler/spmd/lower.h), the LLaMA family: what the
+ * forward keeps per micro-batch slot under meshrun's own schedule, the
+ * arena the passes share, and the reshard and send buffers. */
+static void engine_memory(const struct mr_workload *w, const struct mr_strategy *s,
+                          const struct stage_view *v, struct mr_memory *mm) {
   const struct mr_model_config *m = w->model;
-  double wb = elem_bytes(s->amp_dtype), t = s->tp, p = s->pp;
+  double h = m->hidden_size, V = m->vocab_size, t = s->tp;
+  double ab = v->wb, rows = v->T; /* rows of a micro-batch on this rank */
+  int m_ = s->micro_batches;
+  double keep = mr_cost_engine_layer_elems(m, s->tp, s->sequence_parallel, s->recompute);
+  double none = mr_cost_engine_layer_elems(m, s->tp, s->sequence_parallel, MR_RECOMPUTE_NONE);
+  double stored = s->recompute == MR_RECOMPUTE_MODE_FULL
+                      ? ceil((double)v->layers / s->recompute_every_n)
+                      : (double)v->layers;
+  /* micro-batches in flight under meshrun's own schedule (shared with
+   * the lowering), as chunk-micro-batches of layers / vp layers each */
+  int vp = s->virtual_stages > 1 ? s->virtual_stages : 1;
+  int accum = s->grad_accum_steps > 0 ? s->grad_accum_steps : 1;
+  int fly[64];
+  double held = s->pp > 1 && vp <= 64
+                    ? (double)mr_pipeline_in_flight(vp > 1 ? MR_PP_INTERLEAVED : s->schedule,
+                                                    s->pp, v->stage, vp, m_ * accum, fly) /
+                          vp
+                    : 1.0;
+  double act = rows * keep * ab * stored * held;
+  if (v->last) /* final norm, the logits (the vocabulary shard), labels */
+    act += rows * (3.0 * h + 4.0 + ceil(V / t)) * ab * held;
+  if (v->first)
+    act += rows * 4.0 * held;
+  /* the arena: a backward's working set, about 0.6 of a layer's kept
+   * tensors; the group a full recomputation repeats; the head's logit
+   * gradient; under ZeRO-2/3 the pass's whole gradients until they are
+   * reduce-scattered */
+  double arena = 0.6 * rows * none * ab;
+  if (s->recompute == MR_RECOMPUTE_MODE_FULL)
+    arena += rows * none * ab * fmin(s->recompute_every_n, v->layers);
+  if (v->last && rows * ceil(V / t) * ab > arena)
+    arena = rows * ceil(V / t) * ab;
+  if (s->zero_stage >= 2)
+    arena += v->psi * 4.0;
+  mm->activations = act + arena;
+  double buf = 0;
+  if (s->tp > 1) /* reshard staging: three activation-sized buffers (the whole
+                  * embedding gradient under sequence parallelism, summed
+                  * over the sequence shards, and its staging) */
+    buf += 3.0 * fmax(rows * h, v->first && v->engine_sp ? V * h : 0) * ab +
+           (v->first && v->engine_sp ? V * h * 4.0 : 0);
+  if (s->pp > 1) /* boundary sends in flight for a step, both directions, per chunk */
+    buf += 2.0 * vp * m_ * (double)accum * rows * h * ab /
+           (s->sequence_parallel && s->tp > 1 ? t : 1);
+  mm->buffers = buf + phantom_bytes(w, s, v->psi);
+}
+
+/* Korthikanti et al.'s activations (the layer's stored and unstored
+ * bytes, lt) and Megatron's buffers, for the other families. */
+static void formula_memory(const struct mr_workload *w, const struct mr_strategy *s,
+                           const struct mr_layer_times *lt, const struct stage_view *v,
+                           struct mr_memory *mm) {
+  const struct mr_model_config *m = w->model;
   double per_layer, emb, norm;
   mr_cost_param_split(m, &per_layer, &emb, &norm);
-  double h = m->hidden_size, V = m->vocab_size, T = (double)s->micro_batch_size * w->seq_len;
-  double psi = layers * per_layer / t;
-  int first = stage == 0, last = stage == s->pp - 1;
-  /* meshrun's engine keeps a LLaMA embedding whole under sequence
-   * parallelism (compiler/spmd/lower.c) */
-  int engine_sp = m->family == MR_MODEL_LLAMA && s->sequence_parallel && s->tp > 1;
-  if (first)
-    psi += (engine_sp ? V : ceil(V / t)) * h + (emb - V * h); // token shard + positions
-  if (last) {
-    psi += norm;
-    if (!first || !m->tie_word_embeddings)
-      psi += ceil(V / t) * h;                // the head (or the tied embedding's copy)
-  }
-  struct mr_memory *mm = &out->mem;
-  memset(mm, 0, sizeof *mm);
-  out->psi = psi;
-  mr_cost_model_states(psi, s->dp, s->zero_stage, s->amp_dtype, &mm->params, &mm->grads,
-                       &mm->optimizer);
-  if (s->offload && !c->host_is_device) { /* on CPU ranks they stay in the same memory */
-    mm->host = mm->optimizer;
-    mm->optimizer = 0;
-  }
-  /* Micro-batches whose activations a stage holds at once. */
+  double h = m->hidden_size, V = m->vocab_size, t = s->tp, p = s->pp, T = v->T;
+  /* micro-batches whose activations a stage holds at once */
   int m_ = s->micro_batches;
   double inflight = 1;
   if (s->pp > 1) {
     if (s->schedule == MR_PP_GPIPE)
       inflight = m_;
     else
-      inflight = fmin(m_, p - stage);
+      inflight = fmin(m_, p - v->stage);
     if (s->schedule == MR_PP_INTERLEAVED)
       inflight *= 1.0 + (p - 1) / (p * m_);
   }
   double act;
-  if (m->family == MR_MODEL_LLAMA) {
-    /* meshrun's engine (compiler/spmd/lower.h): what the forward keeps per
-     * micro-batch slot, the arena the passes share, and its buffers */
-    double ab = wb, rows = T; /* rows of a micro-batch on this rank */
-    double keep = mr_cost_engine_layer_elems(m, s->tp, s->sequence_parallel, s->recompute);
-    double none = mr_cost_engine_layer_elems(m, s->tp, s->sequence_parallel,
-                                             MR_RECOMPUTE_NONE);
-    double stored = s->recompute == MR_RECOMPUTE_MODE_FULL
-                        ? ceil((double)layers / s->recompute_every_n)
-                        : (double)layers;
-    /* micro-batches in flight under meshrun's own schedule (shared with
-     * the lowering), as chunk-micro-batches of layers / vp layers each */
-    int vp = s->virtual_stages > 1 ? s->virtual_stages : 1;
-    int fly[64];
-    double held = s->pp > 1 && vp <= 64
-                      ? (double)mr_pipeline_in_flight(vp > 1 ? MR_PP_INTERLEAVED : s->schedule,
-                                                      s->pp, stage, vp,
-                                                      m_ * (s->grad_accum_steps > 0
-                                                                ? s->grad_accum_steps
-                                                                : 1),
-                                                      fly) / vp
-                      : 1.0;
-    act = rows * keep * ab * stored * held;
-    if (last) /* final norm, the logits (the vocabulary shard), labels */
-      act += rows * (3.0 * h + 4.0 + ceil(V / t)) * ab * held;
-    if (first)
-      act += rows * 4.0 * held;
-    /* the arena: a backward's working set, about 0.6 of a layer's kept
-     * tensors; the group a full recomputation repeats; the head's logit
-     * gradient; under ZeRO-2/3 the pass's whole gradients until they are
-     * reduce-scattered */
-    double arena = 0.6 * rows * none * ab;
-    if (s->recompute == MR_RECOMPUTE_MODE_FULL)
-      arena += rows * none * ab * fmin(s->recompute_every_n, layers);
-    if (last && rows * ceil(V / t) * ab > arena)
-      arena = rows * ceil(V / t) * ab;
-    if (s->zero_stage >= 2)
-      arena += psi * 4.0;
-    act += arena;
-    mm->activations = act;
-    double buf = 0;
-    if (s->tp > 1) /* reshard staging: three activation-sized buffers (the whole
-                    * embedding gradient under sequence parallelism, summed
-                    * over the sequence shards, and its staging) */
-      buf += 3.0 * fmax(rows * h, first && engine_sp ? V * h : 0) * ab +
-             (first && engine_sp ? V * h * 4.0 : 0);
-    if (s->pp > 1) /* boundary sends in flight for a step, both directions, per chunk */
-      buf += 2.0 * vp * m_ * (double)(s->grad_accum_steps > 0 ? s->grad_accum_steps : 1) *
-             rows * h * ab / (s->sequence_parallel && s->tp > 1 ? t : 1);
-    mm->buffers = buf + phantom_bytes(w, s, psi);
-    mm->workspace = c->reserved_bytes;
-    mm->total = mm->params + mm->grads + mm->optimizer + mm->activations + mm->buffers +
-                mm->workspace;
-    return;
-  }
   if (s->recompute == MR_RECOMPUTE_MODE_FULL) {
     int n = s->recompute_every_n;
-    double stored = ceil((double)layers / n);
-    act = lt->act_stored * stored * inflight + lt->act_none * (n < layers ? n : layers);
+    double stored = ceil((double)v->layers / n);
+    act = lt->act_stored * stored * inflight + lt->act_none * (n < v->layers ? n : v->layers);
   } else {
-    act = lt->act_stored * layers * inflight;
+    act = lt->act_stored * v->layers * inflight;
   }
-  if (last)
+  if (v->last)
     act += 2.0 * T * ceil(V / t) * 4.0; // fp32 logits and their gradient
   mm->activations = act;
   double buf = 0;
   if (s->tp > 1)
-    buf += 2.0 * T * h * wb;
+    buf += 2.0 * T * h * v->wb;
   if (s->pp > 1)
-    buf += 4.0 * T * h * wb / t;
+    buf += 4.0 * T * h * v->wb / t;
   if (s->dp > 1)
-    buf += 2.0 * fmin(psi, 25e6) * wb;
+    buf += 2.0 * fmin(v->psi, 25e6) * v->wb;
   if (s->zero_stage >= 3)
-    buf += 2.0 * per_layer / t * wb;
-  mm->buffers = buf + phantom_bytes(w, s, psi);
+    buf += 2.0 * per_layer / t * v->wb;
+  mm->buffers = buf + phantom_bytes(w, s, v->psi);
+}
+
+/* A stage's memory: its parameters and their states, its activations and
+ * buffers (meshrun's engine for LLaMA, the published formulas else), the
+ * device's reserved workspace. */
+static void stage_memory(const struct mr_workload *w, const struct mr_cluster *c,
+                         const struct mr_strategy *s, const struct mr_layer_times *lt,
+                         int stage, int layers, struct stage_mem *out) {
+  const struct mr_model_config *m = w->model;
+  double t = s->tp;
+  double per_layer, emb, norm;
+  mr_cost_param_split(m, &per_layer, &emb, &norm);
+  double h = m->hidden_size, V = m->vocab_size;
+  struct stage_view v = {.stage = stage, .layers = layers, .first = stage == 0,
+                         .last = stage == s->pp - 1,
+                         .T = (double)s->micro_batch_size * w->seq_len,
+                         .wb = elem_bytes(s->amp_dtype)};
+  /* meshrun's engine keeps a LLaMA embedding whole under sequence
+   * parallelism (compiler/spmd/lower.c) */
+  v.engine_sp = m->family == MR_MODEL_LLAMA && s->sequence_parallel && s->tp > 1;
+  v.psi = layers * per_layer / t;
+  if (v.first)
+    v.psi += (v.engine_sp ? V : ceil(V / t)) * h + (emb - V * h); // token shard + positions
+  if (v.last) {
+    v.psi += norm;
+    if (!v.first || !m->tie_word_embeddings)
+      v.psi += ceil(V / t) * h;                // the head (or the tied embedding's copy)
+  }
+  struct mr_memory *mm = &out->mem;
+  memset(mm, 0, sizeof *mm);
+  out->psi = v.psi;
+  mr_cost_model_states(v.psi, s->dp, s->zero_stage, s->amp_dtype, &mm->params, &mm->grads,
+                       &mm->optimizer);
+  if (s->offload && !c->host_is_device) { /* on CPU ranks they stay in the same memory */
+    mm->host = mm->optimizer;
+    mm->optimizer = 0;
+  }
+  if (m->family == MR_MODEL_LLAMA)
+    engine_memory(w, s, &v, mm);
+  else
+    formula_memory(w, s, lt, &v, mm);
   mm->workspace = c->reserved_bytes;
   mm->total = mm->params + mm->grads + mm->optimizer + mm->activations + mm->buffers +
               mm->workspace;
