@@ -434,11 +434,8 @@ static int put_converted(struct mr_st_writer *w, const struct entry *e) {
   return 0;
 }
 
-int mr_st_writer_finish(struct mr_st_writer *w) {
-  const char *p = w->path;
-  if (w->finished)
-    return mr_error_set(MR_EINVAL, "%s: writer finished twice", p);
-  w->finished = 1;
+/* The tensors in file order, each given its byte range. */
+static void lay_out(struct mr_st_writer *w) {
   if (w->n > 0)
     qsort(w->entries, (size_t)w->n, sizeof *w->entries, cmp_layout);
   uint64_t at = 0;
@@ -448,6 +445,76 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
     at += e->numel * mr_dtype_size(e->file_dtype);
     e->end = at;
   }
+}
+
+/* Creates tmp (O_DIRECT where asked and the filesystem takes it) with
+ * its staging buffer and checksum; *direct says which it got.  Returns
+ * 0, or an error with w->fd closed or never opened. */
+static int open_partial(struct mr_st_writer *w, const char *tmp, int *direct) {
+  const char *p = w->path;
+  const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+  *direct = (w->flags & MR_ST_WRITE_DIRECT) != 0;
+  w->fd = open(tmp, flags | (*direct ? O_DIRECT : 0), 0644);
+  if (*direct && (w->fd >= 0 ? !mr__st_direct_usable(w->fd) : errno == EINVAL)) {
+    *direct = 0; /* not on this filesystem: through the page cache */
+    if (w->fd >= 0)
+      close(w->fd);
+    w->fd = open(tmp, flags, 0644);
+  }
+  if (w->fd < 0)
+    return mr_error_set(mr_from_errno(errno), "%s: cannot create: %s", p, strerror(errno));
+  int rc = 0;
+  if ((w->flags & MR_ST_WRITE_CHECKSUM) && (rc = mr_checksum_init(&w->sum)) < 0)
+    return rc;
+  if (*direct) {
+    MR_TRY(mr__st_direct_open(w->fd, w->flags & MR_ST_WRITE_CHECKSUM ? &w->sum : NULL, p,
+                              &w->dio, &w->stage));
+    w->stage_cap = MR__ST_DIRECT_BYTES;
+  } else if ((w->stage = w->stage_mem = malloc(STAGE_BYTES)) != NULL) {
+    w->stage_cap = STAGE_BYTES;
+  } else {
+    return mr_error_set(MR_ENOMEM, "%s: out of memory", p);
+  }
+  w->behind = (w->flags & (MR_ST_WRITE_FSYNC | MR_ST_WRITE_DIRECT)) != 0 && !*direct;
+  return 0;
+}
+
+/* The length, the header and every tensor's bytes, all on disk when it
+ * returns 0 where the writer is durable. */
+static int write_body(struct mr_st_writer *w, const char *header, size_t hlen, int direct) {
+  const char *p = w->path;
+  uint8_t len8[8];
+  for (int i = 0; i < 8; i++)
+    len8[i] = (uint8_t)((uint64_t)hlen >> (8 * i));
+  MR_TRY(put_bytes(w, len8, 8));
+  MR_TRY(put_bytes(w, (const uint8_t *)header, hlen));
+  for (int i = 0; i < w->n; i++) {
+    const struct entry *e = &w->entries[i];
+    MR_TRY(e->src_dtype == e->file_dtype ? put_bytes(w, e->data, (size_t)(e->end - e->begin))
+                                         : put_converted(w, e));
+  }
+  MR_TRY(flush_stage(w, 1));
+  if (direct) {
+    MR_TRY(mr__st_direct_drain(w->dio));
+    mr__st_direct_close(w->dio);
+    w->dio = NULL;
+    if (w->written % MR__ST_DIRECT_ALIGN != 0 && ftruncate(w->fd, (off_t)w->written) != 0)
+      return mr_error_set(MR_EIO, "%s: truncate: %s", p, strerror(errno));
+  }
+  int durable = (w->flags & (MR_ST_WRITE_FSYNC | MR_ST_WRITE_DIRECT)) != 0;
+  if (durable && fsync(w->fd) != 0)
+    return mr_error_set(MR_EIO, "%s: fsync: %s", p, strerror(errno));
+  if (w->behind) /* the tail, now clean, leaves the cache as the rest did */
+    (void)posix_fadvise(w->fd, (off_t)w->settled, 0, POSIX_FADV_DONTNEED);
+  return 0;
+}
+
+int mr_st_writer_finish(struct mr_st_writer *w) {
+  const char *p = w->path;
+  if (w->finished)
+    return mr_error_set(MR_EINVAL, "%s: writer finished twice", p);
+  w->finished = 1;
+  lay_out(w);
   size_t hlen = 0;
   char *header = build_header(w, &hlen);
   if (header == NULL)
@@ -457,71 +524,25 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
     return mr_error_set(MR_ETOOBIG, "%s: header of %zu bytes exceeds %llu", p,
                         hlen, (unsigned long long)MR_ST_MAX_HEADER);
   }
-  int rc = 0;
   /* written beside the path and renamed over it once whole: a file there
    * already (a previous run's weights) stays until then, and one that a
    * failed write never replaces */
   char tmp[4200];
   snprintf(tmp, sizeof tmp, "%s.partial-%d", p, (int)getpid());
-  const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
-  int direct = (w->flags & MR_ST_WRITE_DIRECT) != 0;
-  w->fd = open(tmp, flags | (direct ? O_DIRECT : 0), 0644);
-  if (direct && (w->fd >= 0 ? !mr__st_direct_usable(w->fd) : errno == EINVAL)) {
-    direct = 0; /* not on this filesystem: through the page cache */
-    if (w->fd >= 0)
-      close(w->fd);
-    w->fd = open(tmp, flags, 0644);
-  }
-  if (w->fd < 0) {
-    free(header);
-    return mr_error_set(mr_from_errno(errno), "%s: cannot create: %s", p,
-                        strerror(errno));
-  }
-  if ((w->flags & MR_ST_WRITE_CHECKSUM) && (rc = mr_checksum_init(&w->sum)) < 0)
-    goto fail;
-  if (direct) {
-    MR_TRY_GOTO(rc, mr__st_direct_open(w->fd, w->flags & MR_ST_WRITE_CHECKSUM ? &w->sum : NULL,
-                                       p, &w->dio, &w->stage),
-                fail);
-    w->stage_cap = MR__ST_DIRECT_BYTES;
-  } else if ((w->stage = w->stage_mem = malloc(STAGE_BYTES)) != NULL) {
-    w->stage_cap = STAGE_BYTES;
-  } else {
-    rc = mr_error_set(MR_ENOMEM, "%s: out of memory", p);
-    goto fail;
-  }
-  int durable = (w->flags & (MR_ST_WRITE_FSYNC | MR_ST_WRITE_DIRECT)) != 0;
-  w->behind = durable && !direct;
-  uint8_t len8[8];
-  for (int i = 0; i < 8; i++)
-    len8[i] = (uint8_t)((uint64_t)hlen >> (8 * i));
-  MR_TRY_GOTO(rc, put_bytes(w, len8, 8), fail);
-  MR_TRY_GOTO(rc, put_bytes(w, (const uint8_t *)header, hlen), fail);
-  for (int i = 0; i < w->n; i++) {
-    const struct entry *e = &w->entries[i];
-    if (e->src_dtype == e->file_dtype)
-      MR_TRY_GOTO(rc, put_bytes(w, e->data, (size_t)(e->end - e->begin)),
-                  fail);
-    else
-      MR_TRY_GOTO(rc, put_converted(w, e), fail);
-  }
-  MR_TRY_GOTO(rc, flush_stage(w, 1), fail);
-  if (direct) {
-    MR_TRY_GOTO(rc, mr__st_direct_drain(w->dio), fail);
+  int direct;
+  int rc = open_partial(w, tmp, &direct);
+  if (rc == 0)
+    rc = write_body(w, header, hlen, direct);
+  free(header);
+  if (rc < 0) {
     mr__st_direct_close(w->dio);
     w->dio = NULL;
-    if (w->written % MR__ST_DIRECT_ALIGN != 0 && ftruncate(w->fd, (off_t)w->written) != 0) {
-      rc = mr_error_set(MR_EIO, "%s: truncate: %s", p, strerror(errno));
-      goto fail;
-    }
+    if (w->fd >= 0)
+      close(w->fd);
+    w->fd = -1;
+    unlink(tmp);
+    return rc;
   }
-  if (durable && fsync(w->fd) != 0) {
-    rc = mr_error_set(MR_EIO, "%s: fsync: %s", p, strerror(errno));
-    goto fail;
-  }
-  if (w->behind) /* the tail, now clean, leaves the cache as the rest did */
-    (void)posix_fadvise(w->fd, (off_t)w->settled, 0, POSIX_FADV_DONTNEED);
-  free(header);
   int fd = w->fd;
   w->fd = -1;
   if (close(fd) != 0) {
@@ -537,14 +558,6 @@ int mr_st_writer_finish(struct mr_st_writer *w) {
   if (w->flags & MR_ST_WRITE_CHECKSUM)
     mr_checksum_final(&w->sum, w->sum_hex);
   return 0;
-fail:
-  free(header);
-  mr__st_direct_close(w->dio);
-  w->dio = NULL;
-  close(w->fd);
-  w->fd = -1;
-  unlink(tmp);
-  return rc;
 }
 
 int mr_st_writer_checksum(const struct mr_st_writer *w, char hex[33]) {
