@@ -514,6 +514,15 @@ static void group_stopped(struct coordinator *co) {
    * signal, so that a scheduler never takes a preempted job for a
    * finished one; 0 is a job trained to its last step */
   if (co->preempting && co->stop_signal == 0) {
+    /* said once the ranks are gone: a save in flight at the stop may have
+     * completed after the one asked for */
+    int64_t at = co->last_ckpt_step >= 0 ? co->last_ckpt_step : co->resume_step;
+    if (at > 0)
+      MR_WARN("launch", "stopped for preemption: the next launch resumes from step %lld",
+              (long long)at);
+    else
+      MR_WARN("launch", "stopped for preemption before any checkpoint: the next launch starts "
+                        "over");
     finish(co, 128 + SIGTERM);
     return;
   }

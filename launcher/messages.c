@@ -261,8 +261,8 @@ static void complete_checkpoint(struct coordinator *co, struct pending_ckpt *p) 
   /* a save begun before the signal completing now is not the one asked for:
    * stopping at it would lose the steps since */
   if (co->preempting && co->state == GROUP_RUNNING && p->step >= co->preempt_step) {
-    MR_WARN("launch", "checkpoint written: stopping for preemption (the next launch resumes "
-                      "from step %lld)", (long long)p->step);
+    MR_WARN("launch", "checkpoint of step %lld written: stopping for preemption",
+            (long long)p->step);
     mr__co_begin_stop(co);
   } else if (co->pending != REGROUP_NONE && co->state == GROUP_RUNNING &&
              p->step >= co->pending_step) {
