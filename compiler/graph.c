@@ -210,14 +210,14 @@ int mr_graph_fuse(struct mr_graph *g, const int *ops, int n_ops, int kind, const
   if (g->n_forward_ops > 0)
     return mr_error_set(MR_EINVAL, "graph fuse: the graph is differentiated already; fuse "
                         "forward ops before autodiff");
+  if (n_ops < 1)
+    return mr_error_set(MR_EINVAL, "graph fuse: no ops to fuse");
   int at = g->n_ops;
   for (int i = 0; i < n_ops; i++) {
     if (ops[i] < 0 || ops[i] >= g->n_ops)
       return mr_error_set(MR_EINVAL, "graph fuse: op %d is not in the graph", ops[i]);
     at = ops[i] < at ? ops[i] : at;
   }
-  if (n_ops < 1)
-    return mr_error_set(MR_EINVAL, "graph fuse: no ops to fuse");
   struct mr_op op;
   struct mr_shape shapes[MR_OP_MAX_OUT];
   MR_TRY(prepare(g, kind, in, n_in, attr, &op, shapes));
@@ -234,15 +234,15 @@ int mr_graph_fuse(struct mr_graph *g, const int *ops, int n_ops, int kind, const
         return mr_error_set(MR_EINVAL, "op %s: %s, an output of a fused op, is not one of "
                             "its outputs", name, g->tensors[o->out[j]].name);
   }
+  int *moved = malloc(sizeof *moved * (size_t)g->n_ops);
+  if (moved == NULL)
+    return mr_error_set(MR_ENOMEM, "graph fuse: out of memory");
   for (int i = 0; i < n_out; i++)
     op.out[i] = out[i];
   /* the fused op takes the place of the first; the others go, the ops
    * after them move up, and every producer follows */
   g->ops[at] = op;
   int n = 0;
-  int *moved = malloc(sizeof *moved * (size_t)g->n_ops);
-  if (moved == NULL)
-    return mr_error_set(MR_ENOMEM, "graph fuse: out of memory");
   for (int k = 0; k < g->n_ops; k++) {
     moved[k] = -1;
     if (k != at && listed(ops, n_ops, k))

@@ -249,11 +249,8 @@ int mr_model_pass_register(const struct mr_model_pass *p) {
 static int run_passes(struct mr_graph *g) {
   for (int i = 0; i < n_passes; i++) {
     int rc = passes[i]->run(g);
-    if (rc < 0) {
-      char msg[512];
-      snprintf(msg, sizeof msg, "%s", mr_error_message());
-      return mr_error_set(rc, "model pass %s: %s", passes[i]->name, msg);
-    }
+    if (rc < 0)
+      return mr_error_set(rc, "model pass %s: %s", passes[i]->name, mr_error_of(rc));
   }
   return 0;
 }

@@ -69,11 +69,8 @@ int mr_plugin_load_job(const struct mr_job *job) {
       return mr_error_set(MR_ENOMEM, "%s: plugins[%d]: more than %d plugins in one process",
                           job->path, i, MAX_LOADED);
     int rc = mr_plugin_load(path, &api);
-    if (rc < 0) {
-      char msg[1024];
-      snprintf(msg, sizeof msg, "%s", mr_error_message());
-      return mr_error_set(rc, "%s: plugins[%d]: %s", job->path, i, msg);
-    }
+    if (rc < 0)
+      return mr_error_set(rc, "%s: plugins[%d]: %s", job->path, i, mr_error_of(rc));
     loaded[n_loaded] = strdup(path);
     if (loaded[n_loaded] == NULL)
       return mr_error_set(MR_ENOMEM, "%s: plugins[%d]: out of memory", job->path, i);

@@ -906,6 +906,26 @@ static int open_records(struct coordinator *co) {
   return 0;
 }
 
+/* What the loop serves: the listeners, the token for the ranks, the
+ * coordinator file, the records and the rank set.  Returns 0 or -1
+ * (logged). */
+static int open_loop(struct coordinator *co) {
+  const struct mr_launch_opts *opts = co->opts;
+  if (listen_all(co) < 0 || (co->token_fd = mr_auth_token_memfd(co->token)) < 0 ||
+      write_coordinator_file(co) < 0) {
+    MR_ERROR("launch", "%s", mr_error_message());
+    return -1;
+  }
+  if (open_records(co) < 0)
+    return -1;
+  if (mr_ranks_init(&co->ranks, &co->loop, opts->nproc, co->node_ranks, 0, opts->log_dir, co,
+                    on_rank_exit) < 0) {
+    MR_ERROR("launch", "%s", mr_error_message());
+    return -1;
+  }
+  return 0;
+}
+
 /* The loop's handles: signals and the 20 ms tick. */
 static void start_handles(struct coordinator *co) {
   uv_signal_init(&co->loop, &co->sigint);
@@ -960,26 +980,18 @@ int mr_coordinator_run(const struct mr_launch_opts *opts) {
     return 1;
   }
   uv_loop_init(&co->loop);
-  if (listen_all(co) < 0 || (co->token_fd = mr_auth_token_memfd(co->token)) < 0 ||
-      write_coordinator_file(co) < 0) {
-    MR_ERROR("launch", "%s", mr_error_message());
-  } else if (open_records(co) == 0) {
-    if (mr_ranks_init(&co->ranks, &co->loop, opts->nproc, co->node_ranks, 0, opts->log_dir, co,
-                      on_rank_exit) < 0) {
-      MR_ERROR("launch", "%s", mr_error_message());
-    } else {
-      start_handles(co);
-      MR_INFO("launch", "job %s: %d ranks%s, logs in %s, coordinator on unix:%s and tcp:%s:%d",
-              co->job_id, opts->nproc, co->nnodes > 1 ? " on several nodes" : "",
-              opts->log_dir, co->unix_path, co->master_addr, co->master_port);
-      start_group(co);
-      co->last_tick_ms = mr_clock_ms();
-      uv_run(&co->loop, UV_RUN_DEFAULT);
-      code = co->exit_code;
-      mr_ranks_close(&co->ranks);
-      uv_run(&co->loop, UV_RUN_DEFAULT);
-      mr_shm_sweep(co->job_id);
-    }
+  if (open_loop(co) == 0) {
+    start_handles(co);
+    MR_INFO("launch", "job %s: %d ranks%s, logs in %s, coordinator on unix:%s and tcp:%s:%d",
+            co->job_id, opts->nproc, co->nnodes > 1 ? " on several nodes" : "", opts->log_dir,
+            co->unix_path, co->master_addr, co->master_port);
+    start_group(co);
+    co->last_tick_ms = mr_clock_ms();
+    uv_run(&co->loop, UV_RUN_DEFAULT);
+    code = co->exit_code;
+    mr_ranks_close(&co->ranks);
+    uv_run(&co->loop, UV_RUN_DEFAULT);
+    mr_shm_sweep(co->job_id);
   }
   close_loop(co);
   coordinator_free(co);

@@ -376,8 +376,7 @@ static int plan(const struct mr_job *job, const struct mr_cluster *cl, const str
 
 /* What the search found, for both printers. */
 struct plan_view {
-  const struct mr_job *job;
-  const char *job_path;
+  const struct mr_job *job;     // job->path: the file as given
   const struct mr_cluster *cl;
   const struct mr_plan_result *res;
   struct mr_workload wl;
@@ -388,7 +387,7 @@ struct plan_view {
 static void print_json(const struct plan_view *v) {
   const struct mr_plan_result *res = v->res;
   cJSON *o = cJSON_CreateObject();
-  cJSON_AddStringToObject(o, "job", v->job_path);
+  cJSON_AddStringToObject(o, "job", v->job->path);
   cJSON_AddStringToObject(o, "cluster", v->cl->name);
   cJSON_AddNumberToObject(o, "world_size", v->world);
   cJSON_AddNumberToObject(o, "parameters", v->params);
@@ -454,7 +453,7 @@ static void print_text(const struct plan_view *v) {
   const struct mr_plan_result *res = v->res;
   printf("plan for %s: %.4g B parameters, batch %lld x %lld tokens, on %s: %d ranks "
          "(%d per node)\n",
-         v->job_path, v->params / 1e9, (long long)v->job->train.global_batch,
+         v->job->path, v->params / 1e9, (long long)v->job->train.global_batch,
          (long long)v->job->train.seq_len, v->cl->name, v->world, v->cl->devices_per_node);
   if (v->fits) {
     printf("chosen:\n");
@@ -504,7 +503,7 @@ int mr_cmd_plan(int argc, char **argv) {
     mr_job_close(&job);
     return 2;
   }
-  struct plan_view v = {&job, a.job_path, &cl, res,
+  struct plan_view v = {&job, &cl, res,
                         mr_workload_of(&job.model, &job.train, &job.strategy), world, rc == 0,
                         (double)mr_model_param_count(&job.model), search_s};
   if (a.json)

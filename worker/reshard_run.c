@@ -124,6 +124,28 @@ static int all_gather(struct mr_reshard_ctx *x, const struct local *l, const voi
   return 0;
 }
 
+/* The local box split along dim into k pieces, piece i copied to
+ * pack + i * stride elements; pad: the rest of each stride zeroed (for a
+ * reduction, whose pieces must add up whole). */
+static int pack_split(struct mr_reshard_ctx *x, const struct local *l, int dim, int64_t stride,
+                      const void *cur, char *pack, int pad) {
+  struct mr_backend *be = x->be;
+  int64_t so[MR_TENSOR_MAX_DIMS] = {0};
+  for (int i = 0; i < l->k; i++) {
+    int64_t plen[MR_TENSOR_MAX_DIMS];
+    memcpy(plen, l->len, sizeof plen);
+    plen[dim] = mr_split_len(l->len[dim], l->k, i);
+    so[dim] = mr_split_off(l->len[dim], l->k, i);
+    int64_t used = numel(l->ndim, plen);
+    MR_TRY(mr_box_copy(be, l->ndim, plen, pack + (size_t)(i * stride) * l->es, plen, zero, cur,
+                       l->len, so, l->es));
+    if (pad && used < stride)
+      MR_TRY(be->ops->memset(be, NULL, pack + (size_t)(i * stride + used) * l->es, 0,
+                             (size_t)(stride - used) * l->es));
+  }
+  return 0;
+}
+
 /* Pieces along tdim packed (each padded to the first's size), reduced,
  * this rank's piece kept. */
 static int reduce_scatter(struct mr_reshard_ctx *x, const struct local *l, const void *cur,
@@ -133,19 +155,7 @@ static int reduce_scatter(struct mr_reshard_ctx *x, const struct local *l, const
   int64_t piece = (int64_t)l->n_in / (l->len[s->tdim] ? l->len[s->tdim] : 1) *
                   mr_split_len(l->len[s->tdim], l->k, 0);
   char *pack = x->scratch[2];
-  int64_t so[MR_TENSOR_MAX_DIMS] = {0};
-  for (int i = 0; i < l->k; i++) {
-    int64_t plen[MR_TENSOR_MAX_DIMS];
-    memcpy(plen, l->len, sizeof plen);
-    plen[s->tdim] = mr_split_len(l->len[s->tdim], l->k, i);
-    so[s->tdim] = mr_split_off(l->len[s->tdim], l->k, i);
-    int64_t used = numel(l->ndim, plen);
-    MR_TRY(mr_box_copy(be, l->ndim, plen, pack + (size_t)(i * piece) * l->es, plen, zero, cur,
-                       l->len, so, l->es));
-    if (used < piece)
-      MR_TRY(be->ops->memset(be, NULL, pack + (size_t)(i * piece + used) * l->es, 0,
-                             (size_t)(piece - used) * l->es));
-  }
+  MR_TRY(pack_split(x, l, s->tdim, piece, cur, pack, 1));
   char *recv = pack + (size_t)(l->k * piece) * l->es;
   struct mr_comm_req *req;
   MR_TRY(mr_comm_reduce_scatter(l->grp, pack, recv, (size_t)piece, l->dt,
@@ -166,15 +176,7 @@ static int all_to_all(struct mr_reshard_ctx *x, const struct local *l, const voi
   blen[s->tdim] = l0[s->tdim];
   int64_t block = numel(l->ndim, blen);
   char *pack = x->scratch[2], *recv = pack + (size_t)(l->k * block) * l->es;
-  int64_t so[MR_TENSOR_MAX_DIMS] = {0};
-  for (int j = 0; j < l->k; j++) {
-    int64_t plen[MR_TENSOR_MAX_DIMS];
-    memcpy(plen, l->len, sizeof plen);
-    plen[s->tdim2] = mr_split_len(l->len[s->tdim2], l->k, j);
-    so[s->tdim2] = mr_split_off(l->len[s->tdim2], l->k, j);
-    MR_TRY(mr_box_copy(x->be, l->ndim, plen, pack + (size_t)(j * block) * l->es, plen, zero, cur,
-                       l->len, so, l->es));
-  }
+  MR_TRY(pack_split(x, l, s->tdim2, block, cur, pack, 0));
   struct mr_comm_req *req;
   MR_TRY(mr_comm_all_to_all(l->grp, pack, recv, (size_t)block, l->dt, &req));
   MR_TRY(wait_req(x, req));

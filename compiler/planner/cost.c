@@ -329,6 +329,7 @@ struct stage_view {
   int stage, layers, first, last;
   int engine_sp;          // the embedding kept whole under sequence parallelism
   double psi;             // the stage's parameters on this rank
+  double per_layer;       // one decoder layer's parameters (all ranks)
   double T;               // tokens of a micro-batch
   double wb;              // bytes of an activation element
 };
@@ -392,8 +393,6 @@ static void formula_memory(const struct mr_workload *w, const struct mr_strategy
                            const struct mr_layer_times *lt, const struct stage_view *v,
                            struct mr_memory *mm) {
   const struct mr_model_config *m = w->model;
-  double per_layer, emb, norm;
-  mr_cost_param_split(m, &per_layer, &emb, &norm);
   double h = m->hidden_size, V = m->vocab_size, t = s->tp, p = s->pp, T = v->T;
   /* micro-batches whose activations a stage holds at once */
   int m_ = s->micro_batches;
@@ -425,7 +424,7 @@ static void formula_memory(const struct mr_workload *w, const struct mr_strategy
   if (s->dp > 1)
     buf += 2.0 * fmin(v->psi, 25e6) * v->wb;
   if (s->zero_stage >= 3)
-    buf += 2.0 * per_layer / t * v->wb;
+    buf += 2.0 * v->per_layer / t * v->wb;
   mm->buffers = buf + phantom_bytes(w, s, v->psi);
 }
 
@@ -447,6 +446,7 @@ static void stage_memory(const struct mr_workload *w, const struct mr_cluster *c
   /* meshrun's engine keeps a LLaMA embedding whole under sequence
    * parallelism (compiler/spmd/lower.c) */
   v.engine_sp = m->family == MR_MODEL_LLAMA && s->sequence_parallel && s->tp > 1;
+  v.per_layer = per_layer;
   v.psi = layers * per_layer / t;
   if (v.first)
     v.psi += (v.engine_sp ? V : ceil(V / t)) * h + (emb - V * h); // token shard + positions
