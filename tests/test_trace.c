@@ -122,9 +122,9 @@ START_TEST(test_trace_file_holds_the_chosen_steps) {
     /* an operation through the dispatchers' tracer, as a backend sees it */
     if (mr__comm_tracer != NULL) {
       mr__comm_tracer->start(mr__comm_tracer->ctx, &test_group, "AllReduce", 4096, -1,
-                             (uint64_t)s, &req_a);
+                             (uint64_t)s, &req_a, mr_clock_ns());
       mr__comm_tracer->start(mr__comm_tracer->ctx, &test_group, "AllGather", 64, -1,
-                             (uint64_t)s + 100, &req_b);
+                             (uint64_t)s + 100, &req_b, mr_clock_ns());
       mr__comm_tracer->end(mr__comm_tracer->ctx, &req_a, 0);
       mr__comm_tracer->end(mr__comm_tracer->ctx, &req_b, 0);
     }

@@ -95,9 +95,8 @@ static size_t slot_of(const struct mr_comm_req *r) {
 }
 
 static void comm_start(void *ctx, const struct mr_comm_group *g, const char *op, size_t bytes,
-                       int peer, uint64_t seq, const struct mr_comm_req *r) {
+                       int peer, uint64_t seq, const struct mr_comm_req *r, int64_t now) {
   struct mr_trace *t = ctx;
-  int64_t now = mr_clock_ns();
   pthread_mutex_lock(&t->lock);
   if (t->recording && t->n_fl < INFLIGHT_CAP / 2) {
     size_t i = slot_of(r);

@@ -26,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/clock.h"
 #include "common/dtype.h"
 #include "worker/comm/bootstrap.h"
 
@@ -128,12 +129,14 @@ const struct mr_comm_ops *mr_comm_cpu_ops(void);
  * worker's trace): start when one was issued, with the bytes of the whole
  * operation (for a reduce-scatter or an all-gather, the n blocks), the
  * group rank of the peer (-1 for a collective) and its number on the group
- * (equal on every member); end when its wait returned.  r identifies the
- * operation from start to end only. */
+ * (equal on every member) and t_ns, the clock (mr_clock_ns) just before
+ * it was issued: a peer may finish it before the issuing call returns;
+ * end when its wait returned.  r identifies the operation from start to
+ * end only. */
 struct mr_comm_tracer {
   void *ctx;
   void (*start)(void *ctx, const struct mr_comm_group *g, const char *op, size_t bytes,
-                int peer, uint64_t seq, const struct mr_comm_req *r);
+                int peer, uint64_t seq, const struct mr_comm_req *r, int64_t t_ns);
   void (*end)(void *ctx, const struct mr_comm_req *r, int rc);
 };
 
@@ -143,11 +146,14 @@ void mr_comm_set_tracer(const struct mr_comm_tracer *t);
 
 extern const struct mr_comm_tracer *mr__comm_tracer;
 
+/* The time an operation is issued at, for the tracer (0 without one). */
+static inline int64_t mr__comm_now(void) { return mr__comm_tracer != NULL ? mr_clock_ns() : 0; }
+
 /* After a start: counts the operation on g and tells the tracer, if one is
  * installed, its bytes: count elements, times the group's size where
  * `blocks` (the n blocks of a reduce-scatter, all-gather, all-to-all), or
  * the sum of counts[] where given.  Without a tracer only the count. */
-static inline int mr__comm_started(struct mr_comm_group *g, int rc, const char *op,
+static inline int mr__comm_started(struct mr_comm_group *g, int64_t t0, int rc, const char *op,
                                    size_t count, const size_t *counts, int blocks,
                                    enum mr_dtype dt, int peer, struct mr_comm_req **req) {
   if (rc != 0)
@@ -161,7 +167,7 @@ static inline int mr__comm_started(struct mr_comm_group *g, int rc, const char *
       for (size_t i = 0; i < n; i++)
         all += counts[i];
     }
-    t->start(t->ctx, g, op, all * mr_dtype_size(dt), peer, seq, *req);
+    t->start(t->ctx, g, op, all * mr_dtype_size(dt), peer, seq, *req, t0);
   }
   return 0;
 }
@@ -171,50 +177,58 @@ static inline int mr_comm_all_reduce(struct mr_comm_group *g, const void *s,
                                      void *r, size_t n, enum mr_dtype dt,
                                      enum mr_red_op op,
                                      struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->all_reduce(g, s, r, n, dt, op, req), "AllReduce",
+  int64_t t0 = mr__comm_now();
+  return mr__comm_started(g, t0, g->comm->ops->all_reduce(g, s, r, n, dt, op, req), "AllReduce",
                           n, NULL, 0, dt, -1, req);
 }
 static inline int mr_comm_reduce_scatter(struct mr_comm_group *g,
                                          const void *s, void *r, size_t n,
                                          enum mr_dtype dt, enum mr_red_op op,
                                          struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->reduce_scatter(g, s, r, n, dt, op, req),
+  int64_t t0 = mr__comm_now();
+  return mr__comm_started(g, t0, g->comm->ops->reduce_scatter(g, s, r, n, dt, op, req),
                           "ReduceScatter", n, NULL, 1, dt, -1, req);
 }
 static inline int mr_comm_all_gather(struct mr_comm_group *g, const void *s,
                                      void *r, size_t n, const size_t *counts,
                                      enum mr_dtype dt,
                                      struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->all_gather(g, s, r, n, counts, dt, req),
+  int64_t t0 = mr__comm_now();
+  return mr__comm_started(g, t0, g->comm->ops->all_gather(g, s, r, n, counts, dt, req),
                           "AllGather", n, counts, 1, dt, -1, req);
 }
 static inline int mr_comm_broadcast(struct mr_comm_group *g, void *buf,
                                     size_t n, enum mr_dtype dt, int root,
                                     struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->broadcast(g, buf, n, dt, root, req), "Broadcast",
+  int64_t t0 = mr__comm_now();
+  return mr__comm_started(g, t0, g->comm->ops->broadcast(g, buf, n, dt, root, req), "Broadcast",
                           n, NULL, 0, dt, -1, req);
 }
 static inline int mr_comm_all_to_all(struct mr_comm_group *g, const void *s,
                                      void *r, size_t n, enum mr_dtype dt,
                                      struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->all_to_all(g, s, r, n, dt, req), "AllToAll", n,
+  int64_t t0 = mr__comm_now();
+  return mr__comm_started(g, t0, g->comm->ops->all_to_all(g, s, r, n, dt, req), "AllToAll", n,
                           NULL, 1, dt, -1, req);
 }
 static inline int mr_comm_send(struct mr_comm_group *g, const void *buf,
                                size_t n, enum mr_dtype dt, int peer,
                                struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->send(g, buf, n, dt, peer, req), "Send", n, NULL, 0,
+  int64_t t0 = mr__comm_now();
+  return mr__comm_started(g, t0, g->comm->ops->send(g, buf, n, dt, peer, req), "Send", n, NULL, 0,
                           dt, peer, req);
 }
 static inline int mr_comm_recv(struct mr_comm_group *g, void *buf, size_t n,
                                enum mr_dtype dt, int peer,
                                struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->recv(g, buf, n, dt, peer, req), "Recv", n, NULL, 0,
+  int64_t t0 = mr__comm_now();
+  return mr__comm_started(g, t0, g->comm->ops->recv(g, buf, n, dt, peer, req), "Recv", n, NULL, 0,
                           dt, peer, req);
 }
 static inline int mr_comm_barrier(struct mr_comm_group *g,
                                   struct mr_comm_req **req) {
-  return mr__comm_started(g, g->comm->ops->barrier(g, req), "Barrier", 0, NULL, 0, MR_F32, -1,
+  int64_t t0 = mr__comm_now();
+  return mr__comm_started(g, t0, g->comm->ops->barrier(g, req), "Barrier", 0, NULL, 0, MR_F32, -1,
                           req);
 }
 static inline int mr_comm_test(struct mr_comm_req *r, int *done) {
