@@ -25,6 +25,9 @@
   XX(CPU_SIMD, "MESHRUN_CPU_SIMD", "auto",                                   \
      "CPU kernels' vector path: auto (AVX-512 matmul, AVX2+FMA kernels "     \
      "where present), avx2 (no AVX-512) or portable")                        \
+  XX(CPU_GEMM, "MESHRUN_CPU_GEMM", "auto",                                   \
+     "CPU fp32 matmuls: auto (our sgemm where the CPU has AVX2+FMA, else "   \
+     "OpenBLAS) or openblas (single-threaded OpenBLAS calls by rows)")       \
   XX(CUDA_ATTENTION, "MESHRUN_CUDA_ATTENTION", "auto",                       \
      "GPU attention kernels: auto (tensor cores under bf16 amp for head "    \
      "dims that are multiples of 16 up to 128, else CUDA cores) or cores")   \

@@ -798,6 +798,25 @@ START_TEST(test_kernels_xent_vocab_edges) {
 }
 END_TEST
 
+/* The matmul checks again on the other paths, one per process (the choice
+ * is made once): 0, the AVX2 copy of our sgemm (what a CPU without
+ * AVX-512 runs, so on one the same as above); 1, single-threaded OpenBLAS
+ * calls by rows (MESHRUN_CPU_GEMM=openblas); 2, the portable build of
+ * everything, which also calls OpenBLAS. */
+START_TEST(test_kernels_gemm_other_paths) {
+  if (_i == 0)
+    mr_tunable_override(MR_TUNABLE_CPU_SIMD, "avx2");
+  else if (_i == 1)
+    mr_tunable_override(MR_TUNABLE_CPU_GEMM, "openblas");
+  else
+    ref_force_portable();
+  test_kernels_gemm_all_transposes_and_splits_fn(_i);
+  test_kernels_gemm_block_edges_fn(_i);
+  test_kernels_gemm_threads_bitwise_equal_fn(_i);
+  test_kernels_linear_fwd_bwd_finite_differences_fn(_i);
+}
+END_TEST
+
 /* The same checks on the portable (non-AVX2) copies of the kernels. */
 START_TEST(test_kernels_portable_path) {
   ref_force_portable();
@@ -830,6 +849,7 @@ static Suite *kernels_suite(void) {
   tcase_add_test(tc, test_kernels_xent_vocab_shards);
   tcase_add_test(tc, test_kernels_xent_vocab_edges);
   tcase_add_test(tc, test_kernels_portable_path);
+  tcase_add_loop_test(tc, test_kernels_gemm_other_paths, 0, 3);
   suite_add_tcase(s, tc);
   return s;
 }

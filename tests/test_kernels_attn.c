@@ -197,6 +197,16 @@ START_TEST(test_kernels_attention_portable_path) {
 }
 END_TEST
 
+/* The AVX2 copy of our sgemm under the products (what a CPU without
+ * AVX-512 runs; the same as the default there), and OpenBLAS under them. */
+START_TEST(test_kernels_attention_avx2_and_openblas_products) {
+  mr_tunable_override(_i ? MR_TUNABLE_CPU_GEMM : MR_TUNABLE_CPU_SIMD, _i ? "openblas" : "avx2");
+  check_attn(2, 70, 4, 2, 8, 0, 40);
+  check_attn(1, 67, 2, 1, 36, 1, 30);
+  check_attn_w(2, 70, 4, 2, 8, 0, 60, 20);
+}
+END_TEST
+
 START_TEST(test_kernels_attention_wide_head_dim) {
   check_attn(1, 66, 2, 1, 44, 0, 40); /* 32 + 8 + 4 lanes */
 }
@@ -394,6 +404,7 @@ static Suite *kernels_attn_suite(void) {
   tcase_add_test(tc, test_kernels_attention_odd_dim_multi_block);
   tcase_add_test(tc, test_kernels_attention_fused_qkv_strides);
   tcase_add_test(tc, test_kernels_attention_portable_path);
+  tcase_add_loop_test(tc, test_kernels_attention_avx2_and_openblas_products, 0, 2);
   tcase_add_test(tc, test_kernels_attention_wide_head_dim);
   tcase_add_test(tc, test_kernels_attention_bf16_products);
   tcase_add_test(tc, test_kernels_attention_sliding_window);

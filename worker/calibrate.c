@@ -334,9 +334,9 @@ static void write_device(cJSON *spec, const struct core_rates *r, long ranks) {
   set_num(dev, "gemm_half_dim", r->g);
   set_num(dev, "memory_bytes", (double)pages * (double)psz / (double)ranks);
   set_num(dev, "memory_bandwidth", r->bw);
-  snprintf(src, sizeof src, "mr_cpu_gemm one thread: %.1f GFLOP/s at 1024^3, %.1f at "
+  snprintf(src, sizeof src, "mr_cpu_gemm (%s) one thread: %.1f GFLOP/s at 1024^3, %.1f at "
            "2048x128x128; memcpy 128 MiB %.2f GB/s; physical memory / ranks",
-           r->big / 1e9, r->small / 1e9, r->bw / 1e9);
+           mr_cpu_gemm_kernel(), r->big / 1e9, r->small / 1e9, r->bw / 1e9);
   set_str(dev, "source", src);
 }
 

@@ -466,8 +466,9 @@ int main(int argc, char **argv) {
     return 1;
   }
   printf("threads: %d; matmul: %s\n", threads,
-         mr__cpu_has_avx512() ? "own AVX-512 sgemm, rectangles of C over the pool"
-                              : "single-threaded OpenBLAS per block of rows");
+         !mr__sgemm_own()       ? "single-threaded OpenBLAS per block of rows"
+         : mr__cpu_has_avx512() ? "own AVX-512 sgemm, rectangles of C over the pool"
+                                : "own AVX2 sgemm, rectangles of C over the pool");
   bench_pool(pool);
   bench_matmul(pool, threads);
   bench_matmul_bf16(pool, threads);

@@ -1,5 +1,5 @@
-/* attention_gemm.c - causal attention as matmuls: our AVX-512 sgemm
- * (sgemm.h) where the CPU has it, else single-threaded OpenBLAS calls;
+/* attention_gemm.c - causal attention as matmuls: our sgemm (sgemm.h)
+ * where the CPU has AVX2, else single-threaded OpenBLAS calls;
  * attention.c's blockwise loops remain for the portable path.
  *
  * Per (batch, head), query rows are taken QB at a time; block [r0, r1)
@@ -8,7 +8,7 @@
  * softmax in place (lse saved), O = P V / l.  Backward, per (batch, kv
  * head) over the query heads reading it: P = exp(S - lse) rebuilt,
  * dP = dO V^T, dS = P (dP - rowsum(dO o O)), dQ = scale dS K,
- * dK += scale dS^T Q, dV += P^T dO.  With AVX-512, K, V, Q and dO are
+ * dK += scale dS^T Q, dV += P^T dO.  With our sgemm, K, V, Q and dO are
  * packed once per task.  Under bf16 (mr_attn_shape.bf16) the products are
  * bgemm.h's: the operands, P and dS among them, rounded to bf16 as they
  * are packed, the sums in fp32.  A task owns everything it writes, and
@@ -39,13 +39,14 @@ struct gjob {
   struct mr_pool *pool;
   int lds;   // row stride of the score buffers (T rounded up to 16)
   size_t kt; // floats (or bf16 pair words) of K^T packed (D x T), also V^T
-  size_t kd; // the same of a T x D operand packed; both 0 without AVX-512
-  int avx512;
+  size_t kd; // the same of a T x D operand packed; both 0 on OpenBLAS
+  int own;    // our sgemm (packed operands), else OpenBLAS
+  int avx512; // the AVX-512 copies of the row passes
   bool bf16; // bgemm.h products
 };
 
 /* The right-hand operand of a product: op(B) = raw (ld) or its transpose
- * (t), and, with AVX-512, the same packed (kp rows, or under bf16 kp
+ * (t), and, with our sgemm, the same packed (kp rows, or under bf16 kp
  * pairs of rows, per panel). */
 struct opnd {
   const float *raw;
@@ -63,7 +64,7 @@ static void opnd_init(struct opnd *o, const struct gjob *j, const float *raw,
     o->kp = (K + 1) / 2;
     mr__bgemm_pack_b(t, K, N, raw, ld, (uint32_t *)packed, 0,
                      (N + MR__BGEMM_NR - 1) / MR__BGEMM_NR);
-  } else if (j->avx512) {
+  } else if (j->own) {
     mr__sgemm_pack_b(t, K, N, raw, ld, packed, 0, (N + NR - 1) / NR);
   }
 }
@@ -78,8 +79,8 @@ static void mm(const struct gjob *j, bool ta, int M, int N, int K, float alpha,
     mr__bgemm_block(ta, K, alpha, A, lda, bp, b->kp, beta, C, ldc, NULL, 0, M, 0, N);
     return;
   }
-  if (j->avx512) {
-    mr__sgemm_block(ta, K, alpha, A, lda, b->packed + (size_t)k0 * NR, b->kp,
+  if (j->own) {
+    mr__sgemm_block(ta, K, alpha, A, lda, b->packed + (size_t)k0 * mr__sgemm_row_floats(), b->kp,
                     beta, C, ldc, NULL, 0, M, 0, N);
     return;
   }
@@ -240,6 +241,7 @@ static int fwd_task(void *arg, int task, int thread) {
 }
 
 static void sizes(struct gjob *j) {
+  j->own = mr__sgemm_own();
   j->avx512 = mr__cpu_has_avx512();
   j->bf16 = j->s.bf16; /* attention.c checked the CPU */
   j->lds = (j->s.T + 15) / 16 * 16;
@@ -247,8 +249,8 @@ static void sizes(struct gjob *j) {
     j->kt = mr__bgemm_packed_words(j->s.D, j->s.T);
     j->kd = mr__bgemm_packed_words(j->s.T, j->s.D);
   } else {
-    j->kt = j->avx512 ? mr__sgemm_packed_floats(j->s.D, j->s.T) : 0;
-    j->kd = j->avx512 ? mr__sgemm_packed_floats(j->s.T, j->s.D) : 0;
+    j->kt = j->own ? mr__sgemm_packed_floats(j->s.D, j->s.T) : 0;
+    j->kd = j->own ? mr__sgemm_packed_floats(j->s.T, j->s.D) : 0;
   }
 }
 

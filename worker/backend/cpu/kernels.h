@@ -53,8 +53,9 @@
 /* Row-major C = alpha * op(A) op(B) + beta * C, op(X) = X or X^T (ta, tb).
  * op(A) is [M, K], op(B) is [K, N], C is [M, N] with leading dimensions lda,
  * ldb, ldc (elements).  beta == 0 overwrites C (NaNs in C are ignored).  With
- * AVX-512: rectangles of C from op(B) packed once (sgemm.h); otherwise blocks
- * of rows of C at multiples of 24 rows (fewer than 48 rows: one thread).
+ * AVX2 or AVX-512: rectangles of C from op(B) packed once (sgemm.h);
+ * otherwise OpenBLAS on blocks of rows of C at multiples of 24 rows (fewer
+ * than 48 rows: one thread).
  * Either way the result is bitwise independent of the thread count. */
 int mr_cpu_gemm(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K,
                 float alpha, const float *A, int lda, const float *B, int ldb,
@@ -70,6 +71,10 @@ int mr_cpu_gemm_bf16(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K
 
 /* 1 when mr_cpu_gemm_bf16 runs here. */
 int mr_cpu_has_bf16_gemm(void);
+
+/* What computes mr_cpu_gemm here, for reports: "AVX-512 sgemm", "AVX2
+ * sgemm" or "OpenBLAS". */
+const char *mr_cpu_gemm_kernel(void);
 
 /* y[M, N] = x[M, K] w[N, K]^T + b[N]; b may be NULL.  Overwrites y. */
 int mr_cpu_linear_fwd(struct mr_pool *pool, float *y, const float *x,

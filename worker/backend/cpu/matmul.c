@@ -1,13 +1,14 @@
 /* matmul.c - sgemm across the pool, two ways.
  *
- * With AVX-512 (sgemm.h): op(B) is packed once, by the pool, then C is cut
- * into rectangles, about 8 per thread, handed out as threads come free, so
- * a thread the host slows down hands its share to the other.
+ * With AVX2 (our sgemm.h, its AVX-512 or AVX2 copy): op(B) is packed once,
+ * by the pool, then C is cut into rectangles, about 8 per thread, handed
+ * out as threads come free, so a thread the host slows down hands its
+ * share to the other.
  *
- * Otherwise each thread runs one single-threaded OpenBLAS call on its block
- * of rows of C.  At this project's shapes (thousands of rows, a few hundred
- * columns) two such calls side by side are about twice as fast as
- * OpenBLAS's own 2-thread mode. */
+ * On the portable path each thread runs one single-threaded OpenBLAS call
+ * on its block of rows of C.  At this project's shapes (thousands of rows,
+ * a few hundred columns) two such calls side by side are about twice as
+ * fast as OpenBLAS's own 2-thread mode. */
 #include <cblas.h>
 
 #include "common/error.h"
@@ -73,7 +74,7 @@ static int gemm_task(void *arg, int task, int thread) {
   return 0;
 }
 
-/* ---- AVX-512: pack op(B) once across the pool, then rectangles of C ---- */
+/* ---- our sgemm: pack op(B) once across the pool, then rectangles of C ---- */
 
 struct tiled_job {
   bool ta, tb;
@@ -117,8 +118,8 @@ static int tile_task(void *arg, int task, int thread) {
   return 0;
 }
 
-/* Tiles: at most 8 panels (512 columns) wide, so a K block of them stays
- * in L2; rows cut so that there are about 8 tiles per thread (a thread the
+/* Tiles: at most mr__sgemm_tile_panels() panels wide (bf16: 8), so a K
+ * block of them stays in L2; rows cut so that there are about 8 tiles per thread (a thread the
  * host slows down hands its share to the other), but at least 48 rows.
  * The cut changes no result (sgemm.h). */
 static int gemm_tiled_cols(struct mr_pool *pool, struct tiled_job *j, float *bp) {
@@ -126,7 +127,8 @@ static int gemm_tiled_cols(struct mr_pool *pool, struct tiled_job *j, float *bp)
   j->bp = bp;
   int nt = mr_pool_threads(pool);
   j->panels = (N + MR__SGEMM_NR - 1) / MR__SGEMM_NR;
-  j->col_tiles = (j->panels + 7) / 8;
+  int most = j->bf16 ? 8 : mr__sgemm_tile_panels();
+  j->col_tiles = (j->panels + most - 1) / most;
   j->nb = (j->panels + j->col_tiles - 1) / j->col_tiles * MR__SGEMM_NR;
   int want_rows = (8 * nt + j->col_tiles - 1) / j->col_tiles;
   int mb = (M + want_rows - 1) / want_rows;
@@ -175,7 +177,7 @@ static int gemm_tiled(struct mr_pool *pool, bool bf16, bool ta, bool tb, int M, 
   return 0;
 }
 
-/* Both matmuls: the sizes checked, then fp32 (AVX-512 tiles, else
+/* Both matmuls: the sizes checked, then fp32 (our sgemm's tiles, else
  * OpenBLAS by rows) or bf16 (bgemm.h tiles, K >= 1). */
 static int gemm_any(struct mr_pool *pool, bool bf16, bool ta, bool tb, int M, int N,
                     int K, float alpha, const float *A, int lda,
@@ -193,7 +195,7 @@ static int gemm_any(struct mr_pool *pool, bool bf16, bool ta, bool tb, int M, in
                           "for M=%d N=%d K=%d)", lda, ldb, ldc, M, N, K);
   if (M == 0 || N == 0)
     return 0;
-  if (bf16 || (K > 0 && mr__cpu_has_avx512()))
+  if (bf16 || (K > 0 && mr__sgemm_own()))
     return gemm_tiled(pool, bf16, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C,
                       ldc, bias);
   struct gemm_job j = {
@@ -223,6 +225,10 @@ int mr_cpu_gemm(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K,
 }
 
 int mr_cpu_has_bf16_gemm(void) { return mr__cpu_has_avx512_bf16(); }
+
+const char *mr_cpu_gemm_kernel(void) {
+  return !mr__sgemm_own() ? "OpenBLAS" : mr__cpu_has_avx512() ? "AVX-512 sgemm" : "AVX2 sgemm";
+}
 
 int mr_cpu_gemm_bf16(struct mr_pool *pool, bool ta, bool tb, int M, int N, int K,
                      float alpha, const float *A, int lda, const float *B, int ldb,

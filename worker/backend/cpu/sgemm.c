@@ -15,7 +15,7 @@
 
 #define MR MR__SGEMM_MR
 #define NR MR__SGEMM_NR
-#define KC 384 // most k per block
+#define KC MR__SGEMM_KC
 
 #define AVX512 __attribute__((target("avx512f")))
 
@@ -29,6 +29,20 @@ int mr__cpu_has_avx512(void) {
   }
   return c;
 }
+
+int mr__sgemm_own(void) {
+  static int cached = -1;
+  int c = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+  if (c < 0) {
+    c = mr__cpu_has_avx2() && strcmp(mr_tunable_str(MR_TUNABLE_CPU_GEMM), "openblas") != 0;
+    __atomic_store_n(&cached, c, __ATOMIC_RELAXED);
+  }
+  return c;
+}
+
+int mr__sgemm_tile_panels(void) { return mr__cpu_has_avx512() ? 8 : 4; }
+
+size_t mr__sgemm_row_floats(void) { return mr__cpu_has_avx512() ? NR : 16; }
 
 size_t mr__sgemm_packed_floats(int K, int N) {
   return (size_t)((N + NR - 1) / NR) * (size_t)K * NR;
@@ -73,8 +87,8 @@ AVX512 static void transpose16(float *out, const float *in, size_t ld) {
   }
 }
 
-AVX512 void mr__sgemm_pack_b(bool tb, int K, int N, const float *B, int ldb,
-                             float *bp, int p0, int p1) {
+AVX512 static void pack_b_512(bool tb, int K, int N, const float *B, int ldb,
+                              float *bp, int p0, int p1) {
   for (int p = p0; p < p1; p++) {
     int j = p * NR, nv = N - j < NR ? N - j : NR;
     float *dst = bp + (size_t)p * (size_t)K * NR;
@@ -259,10 +273,10 @@ AVX512 static void block_narrow(bool ta, int K, float alpha, const float *A,
   }
 }
 
-AVX512 void mr__sgemm_block(bool ta, int K, float alpha, const float *A,
-                            int lda, const float *bp, int kp, float beta,
-                            float *C, int ldc, const float *bias, int i0,
-                            int i1, int j0, int j1) {
+AVX512 static void block_512(bool ta, int K, float alpha, const float *A,
+                             int lda, const float *bp, int kp, float beta,
+                             float *C, int ldc, const float *bias, int i0,
+                             int i1, int j0, int j1) {
   _Alignas(64) float apack[12 * KC];
   if (j1 - j0 <= 32) {
     block_narrow(ta, K, alpha, A, lda, bp, (size_t)kp, beta, C, ldc, bias, i0,
@@ -307,6 +321,24 @@ AVX512 void mr__sgemm_block(bool ta, int K, float alpha, const float *A,
       }
     }
   }
+}
+
+void mr__sgemm_pack_b(bool tb, int K, int N, const float *B, int ldb,
+                      float *bp, int p0, int p1) {
+  if (mr__cpu_has_avx512())
+    pack_b_512(tb, K, N, B, ldb, bp, p0, p1);
+  else
+    mr__sgemm_pack_b_avx2(tb, K, N, B, ldb, bp, p0, p1);
+}
+
+void mr__sgemm_block(bool ta, int K, float alpha, const float *A, int lda,
+                     const float *bp, int kp, float beta, float *C, int ldc,
+                     const float *bias, int i0, int i1, int j0, int j1) {
+  if (mr__cpu_has_avx512())
+    block_512(ta, K, alpha, A, lda, bp, kp, beta, C, ldc, bias, i0, i1, j0, j1);
+  else
+    mr__sgemm_block_avx2(ta, K, alpha, A, lda, bp, kp, beta, C, ldc, bias, i0, i1, j0,
+                         j1);
 }
 
 void mr__sgemm_serial(bool ta, bool tb, int M, int N, int K, float alpha,
