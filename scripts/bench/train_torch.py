@@ -6,12 +6,13 @@ the same batch shape, AdamW with torch defaults and lr 1e-3, clipping at
 
   eager         float32, attention written out (softmax(q k^T + mask) v)
   sdpa          float32, F.scaled_dot_product_attention(is_causal=True)
+  compile       the same, the model wrapped in torch.compile
   bf16-sdpa     the same under torch.autocast("cpu", torch.bfloat16)
   bf16-compile  the same, the model wrapped in torch.compile
 
   train_torch.py TOKENS.bin --hidden H --layers L --heads A --inter I
                  [--seq 256] [--batch 8] [--steps 12] [--threads 2]
-                 [--mode eager|sdpa|bf16-sdpa|bf16-compile]
+                 [--mode eager|sdpa|compile|bf16-sdpa|bf16-compile]
 
 Prints `summary tokens_per_s=.. gflops=.. loss_first=.. loss_last=..`,
 tokens/s the median over steps after the first two (warm-up)."""
@@ -33,7 +34,7 @@ p.add_argument("--batch", type=int, default=8)
 p.add_argument("--steps", type=int, default=12)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--mode", default="eager",
-               choices=["eager", "sdpa", "bf16-sdpa", "bf16-compile"])
+               choices=["eager", "sdpa", "compile", "bf16-sdpa", "bf16-compile"])
 a = p.parse_args()
 sdpa = a.mode != "eager"
 autocast = a.mode.startswith("bf16")
@@ -112,7 +113,7 @@ with open(a.tokens, "rb") as f:
 raw = torch.tensor(buf[512:], dtype=torch.int64)  # after the llm.c header
 model = Model()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-forward = torch.compile(model) if a.mode == "bf16-compile" else model
+forward = torch.compile(model) if a.mode.endswith("compile") else model
 rng = random.Random(0)
 times, losses = [], []
 for step in range(a.steps):
