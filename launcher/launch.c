@@ -703,8 +703,10 @@ int mr_cmd_launch(int argc, char **argv) {
     mr_job_close(&job);
     return code;
   }
-  /* node 0 finds a finished job so before any node joins, and exits */
-  if (a.node_rank > 0 && a.job_path != NULL && mr_cli_job_complete(&job)) {
+  /* a finished job launched again exits before it plans or writes a
+   * byte: on one node at once, on node k > 0 before it joins (node 0
+   * of several says so to the nodes that joined, in its coordinator) */
+  if ((a.node_rank > 0 || a.nnodes == 1) && a.job_path != NULL && mr_cli_job_complete(&job)) {
     mr_job_close(&job);
     return 0;
   }
