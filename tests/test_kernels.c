@@ -28,8 +28,11 @@ static void gemm_ref(bool ta, bool tb, int M, int N, int K, double alpha,
 }
 
 START_TEST(test_kernels_gemm_all_transposes_and_splits) {
-  /* tall (row split), wide (column split), odd, below the threading cut */
-  static const int shapes[][3] = {{133, 37, 29}, {21, 150, 47}, {3, 5, 7}, {64, 64, 1}};
+  /* tall (row split), wide (column split), odd, below the threading cut,
+   * narrow (one 32-column panel) over two K blocks and past the 48 rows
+   * of op(A) = A^T copied at once */
+  static const int shapes[][3] = {{133, 37, 29}, {21, 150, 47}, {3, 5, 7}, {64, 64, 1},
+                                  {110, 29, 400}};
   struct mr_pool *p1 = ref_pool(1), *p3 = ref_pool(3);
   uint64_t seed = 1;
   for (size_t si = 0; si < MR_ARRAY_LEN(shapes); si++)
