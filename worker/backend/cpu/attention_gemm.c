@@ -186,26 +186,24 @@ MR_CPU_BODY void bwd_rows_body(float *S, float *dP, int lds, int nr, int r0,
 }
 
 /* The AVX-512 row passes, written out: 16 lanes of mr__expf's polynomial
- * per instruction (the compiler left most of the body's scalar), the
+ * (simd.h's constants) per instruction (the compiler left most of the body's scalar), the
  * sums in 16 lanes reduced in a fixed order.  Within a rounding or two of
  * the bodies; the same for any number of threads. */
 AVX512 static inline __m512 exp512(__m512 x) {
-  __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f),
-                             _mm512_set1_ps(12582912.0f));
-  __m512 n = _mm512_sub_ps(t, _mm512_set1_ps(12582912.0f));
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+#define V(c) _mm512_set1_ps(MR__EXP_##c)
+  __m512 xc = _mm512_min_ps(_mm512_max_ps(x, V(LO)), V(HI)); /* NaN goes to LO */
+  __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, V(LOG2E), V(ROUND)), V(ROUND));
+  __m512 r = _mm512_fnmadd_ps(n, V(LN2_LO), _mm512_fnmadd_ps(n, V(LN2_HI), xc));
+  __m512 p = _mm512_fmadd_ps(V(P0), r, V(P1));
+  p = _mm512_fmadd_ps(p, r, V(P2));
+  p = _mm512_fmadd_ps(p, r, V(P3));
+  p = _mm512_fmadd_ps(p, r, V(P4));
+  p = _mm512_fmadd_ps(p, r, V(P5));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-  y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ), y);
+  y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, V(LO), _CMP_NLT_UQ), y);
+#undef V
   return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); /* NaN stays */
 }
 

@@ -304,26 +304,28 @@ AVX512 static void block_512(bool ta, int K, float alpha, const float *A,
     int k0 = (int)((int64_t)K * kb / nkb), k1 = (int)((int64_t)K * (kb + 1) / nkb);
     int kc = k1 - k0, first = kb == 0;
     const float *bs = kb == nkb - 1 ? bias : NULL;
-    for (int i = i0; i < i1; i += MR) {
-      int mr = i1 - i < MR ? i1 - i : MR;
-      const float *a[MR];
-      if (ta && (i - i0) % CH_ROWS == 0)
-        pack_a(A, lda, i, i1 - i < CH_ROWS ? i1 - i : CH_ROWS, k0, kc, MR, apack);
-      for (int r = 0; r < MR; r++)
-        a[r] = ta ? apack + (size_t)((i - i0) % CH_ROWS) * KC + r
-                  : A + (size_t)(i + (r < mr ? r : mr - 1)) * (size_t)lda + k0;
-      ptrdiff_t as = ta ? MR : 1;
-      for (int j = j0; j < j1; j += NR) {
-        int nv = j1 - j < NR ? j1 - j : NR;
-        __mmask16 m[4];
-        for (int q = 0; q < 4; q++) {
-          int n = nv - 16 * q;
-          m[q] = n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+    for (int ic = i0; ic < i1; ic += CH_ROWS) {
+      int rows = i1 - ic < CH_ROWS ? i1 - ic : CH_ROWS;
+      if (ta)
+        pack_a(A, lda, ic, rows, k0, kc, MR, apack);
+      for (int i = ic; i < ic + rows; i += MR) {
+        int mr = ic + rows - i < MR ? ic + rows - i : MR;
+        const float *a[MR];
+        for (int r = 0; r < MR; r++)
+          a[r] = ta ? apack + (size_t)(i - ic) * KC + r
+                    : A + (size_t)(i + (r < mr ? r : mr - 1)) * (size_t)lda + k0;
+        for (int j = j0; j < j1; j += NR) {
+          int nv = j1 - j < NR ? j1 - j : NR;
+          __mmask16 m[4];
+          for (int q = 0; q < 4; q++) {
+            int n = nv - 16 * q;
+            m[q] = n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+          }
+          const float *b = bp + (size_t)(j / NR) * (size_t)kp * NR + (size_t)k0 * NR;
+          kernel_6x64(kc, a[0], a[1], a[2], a[3], a[4], a[5], ta ? MR : 1, b,
+                      C + (size_t)i * (size_t)ldc + j, ldc, mr, m, alpha, beta,
+                      first, bs ? bs + j : NULL);
         }
-        const float *b = bp + (size_t)(j / NR) * (size_t)kp * NR + (size_t)k0 * NR;
-        kernel_6x64(kc, a[0], a[1], a[2], a[3], a[4], a[5], as, b,
-                    C + (size_t)i * (size_t)ldc + j, ldc, mr, m, alpha, beta,
-                    first, bs ? bs + j : NULL);
       }
     }
   }

@@ -41,27 +41,41 @@ MR_CPU_BODY float mr__hsum8(const float *a) {
 /* e^x for float, Cephes' polynomial (about 1 ulp) with the exponent built
  * from bits; branch-free so loops over it vectorize.  x < -87.3 gives 0
  * (so exp(-inf) = 0), x > 88.7 gives inf, NaN stays NaN.  The clamps come
- * first so the float-to-int conversion is always in range. */
+ * first so the float-to-int conversion is always in range.  The constants
+ * are named for the copies written in intrinsics (attention_gemm.c). */
+#define MR__EXP_LO -87.3f
+#define MR__EXP_HI 88.7f
+#define MR__EXP_LOG2E 1.44269504088896341f
+#define MR__EXP_ROUND 12582912.0f /* 1.5 * 2^23: adding it rounds to an integer */
+#define MR__EXP_LN2_HI 0.693359375f
+#define MR__EXP_LN2_LO -2.12194440e-4f
+#define MR__EXP_P0 1.9875691500e-4f
+#define MR__EXP_P1 1.3981999507e-3f
+#define MR__EXP_P2 8.3334519073e-3f
+#define MR__EXP_P3 4.1665795894e-2f
+#define MR__EXP_P4 1.6666665459e-1f
+#define MR__EXP_P5 5.0000001201e-1f
+
 MR_CPU_BODY float mr__expf(float x) {
-  float xc = x > -87.3f ? x : -87.3f; /* NaN goes to -87.3 here ... */
-  xc = xc < 88.7f ? xc : 88.7f;
-  /* n = round(x / ln 2) by the 1.5 * 2^23 trick */
-  float t = xc * 1.44269504088896341f + 12582912.0f;
-  float n = t - 12582912.0f;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  float xc = x > MR__EXP_LO ? x : MR__EXP_LO; /* NaN goes to LO here ... */
+  xc = xc < MR__EXP_HI ? xc : MR__EXP_HI;
+  /* n = round(x / ln 2) */
+  float t = xc * MR__EXP_LOG2E + MR__EXP_ROUND;
+  float n = t - MR__EXP_ROUND;
+  float r = xc - n * MR__EXP_LN2_HI;
+  r = r - n * MR__EXP_LN2_LO;
+  float p = MR__EXP_P0;
+  p = p * r + MR__EXP_P1;
+  p = p * r + MR__EXP_P2;
+  p = p * r + MR__EXP_P3;
+  p = p * r + MR__EXP_P4;
+  p = p * r + MR__EXP_P5;
   p = p * r * r + r + 1.0f;
   int32_t e = ((int32_t)n + 127) << 23;
   float scale;
   memcpy(&scale, &e, 4);
   float y = p * scale;
-  y = x < -87.3f ? 0.0f : y;
+  y = x < MR__EXP_LO ? 0.0f : y;
   return x == x ? y : x; /* ... and comes back here */
 }
 
